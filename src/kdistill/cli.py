@@ -1,0 +1,142 @@
+"""The kdistill command line.
+
+    kdistill run [CONFIG.yaml] [key=value ...]      distil (no arguments: the embedded demo)
+    kdistill plan CONFIG [key=value ...]            parameters, FLOPs, memory estimate
+    kdistill prewarm CONFIG [key=value ...]         compile every kernel the run needs, then stop
+    kdistill kernels build --arch sm_80,... CONFIG  cross-compile the kernel plan without a GPU
+    kdistill eval --model DIR --data FILE           held-out cross-entropy and perplexity
+    kdistill inspect DIR                            architecture, sizes, tokenizer identity
+    kdistill report RUN_DIR                         summary of a finished or interrupted run
+
+Errors a user can cause print one line and exit 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kdistill import __version__
+from kdistill.errors import UserError
+
+
+def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("config", nargs="?" if optional else None, metavar="CONFIG",
+                   help="YAML run config (or a preset pair like 'qwen2.5-1.5b:qwen2.5-0.5b' for plan)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. kd.temperature=2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kdistill", description="Logit knowledge distillation of causal LMs.")
+    parser.add_argument("--version", action="version", version=f"kdistill {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--log-kernels", action="store_true",
+                        help="log every kernel compile and cache hit with its key (or KDISTILL_LOG_KERNELS=1)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="distil a teacher into a student (no CONFIG: the embedded demo)")
+    _add_config_args(p, optional=True)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR exactly where it stopped")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in output.dir")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
+
+    p = sub.add_parser("plan", help="parameter counts, FLOPs per token and peak memory estimate")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("prewarm", help="compile every kernel of the run's plan, then stop")
+    _add_config_args(p)
+
+    p = sub.add_parser("kernels", help="kernel tools")
+    ksub = p.add_subparsers(dest="kernels_command", metavar="SUBCOMMAND")
+    b = ksub.add_parser("build", help="compile the kernel plan for GPU archs without a GPU")
+    b.add_argument("--arch", default="sm_80,sm_89,sm_90,sm_100,sm_120",
+                   help="comma-separated archs (default: %(default)s)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    _add_config_args(b)
+
+    p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity of a model on data")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--data", required=True, nargs="+", help="text files/directories or JSONL")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: %(default)s)")
+    p.add_argument("--no-pack", action="store_true", help="score each JSONL line / document on its own")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many scored tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("inspect", help="architecture, parameter counts, dtype, vocab and tokenizer identity")
+    p.add_argument("model", metavar="DIR", help="Hugging Face model directory (or a preset name)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("report", help="readable summary of a finished or interrupted run")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.log_kernels:
+        import os
+
+        os.environ["KDISTILL_LOG_KERNELS"] = "1"
+    cmd = args.command
+    if cmd == "run":
+        from kdistill.train.loop import run_command
+
+        return run_command(args)
+    if cmd == "plan":
+        from kdistill.plan import plan_command
+
+        return plan_command(args)
+    if cmd == "prewarm":
+        from kdistill.kernels.cache import prewarm_command
+
+        return prewarm_command(args)
+    if cmd == "kernels":
+        if args.kernels_command != "build":
+            raise UserError("kernels: expected a subcommand: build")
+        from kdistill.kernels.build import build_command
+
+        return build_command(args)
+    if cmd == "eval":
+        from kdistill.evaluate import eval_command
+
+        return eval_command(args)
+    if cmd == "inspect":
+        from kdistill.models.inspect import inspect_command
+
+        return inspect_command(args)
+    if cmd == "report":
+        from kdistill.train.evidence import report_command
+
+        return report_command(args)
+    raise UserError("expected a command: run, plan, prewarm, kernels, eval, inspect, report (see --help)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kdistill` script. Returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args) or 0
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"kdistill: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("kdistill: interrupted", file=sys.stderr)
+        return 130
+
+
+def print_json(obj: object) -> None:
+    """Print one JSON object on stdout."""
+    print(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

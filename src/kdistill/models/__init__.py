@@ -1,0 +1,1 @@
+"""Model architecture specs, our decoder, checkpoint I/O and tokenizers."""

@@ -1,0 +1,19 @@
+"""Causal grouped-query attention through PyTorch SDPA (flash / cuDNN / math backends).
+
+Shapes: q (B, Hq, T, D), k and v (B, Hkv, T, D) with Hq a multiple of Hkv -> (B, Hq, T, D).
+No hand-written kernel: SDPA picks the fastest backend for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(D)) v with k/v heads shared by groups of q heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
