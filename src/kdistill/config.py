@@ -1,0 +1,318 @@
+"""RunConfig: the run's options as small dataclasses that validate themselves.
+
+A run config is YAML with these sections (every field has a default except the model paths):
+
+    teacher:  {path: DIR}
+    student:  {path: DIR | config.json | preset, init: auto|pretrained|random|teacher_layers}
+    data:     {train: [PATH, ...], heldout: [PATH, ...], heldout_fraction, seq_len, max_tokens}
+    kd:       {alpha, temperature, divergence, beta, chunk_size, ignore_index}
+    optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
+    schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
+    output:   {dir, keep_checkpoints}
+    runtime:  {device, dtype, kernels, strict_kernels, arch, on_nonfinite, max_nonfinite, auto_fit}
+
+Command-line overrides are dotted: `kd.temperature=2 output.dir=runs/a`. Unknown keys are one-line
+errors that name the key and the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kdistill.errors import UserError
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+
+
+@dataclasses.dataclass
+class TeacherConfig:
+    path: str = ""
+
+
+@dataclasses.dataclass
+class StudentConfig:
+    path: str = ""
+    init: str = "auto"  # auto: pretrained if path holds weights, else random
+
+    def validate(self) -> None:
+        _choice("student.init", self.init, ("auto", "pretrained", "random", "teacher_layers"))
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train: list[str] = dataclasses.field(default_factory=list)
+    heldout: list[str] = dataclasses.field(default_factory=list)
+    heldout_fraction: float = 0.05
+    seq_len: int = 512
+    max_tokens: int = 0  # 0: no cap on tokenized training tokens
+    cache_dir: str = ""  # default: ~/.cache/kdistill/data
+
+    def validate(self) -> None:
+        _positive("data.seq_len", self.seq_len)
+        if not 0 <= self.heldout_fraction < 1:
+            raise UserError(f"data.heldout_fraction is {self.heldout_fraction}, expected a number in [0, 1)")
+        if self.max_tokens < 0:
+            raise UserError(f"data.max_tokens is {self.max_tokens}, expected 0 (no cap) or a positive integer")
+
+
+@dataclasses.dataclass
+class KDConfig:
+    alpha: float = 0.5
+    temperature: float = 2.0
+    divergence: str = "forward_kl"
+    beta: float = 0.5  # JSD mixing / skew weight
+    chunk_size: int = 1024  # tokens per lm_head chunk in the loss
+    ignore_index: int = -100
+
+    def validate(self) -> None:
+        if not 0 <= self.alpha <= 1:
+            raise UserError(f"kd.alpha is {self.alpha}, expected a number in [0, 1]")
+        _positive("kd.temperature", self.temperature)
+        _choice("kd.divergence", self.divergence, DIVERGENCES)
+        if not 0 < self.beta < 1:
+            raise UserError(f"kd.beta is {self.beta}, expected a number in (0, 1)")
+        _positive("kd.chunk_size", self.chunk_size)
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0: no clipping
+
+    def validate(self) -> None:
+        _positive("optim.lr", self.lr)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UserError(f"optim.min_lr_ratio is {self.min_lr_ratio}, expected a number in [0, 1]")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise UserError(f"optim.{name} is {getattr(self, name)}, expected a number >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"optim.{name} is {getattr(self, name)}, expected a number in [0, 1)")
+        _positive("optim.eps", self.eps)
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    grad_accum: int = 1
+    eval_every: int = 200  # 0: only at the end
+    eval_batches: int = 8
+    checkpoint_every: int = 500  # 0: only at the end
+    log_every: int = 1
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
+            _positive(f"schedule.{name}", getattr(self, name))
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise UserError(f"schedule.{name} is {getattr(self, name)}, expected 0 or a positive integer")
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    dir: str = "runs/kdistill"
+    keep_checkpoints: int = 2
+
+    def validate(self) -> None:
+        _positive("output.keep_checkpoints", self.keep_checkpoints)
+
+
+@dataclasses.dataclass
+class RuntimeConfig:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    kernels: str = "auto"  # auto (Triton on GPU) | triton | reference
+    strict_kernels: bool = False  # a compile after the seal, or a kernel failure, is an error
+    arch: str = "auto"  # GPU arch for kernel keys when no GPU is present, e.g. sm_90
+    on_nonfinite: str = "skip"  # skip | stop
+    max_nonfinite: int = 5  # stop after this many non-finite steps in a row
+    auto_fit: bool = False  # cap batch size / seq_len to fit memory instead of refusing
+    gpu_memory_gib: float = 0.0  # 0: read the device; else plan against this much memory
+
+    def validate(self) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise UserError(f"runtime.device is '{self.device}', expected auto, cpu, cuda or cuda:N")
+        _choice("runtime.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _choice("runtime.kernels", self.kernels, ("auto", "triton", "reference"))
+        _choice("runtime.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
+        _positive("runtime.max_nonfinite", self.max_nonfinite)
+
+
+@dataclasses.dataclass
+class RunConfig:
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    student: StudentConfig = dataclasses.field(default_factory=StudentConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    kd: KDConfig = dataclasses.field(default_factory=KDConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+    def validate(self, need_paths: bool = True) -> RunConfig:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        if need_paths:
+            if not self.teacher.path:
+                raise UserError("teacher.path is empty, expected a model directory or preset name")
+            if not self.student.path:
+                raise UserError("student.path is empty, expected a model directory, config.json or preset")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(name: str, value: Any) -> None:
+    if not value > 0:
+        raise UserError(f"{name} is {value}, expected a positive number")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"{name} is '{value}', expected one of: {', '.join(choices)}")
+
+
+def _closest(name: str, options: list[str]) -> str:
+    best = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" (did you mean '{best[0]}'?)" if best else f" (valid: {', '.join(options)})"
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Convert a YAML or command-line value to the field's type, with a one-line error."""
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise UserError(f"{where} is {value!r}, expected a list")
+        return [str(_coerce(v, str, where)) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise UserError(f"{where} is {value!r}, expected true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            raise UserError(f"{where} is {value!r}, expected an integer")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(value) if not isinstance(value, float) else _fail_int(where, value)
+        except (TypeError, ValueError):
+            raise UserError(f"{where} is {value!r}, expected an integer") from None
+    if hint is float:
+        if isinstance(value, bool):
+            raise UserError(f"{where} is {value!r}, expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{where} is {value!r}, expected a number") from None
+    if hint is str:
+        if isinstance(value, dict | list):
+            raise UserError(f"{where} is {value!r}, expected a string")
+        return "" if value is None else str(value)
+    return value
+
+
+def _fail_int(where: str, value: Any) -> int:
+    raise UserError(f"{where} is {value!r}, expected an integer")
+
+
+def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in names:
+            raise UserError(f"unknown config key '{where}'{_closest(str(key), names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise UserError(f"{where} is {value!r}, expected a mapping of its fields")
+            _apply(current, value, f"{where}.")
+        else:
+            hint = hints[key]
+            if isinstance(hint, types.UnionType):
+                hint = str
+            setattr(obj, key, _coerce(value, hint, where))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'kd.temperature=2' -> (['kd', 'temperature'], 2): values parsed as YAML scalars."""
+    if "=" not in text:
+        raise UserError(f"override '{text}' is not of the form key=value (e.g. kd.temperature=2)")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise UserError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict[str, Any] | None = None) -> RunConfig:
+    """Read YAML (or start from `base`), apply dotted overrides, validate types. Paths stay as given."""
+    cfg = RunConfig()
+    if base:
+        _apply(cfg, base, "")
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UserError(f"{p}: no such config file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{p}: cannot read ({e.__class__.__name__})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f"line {mark.line + 1}: " if mark is not None else ""
+            raise UserError(f"{p}: {line}not valid YAML ({getattr(e, 'problem', None) or 'syntax error'})") from None
+        if not isinstance(data, dict):
+            raise UserError(f"{p}: expected a mapping of sections (teacher, student, data, kd, ...) at the top")
+        # Relative model and data paths are relative to the config file's folder.
+        _apply(cfg, data, "")
+        _rebase_paths(cfg, p.parent)
+    for item in overrides:
+        keys, value = parse_override(item)
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        _apply(cfg, nested, "")
+    return cfg
+
+
+def _rebase_paths(cfg: RunConfig, folder: Path) -> None:
+    def rebase(p: str) -> str:
+        if not p or Path(p).is_absolute():
+            return p
+        candidate = folder / p
+        return str(candidate) if candidate.exists() else p
+
+    cfg.teacher.path = rebase(cfg.teacher.path)
+    cfg.student.path = rebase(cfg.student.path)
+    cfg.data.train = [rebase(p) for p in cfg.data.train]
+    cfg.data.heldout = [rebase(p) for p in cfg.data.heldout]
