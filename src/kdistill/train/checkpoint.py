@@ -1,0 +1,148 @@
+"""Training checkpoints: atomic, rotated, and complete enough to resume bit for bit.
+
+A checkpoint is a folder `checkpoints/step-0000100/` holding
+    student.safetensors   the student's parameters
+    optimizer.safetensors AdamW moments and step counts, one tensor each
+    state.json            step, optimizer hyper-parameters, data position, RNG, counters
+It is written into `checkpoints/.tmp-step-.../` and renamed into place only when every file is
+flushed, so a kill during the write leaves the previous checkpoint as the newest complete one.
+Nothing is ever unpickled: tensors go through safetensors and everything else through JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorsError
+from safetensors.torch import load_file, save_file
+
+from kdistill.errors import UserError
+
+_PREFIX = "step-"
+# Tests set this to pause between files and kill the process inside a checkpoint write.
+_PAUSE_ENV = "KDISTILL_TEST_CKPT_PAUSE"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _pause_hook(stage: str) -> None:
+    flag = os.environ.get(_PAUSE_ENV)
+    if flag:
+        Path(flag).write_text(stage)
+        import time
+
+        time.sleep(3600)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Flatten an optimizer's state into named tensors plus JSON-able hyper-parameters."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, st in sd["state"].items():
+        for name, value in st.items():
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{idx}.{name}"] = t.detach().to("cpu").contiguous()
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = t
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_checkpoint(run_dir: Path, step: int, student: torch.nn.Module, opt: torch.optim.Optimizer,
+                    state: dict[str, Any], keep: int) -> Path:
+    """Write checkpoint `step` atomically and keep only the newest `keep` ones."""
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:07d}"
+    tmp = root / f".tmp-{_PREFIX}{step:07d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in student.state_dict().items()}
+        save_file(weights, str(tmp / "student.safetensors"))
+        _pause_hook("between-files")
+        opt_t, opt_meta = optimizer_tensors(opt)
+        save_file(opt_t, str(tmp / "optimizer.safetensors"))
+        _write_json(tmp / "state.json", {"step": step, "optimizer": opt_meta, **state})
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"{final}: cannot write checkpoint ({e.strerror or e}); earlier checkpoints are intact") from None
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a folder without state.json is incomplete)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """(student weights, optimizer tensors, state) of one checkpoint, with one-line errors."""
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        weights = load_file(str(path / "student.safetensors"))
+        opt = load_file(str(path / "optimizer.safetensors"))
+    except (OSError, ValueError, SafetensorsError) as e:
+        raise UserError(f"{path}: checkpoint is unreadable ({e.__class__.__name__})") from None
+    return weights, opt, state
+
+
+def latest_loadable(run_dir: Path) -> tuple[Path, tuple] | None:
+    """The newest checkpoint that loads, skipping damaged ones; None if there is none."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path)
+        except UserError:
+            continue
+    return None
+
+
+def clean_partial(run_dir: Path) -> None:
+    """Remove temp folders left by a checkpoint write that was killed."""
+    root = run_dir / "checkpoints"
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True)
