@@ -127,7 +127,7 @@ def hf_config(family: str, vocab_size: int, tied: bool, **shape: Any):
                 "factor": 8.0,
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
+                "original_max_position_embeddings": 256,  # puts one frequency in each llama3 band
             },
         )
         base.update(shape)
@@ -180,7 +180,9 @@ def make_tiny_model(
         **shape: overrides of the config (hidden_size, num_hidden_layers, ...).
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     out = Path(tmp_path) / (name or f"{family}-{'tied' if tied else 'untied'}-{seed}")
     make_tokenizer(out, tokenizer_vocab)
     vocab = tokenizer_vocab_size(out) + vocab_pad
@@ -195,14 +197,18 @@ def make_tiny_model(
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **kwargs)
     if not (out / "generation_config.json").exists():
-        (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}, indent=2))
+        (out / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": 0, "eos_token_id": 0}, indent=2)
+        )
     return out
 
 
 def load_hf(model_dir: Path, dtype: torch.dtype = torch.float32):
     """transformers' own model from model_dir, in eval mode, eager attention (the numerically plain path)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     return model.eval()
 
