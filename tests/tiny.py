@@ -127,7 +127,7 @@ def hf_config(family: str, vocab_size: int, tied: bool, **shape: Any):
                 "factor": 8.0,
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 256,  # puts one frequency in each llama3 band
+                "original_max_position_embeddings": 200,  # head_dim 8: one frequency in each llama3 band
             },
         )
         base.update(shape)
