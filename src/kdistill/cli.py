@@ -23,17 +23,28 @@ from kdistill.errors import UserError
 
 
 def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
-    p.add_argument("config", nargs="?" if optional else None, metavar="CONFIG",
-                   help="YAML run config (or a preset pair like 'qwen2.5-1.5b:qwen2.5-0.5b' for plan)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. kd.temperature=2")
+    p.add_argument(
+        "config",
+        nargs="?" if optional else None,
+        metavar="CONFIG",
+        help="YAML run config (or a preset pair like 'qwen2.5-1.5b:qwen2.5-0.5b' for plan)",
+    )
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. kd.temperature=2"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdistill", description="Logit knowledge distillation of causal LMs.")
+    parser = argparse.ArgumentParser(
+        prog="kdistill", description="Logit knowledge distillation of causal LMs."
+    )
     parser.add_argument("--version", action="version", version=f"kdistill {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    parser.add_argument("--log-kernels", action="store_true",
-                        help="log every kernel compile and cache hit with its key (or KDISTILL_LOG_KERNELS=1)")
+    parser.add_argument(
+        "--log-kernels",
+        action="store_true",
+        help="log every kernel compile and cache hit with its key (or KDISTILL_LOG_KERNELS=1)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("run", help="distil a teacher into a student (no CONFIG: the embedded demo)")
@@ -53,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("kernels", help="kernel tools")
     ksub = p.add_subparsers(dest="kernels_command", metavar="SUBCOMMAND")
     b = ksub.add_parser("build", help="compile the kernel plan for GPU archs without a GPU")
-    b.add_argument("--arch", default="sm_80,sm_89,sm_90,sm_100,sm_120",
-                   help="comma-separated archs (default: %(default)s)")
+    b.add_argument(
+        "--arch",
+        default="sm_80,sm_89,sm_90,sm_100,sm_120",
+        help="comma-separated archs (default: %(default)s)",
+    )
     b.add_argument("--json", action="store_true", help="print JSON")
     _add_config_args(b)
 

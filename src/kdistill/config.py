@@ -59,7 +59,9 @@ class DataConfig:
         if not 0 <= self.heldout_fraction < 1:
             raise UserError(f"data.heldout_fraction is {self.heldout_fraction}, expected a number in [0, 1)")
         if self.max_tokens < 0:
-            raise UserError(f"data.max_tokens is {self.max_tokens}, expected 0 (no cap) or a positive integer")
+            raise UserError(
+                f"data.max_tokens is {self.max_tokens}, expected 0 (no cap) or a positive integer"
+            )
 
 
 @dataclasses.dataclass
@@ -271,8 +273,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
-                base: dict[str, Any] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), base: dict[str, Any] | None = None
+) -> RunConfig:
     """Read YAML (or start from `base`), apply dotted overrides, validate types. Paths stay as given."""
     cfg = RunConfig()
     if base:
@@ -290,9 +293,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f"line {mark.line + 1}: " if mark is not None else ""
-            raise UserError(f"{p}: {line}not valid YAML ({getattr(e, 'problem', None) or 'syntax error'})") from None
+            raise UserError(
+                f"{p}: {line}not valid YAML ({getattr(e, 'problem', None) or 'syntax error'})"
+            ) from None
         if not isinstance(data, dict):
-            raise UserError(f"{p}: expected a mapping of sections (teacher, student, data, kd, ...) at the top")
+            raise UserError(
+                f"{p}: expected a mapping of sections (teacher, student, data, kd, ...) at the top"
+            )
         # Relative model and data paths are relative to the config file's folder.
         _apply(cfg, data, "")
         _rebase_paths(cfg, p.parent)

@@ -33,14 +33,18 @@ def resolve_pair(config: str | None, overrides: list[str]) -> tuple[RunConfig, M
         cfg = load_config(config, overrides)
     else:
         if not config:
-            raise UserError("expected CONFIG: a YAML run config or a preset pair like qwen2.5-1.5b:qwen2.5-0.5b")
+            raise UserError(
+                "expected CONFIG: a YAML run config or a preset pair like qwen2.5-1.5b:qwen2.5-0.5b"
+            )
         teacher, student = config.split(":", 1)
         cfg = load_config(None, [f"teacher.path={teacher}", f"student.path={student}", *overrides])
     cfg.validate()
     return cfg, load_spec(cfg.teacher.path), load_spec(cfg.student.path)
 
 
-def estimate_memory(teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, device: str = "cuda") -> dict[str, int]:
+def estimate_memory(
+    teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, device: str = "cuda"
+) -> dict[str, int]:
     """Peak memory of one training step on one device, by term, in bytes."""
     gpu = device != "cpu"
     n = cfg.schedule.batch_size * cfg.data.seq_len  # tokens per micro-batch
@@ -48,8 +52,11 @@ def estimate_memory(teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, devi
     pt = teacher.param_counts()["total"]
     act_bytes = 2 if gpu else 4
     coef = ACT_COEF_GPU if gpu else ACT_COEF_CPU
-    per_tok_layer = (coef["hidden"] * student.hidden_size + coef["inter"] * student.intermediate_size
-                     + coef["qkv"] * (student.q_size + 2 * student.kv_size))
+    per_tok_layer = (
+        coef["hidden"] * student.hidden_size
+        + coef["inter"] * student.intermediate_size
+        + coef["qkv"] * (student.q_size + 2 * student.kv_size)
+    )
     vocab = student.vocab_size
     chunk = min(cfg.kd.chunk_size, n)
     terms = {
@@ -63,7 +70,9 @@ def estimate_memory(teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, devi
         "teacher_transient": n * (6 * teacher.hidden_size + 3 * teacher.intermediate_size) * act_bytes
         + n * teacher.hidden_size * act_bytes,
         # Loss head: student and teacher chunk logits (fp32) and the gradient, plus grad_h and grad_W.
-        "loss_workspace": chunk * vocab * 4 * 4 + n * student.hidden_size * 4 + vocab * student.hidden_size * 4,
+        "loss_workspace": chunk * vocab * 4 * 4
+        + n * student.hidden_size * 4
+        + vocab * student.hidden_size * 4,
     }
     terms["total"] = sum(terms.values())
     return terms
@@ -73,8 +82,11 @@ def fit_limits(teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, budget: i
     """Largest batch size (at the configured seq_len) and seq_len (at the configured batch) that fit."""
 
     def peak(bs: int, sl: int) -> int:
-        c = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, batch_size=bs),
-                                data=dataclasses.replace(cfg.data, seq_len=sl))
+        c = dataclasses.replace(
+            cfg,
+            schedule=dataclasses.replace(cfg.schedule, batch_size=bs),
+            data=dataclasses.replace(cfg.data, seq_len=sl),
+        )
         return estimate_memory(teacher, student, c)["total"]
 
     best_bs = 0
@@ -98,7 +110,11 @@ def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec) -> dict[st
     return {
         "teacher": {"name": teacher.name, "arch": teacher.arch, "params": teacher.param_counts()},
         "student": {"name": student.name, "arch": student.arch, "params": student.param_counts()},
-        "flops_per_token": {"teacher_forward": t_fwd, "student_forward_backward": 3 * s_fwd, "total": t_fwd + 3 * s_fwd},
+        "flops_per_token": {
+            "teacher_forward": t_fwd,
+            "student_forward_backward": 3 * s_fwd,
+            "total": t_fwd + 3 * s_fwd,
+        },
         "tokens_per_step": tokens_per_step,
         "flops_per_step": (t_fwd + 3 * s_fwd) * tokens_per_step,
         "batch_size": cfg.schedule.batch_size,

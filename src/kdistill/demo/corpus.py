@@ -14,8 +14,19 @@ import sysconfig
 from pathlib import Path
 
 # Folders left out: tests and demos are large, repetitive, and not what the library "is".
-_EXCLUDE = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo",
-            "__pycache__", "ensurepip", "pydoc_data", "unittest"}
+_EXCLUDE = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "dist-packages",
+    "lib2to3",
+    "turtledemo",
+    "__pycache__",
+    "ensurepip",
+    "pydoc_data",
+    "unittest",
+}
 HELDOUT_PERCENT = 5
 
 

@@ -149,8 +149,12 @@ class Decoder(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
 
-def build_decoder(spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                  seed: int | None = 0) -> Decoder:
+def build_decoder(
+    spec: ModelSpec,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = 0,
+) -> Decoder:
     """Build on meta, materialise on `device` in `dtype`, and (if seed is not None) random-init."""
     with torch.device("meta"):
         model = Decoder(spec)

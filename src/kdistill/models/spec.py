@@ -76,13 +76,21 @@ class ModelSpec:
         emb = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         total = emb + self.num_layers * layer + h + head
-        return {"embedding": emb, "per_layer": layer, "layers": self.num_layers * layer, "lm_head": head,
-                "total": total, "non_embedding": total - emb - head}
+        return {
+            "embedding": emb,
+            "per_layer": layer,
+            "layers": self.num_layers * layer,
+            "lm_head": head,
+            "total": total,
+            "non_embedding": total - emb - head,
+        }
 
     def matmul_flops_per_token(self, seq_len: int) -> int:
         """Forward FLOPs per token: 2 x matmul params plus attention scores (causal, averaged)."""
         h = self.hidden_size
-        per_layer = 2 * (h * self.q_size + 2 * h * self.kv_size + self.q_size * h + 3 * h * self.intermediate_size)
+        per_layer = 2 * (
+            h * self.q_size + 2 * h * self.kv_size + self.q_size * h + 3 * h * self.intermediate_size
+        )
         # QK^T and PV: 2 * 2 * heads * head_dim * (average causal context ~ seq_len / 2)
         per_layer += 4 * self.num_heads * self.head_dim * (seq_len + 1) // 2
         head = 2 * h * self.vocab_size
@@ -230,29 +238,72 @@ def spec_from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> Mode
 
 
 def _qwen2(v, h, i, n, heads, kv, tied, max_pos=32768):
-    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": v, "hidden_size": h,
-            "intermediate_size": i, "num_hidden_layers": n, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-            "max_position_embeddings": max_pos, "tie_word_embeddings": tied, "torch_dtype": "bfloat16",
-            "bos_token_id": 151643, "eos_token_id": 151643}
+    return {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": v,
+        "hidden_size": h,
+        "intermediate_size": i,
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": max_pos,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+    }
 
 
 def _qwen3(h, i, n, heads, kv, tied):
-    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": h,
-            "intermediate_size": i, "num_hidden_layers": n, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-            "max_position_embeddings": 40960, "tie_word_embeddings": tied, "torch_dtype": "bfloat16",
-            "bos_token_id": 151643, "eos_token_id": 151645}
+    return {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": h,
+        "intermediate_size": i,
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    }
 
 
 def _llama3(h, i, n, heads, kv, head_dim, tied, factor):
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": h,
-            "intermediate_size": i, "num_hidden_layers": n, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "head_dim": head_dim, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "rope_scaling": {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            "max_position_embeddings": 131072, "tie_word_embeddings": tied, "torch_dtype": "bfloat16",
-            "bos_token_id": 128000, "eos_token_id": 128001}
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": h,
+        "intermediate_size": i,
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    }
 
 
 # Real shapes of public models, as their config.json files give them.

@@ -13,7 +13,9 @@ import torch
 from kdistill.models.spec import ModelSpec, rope_inv_freq
 
 
-def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    spec: ModelSpec, seq_len: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (T, D) in fp32 for positions 0..T-1, llama3 scaling included."""
     inv = torch.tensor(rope_inv_freq(spec), dtype=torch.float32, device=device)
     pos = torch.arange(seq_len, dtype=torch.float32, device=device)

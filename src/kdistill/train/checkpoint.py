@@ -76,8 +76,14 @@ def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save_checkpoint(run_dir: Path, step: int, student: torch.nn.Module, opt: torch.optim.Optimizer,
-                    state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    student: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int,
+) -> Path:
     """Write checkpoint `step` atomically and keep only the newest `keep` ones."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -103,7 +109,9 @@ def save_checkpoint(run_dir: Path, step: int, student: torch.nn.Module, opt: tor
         _fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"{final}: cannot write checkpoint ({e.strerror or e}); earlier checkpoints are intact") from None
+        raise UserError(
+            f"{final}: cannot write checkpoint ({e.strerror or e}); earlier checkpoints are intact"
+        ) from None
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

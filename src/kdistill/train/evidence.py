@@ -1,6 +1,6 @@
 """Run evidence: manifest.json, metrics.jsonl, loss.png, summary.json, and `kdistill report`.
 
-    kdistill report runs/demo          # readable summary of a finished or interrupted run
+kdistill report runs/demo          # readable summary of a finished or interrupted run
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ def model_hashes(model_dir: str) -> dict[str, str]:
 def git_commit() -> str | None:
     here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
@@ -137,7 +139,9 @@ def plot_losses(run_dir: Path, title: str = "kdistill") -> Path | None:
         ax.plot(steps, [r.get("kd") for r in rows], label="train KD", lw=0.8, alpha=0.7)
     evals = [r for r in read_metrics(run_dir / "eval.jsonl")]
     if evals:
-        ax.plot([r["step"] for r in evals], [r["student_loss"] for r in evals], "o-", label="held-out student CE")
+        ax.plot(
+            [r["step"] for r in evals], [r["student_loss"] for r in evals], "o-", label="held-out student CE"
+        )
         if evals[0].get("teacher_loss") is not None:
             ax.axhline(evals[0]["teacher_loss"], color="gray", ls="--", label="held-out teacher CE")
     ax.set_xlabel("step")
@@ -156,7 +160,11 @@ def plot_losses(run_dir: Path, title: str = "kdistill") -> Path | None:
 
 def smoke_contract(rows: list[dict[str, Any]]) -> tuple[float | None, float | None, bool]:
     """(initial loss, final loss = mean of the last 10% of steps, final < initial) over good steps."""
-    good = [r["loss"] for r in rows if r.get("loss") is not None and not r.get("skipped") and not r.get("degenerate")]
+    good = [
+        r["loss"]
+        for r in rows
+        if r.get("loss") is not None and not r.get("skipped") and not r.get("degenerate")
+    ]
     if not good:
         return None, None, False
     tail = max(1, len(good) // 10)
@@ -197,8 +205,10 @@ def report_command(args: argparse.Namespace) -> int:
     print(f"status      {report['status']}")
     print(f"steps       {report['steps_done']}")
     if report["initial_loss"] is not None:
-        print(f"loss        {report['initial_loss']:.4f} -> {report['final_loss']:.4f} "
-              f"({'smoke passed' if report['smoke_passed'] else 'smoke NOT passed'})")
+        print(
+            f"loss        {report['initial_loss']:.4f} -> {report['final_loss']:.4f} "
+            f"({'smoke passed' if report['smoke_passed'] else 'smoke NOT passed'})"
+        )
     for k, v in (report["heldout"] or {}).items():
         if isinstance(v, int | float) and k != "step":
             print(f"heldout     {k:14s} {v:.4f}")
