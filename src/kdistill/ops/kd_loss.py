@@ -1,0 +1,546 @@
+"""The KD loss head: lm_head + divergence to the teacher + cross-entropy, chunked over tokens.
+
+Loss
+----
+For N tokens with student hidden states h (N, Hs), student lm_head W (V, Hs), teacher hidden states
+h_t (N, Ht), teacher lm_head W_t (Vt, Ht) with Vt >= V (rows past V are vocabulary padding and are
+ignored: W_t[:V]) and labels y (N,) int64::
+
+    s = h W^T (student logits),  t = h_t W_t[:V]^T (teacher logits)     both (N, V), fp32 accumulation
+    q = softmax(s / T)  (student),  p = softmax(t / T)  (teacher)           "temperature T"
+    CE_i = logsumexp(s_i) - s_i[y_i]                                         (temperature 1)
+    KD_i = T^2 * D(p_i || q_i)
+    loss = sum_{i: y_i != ignore_index} [(1 - alpha) * CE_i + alpha * KD_i] / n_tokens
+
+`n_tokens` counts the tokens whose label is not `ignore_index`; with none, loss = 0 and every
+gradient is 0 (never NaN). `KDLossResult.ce` and `.kd` are the means of CE_i and KD_i (KD includes
+the T^2), so loss = (1 - alpha) * ce + alpha * kd. With alpha == 0 the teacher may be None and no
+teacher GEMM or softmax runs.
+
+Divergences (all on the temperature-scaled distributions, beta in (0, 1))::
+
+    forward_kl       D = KL(p || q)            = sum p (log p - log q)
+    reverse_kl       D = KL(q || p)            = sum q (log q - log p)
+    jsd              D = beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q
+                     (the generalized JSD of GKD / TRL: beta weighs the teacher; beta = 0.5 is the
+                     symmetric Jensen-Shannon divergence, bounded by log 2)
+    tvd              D = 1/2 sum |p - q|
+    skew_kl          D = KL(p || r),  r = beta p + (1 - beta) q           (DistiLLM's skew KL)
+    skew_reverse_kl  D = KL(q || r'), r' = beta q + (1 - beta) p          (DistiLLM's skew reverse KL)
+
+Closed-form gradients w.r.t. the student logits
+-----------------------------------------------
+Per row, write a = s / T and g = dD/dq. Since q = softmax(a), dq_k/da_j = q_k (delta_kj - q_j), so
+for any D(q)::
+
+    dD/da_j = q_j (g_j - <q, g>)             with <q, g> = sum_k q_k g_k
+
+and dKD/ds = T^2 * (1/T) * dD/da = T * dD/da. Working each divergence out (log m, log r are computed
+as logaddexp of log-probabilities so that nothing underflows to log 0):
+
+    forward_kl       g = -p / q                          dD/da = q - p
+    reverse_kl       g = log q - log p + 1               dD/da = q (log q - log p - D)
+    jsd              g = (1 - beta)(log q - log m)       dD/da = (1 - beta) q (log(q/m) - KL(q || m))
+                     (the terms from dm/dq cancel: beta p/m + (1 - beta) q/m = 1)
+    tvd              g = 1/2 sign(q - p)                 dD/da = 1/2 q (sign(q - p) - <q, sign(q - p)>)
+                     (subgradient sign(0) = 0, as torch.abs's backward)
+    skew_kl          g = -(1 - beta) p / r               dD/da = -(1 - beta) q (p/r - <q, p/r>)
+    skew_reverse_kl  g = log(q/r') + 1 - beta q/r'       dD/da = q (log(q/r') - D - beta (q/r' - <q, q/r'>))
+
+and dCE/ds = softmax(s) - onehot(y). The gradient of the summed loss w.r.t. one row of logits is
+therefore::
+
+    dL/ds_i = [(1 - alpha)(softmax(s_i) - onehot(y_i)) + alpha T dD/da_i] / n_tokens   (0 if ignored)
+
+Every quantity needs only per-row statistics (logsumexp of s, s/T, t/T) and, for jsd, tvd and the
+skew divergences, one more per-row sum (<q, g> and D) that needs the normalised probabilities.
+
+Chunking (no [N x V] tensor)
+----------------------------
+`kd_loss` walks the tokens in chunks of `chunk_size` rows. Per chunk it computes the (c, V) logits
+with a GEMM (fp32 accumulation, upcast to fp32), calls `chunk_fn` (default
+`chunk_divergence_reference`; the Triton kernel `kdistill.kernels.triton.kd_loss.kd_loss_chunk_triton`
+has the same signature) for the loss sums and dL/ds of the chunk, and at once turns that into
+grad_h[chunk] = dL/ds @ W and grad_W += dL/ds^T @ h[chunk]. The chunk's logits are then dropped.
+The autograd Function keeps only grad_h (N, Hs) and grad_W (V, Hs) (the idea of Liger-Kernel's fused
+linear cross entropy); its backward scales them by grad_output. Peak extra memory is a few
+(chunk_size, V) fp32 tensors plus grad_h and grad_W, instead of several (N, V) ones.
+
+Example::
+
+    >>> h, W = torch.randn(6, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    >>> ht, Wt = torch.randn(6, 4), torch.randn(13, 4)          # teacher vocab padded to 13 rows
+    >>> y = torch.tensor([1, 2, -100, 4, 5, 6])
+    >>> r = kd_loss(h, W, ht, Wt, y, alpha=0.5, temperature=2.0, divergence="forward_kl", chunk_size=4)
+    >>> r.loss.backward(); r.tokens
+    5
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from kdistill.config import DIVERGENCES
+from kdistill.errors import UserError
+
+# The divergence id the Triton kernel specializes on (a constexpr); order is part of the kernel key.
+DIVERGENCE_IDS = {name: i for i, name in enumerate(DIVERGENCES)}
+
+
+class KDLossResult(NamedTuple):
+    """loss: scalar with grad; ce, kd: detached means (kd includes T^2); tokens: non-ignored count."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    kd: torch.Tensor
+    tokens: int
+
+
+ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense oracle: the formulas written directly, differentiated by autograd. Tests only.
+# ---------------------------------------------------------------------------------------------
+
+
+def kd_loss_dense(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    alpha: float,
+    temperature: float,
+    divergence: str,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+) -> KDLossResult:
+    """The loss on full (N, V) logits, in fp64, by the textbook formulas; autograd gives gradients.
+
+    student_logits (N, V), teacher_logits (N, Vt >= V) or None when alpha == 0, labels (N,).
+    Materialises several (N, V) tensors: the test oracle, not for training.
+    """
+    s = student_logits.double()
+    valid = labels != ignore_index
+    n = int(valid.sum())
+    log_s1 = torch.log_softmax(s, dim=-1)
+    ce_rows = -log_s1.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    kd_rows = torch.zeros_like(ce_rows)
+    if alpha > 0:
+        t = teacher_logits[:, : s.shape[1]].double()
+        logq = torch.log_softmax(s / temperature, dim=-1)
+        logp = torch.log_softmax(t / temperature, dim=-1)
+        q, p = logq.exp(), logp.exp()
+        if divergence == "forward_kl":
+            d = (p * (logp - logq)).sum(-1)
+        elif divergence == "reverse_kl":
+            d = (q * (logq - logp)).sum(-1)
+        elif divergence == "jsd":
+            m = beta * p + (1 - beta) * q
+            d = beta * (p * (logp - m.log())).sum(-1) + (1 - beta) * (q * (logq - m.log())).sum(-1)
+        elif divergence == "tvd":
+            d = 0.5 * (p - q).abs().sum(-1)
+        elif divergence == "skew_kl":
+            d = (p * (logp - (beta * p + (1 - beta) * q).log())).sum(-1)
+        elif divergence == "skew_reverse_kl":
+            d = (q * (logq - (beta * q + (1 - beta) * p).log())).sum(-1)
+        else:
+            raise UserError(f"kd.divergence is '{divergence}', expected one of: {', '.join(DIVERGENCES)}")
+        kd_rows = temperature**2 * d
+    vf = valid.double()
+    denom = max(n, 1)
+    ce = (ce_rows * vf).sum() / denom
+    kd = (kd_rows * vf).sum() / denom
+    loss = (1 - alpha) * ce + alpha * kd
+    return KDLossResult(loss, ce.detach(), kd.detach(), n)
+
+
+# ---------------------------------------------------------------------------------------------
+# One chunk: loss sums and the closed-form gradient w.r.t. the student logits.
+# ---------------------------------------------------------------------------------------------
+
+
+def _logaddexp_w(x: torch.Tensor, log_wx: float, y: torch.Tensor, log_wy: float) -> torch.Tensor:
+    """log(wx e^x + wy e^y), stable: used for the mixtures m, r, r'."""
+    return torch.logaddexp(x + log_wx, y + log_wy)
+
+
+def divergence_rows(
+    logp: torch.Tensor, logq: torch.Tensor, divergence: str, beta: float, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-row D(p || q) (c,) and dD/da (c, V) from teacher/student log-probabilities (c, V).
+
+    a = student logits / T; see the module docstring for the formulas.
+    """
+    q = logq.exp()
+    lb, l1b = math.log(beta), math.log1p(-beta)
+    grad = None
+    if divergence == "forward_kl":
+        p = logp.exp()
+        d = (p * (logp - logq)).sum(-1)
+        if need_grad:
+            grad = q - p
+    elif divergence == "reverse_kl":
+        diff = logq - logp
+        d = (q * diff).sum(-1)
+        if need_grad:
+            grad = q * (diff - d[:, None])
+    elif divergence == "jsd":
+        p = logp.exp()
+        logm = _logaddexp_w(logp, lb, logq, l1b)
+        kl_qm = (q * (logq - logm)).sum(-1)
+        d = beta * (p * (logp - logm)).sum(-1) + (1 - beta) * kl_qm
+        if need_grad:
+            grad = (1 - beta) * q * (logq - logm - kl_qm[:, None])
+    elif divergence == "tvd":
+        p = logp.exp()
+        diff = q - p
+        d = 0.5 * diff.abs().sum(-1)
+        if need_grad:
+            sgn = diff.sign()
+            grad = 0.5 * q * (sgn - (q * sgn).sum(-1, keepdim=True))
+    elif divergence == "skew_kl":
+        p = logp.exp()
+        logr = _logaddexp_w(logp, lb, logq, l1b)
+        d = (p * (logp - logr)).sum(-1)
+        if need_grad:
+            ratio = (logp - logr).exp()  # p / r <= 1 / beta
+            grad = -(1 - beta) * q * (ratio - (q * ratio).sum(-1, keepdim=True))
+    elif divergence == "skew_reverse_kl":
+        logr = _logaddexp_w(logq, lb, logp, l1b)
+        diff = logq - logr
+        d = (q * diff).sum(-1)
+        if need_grad:
+            ratio = diff.exp()  # q / r' <= 1 / beta
+            c = (q * ratio).sum(-1, keepdim=True)
+            grad = q * (diff - d[:, None] - beta * (ratio - c))
+    else:
+        raise UserError(f"kd.divergence is '{divergence}', expected one of: {', '.join(DIVERGENCES)}")
+    return d, grad
+
+
+def chunk_divergence_reference(
+    s_logits: torch.Tensor,
+    t_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    alpha: float,
+    temperature: float,
+    divergence: str,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    grad_scale: float = 1.0,
+    need_grad: bool = True,
+    grad_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Loss sums and gradient of one chunk of rows, in torch ops (fp32, or fp64 for fp64 input).
+
+    Args:
+        s_logits: (c, V) student logits (any float dtype). t_logits: (c, V) teacher logits, or None
+            (then no KD term: alpha must be 0). labels: (c,) int64.
+        grad_scale: multiplies the returned gradient (the loop passes 1 / n_tokens).
+        need_grad: False skips the gradient (returns None). grad_dtype: dtype of the gradient
+            (default: the compute dtype).
+
+    Returns:
+        (loss_sum, ce_sum, kd_sum, grad_logits): 0-dim sums over non-ignored rows of
+        (1 - alpha) CE_i + alpha KD_i, CE_i and KD_i (= T^2 D_i); grad_logits (c, V) =
+        grad_scale * d loss_sum / d s_logits, zero on ignored rows. The Triton launcher
+        `kd_loss_chunk_triton` has this exact signature and contract.
+    """
+    cdt = torch.float64 if s_logits.dtype == torch.float64 else torch.float32
+    s = s_logits.to(cdt)
+    valid = labels != ignore_index
+    vf = valid.to(cdt)
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)  # (c, 1)
+    lse = torch.logsumexp(s, dim=-1)  # (c,)
+    ce_rows = (lse - s.gather(1, safe).squeeze(1)) * vf
+    has_kd = alpha > 0
+    if has_kd and t_logits is None:
+        raise ValueError("chunk_divergence_reference: alpha > 0 needs teacher logits")
+    kd_rows = torch.zeros_like(ce_rows)
+    dd = None
+    if has_kd:
+        logq = torch.log_softmax(s / temperature, dim=-1)
+        logp = torch.log_softmax(t_logits.to(cdt) / temperature, dim=-1)
+        d, dd = divergence_rows(logp, logq, divergence, beta, need_grad)
+        del logq, logp
+        kd_rows = temperature**2 * d * vf
+    loss_rows = (1 - alpha) * ce_rows + alpha * kd_rows
+    grad = None
+    if need_grad:
+        grad = (s - lse[:, None]).exp_().scatter_add_(1, safe, torch.full_like(s[:, :1], -1.0))
+        grad.mul_(1 - alpha)
+        if dd is not None:
+            grad.add_(dd, alpha=alpha * temperature)
+        grad.mul_((vf * grad_scale)[:, None])
+        if grad_dtype is not None:
+            grad = grad.to(grad_dtype)
+    return loss_rows.sum(), ce_rows.sum(), kd_rows.sum(), grad
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk loop and its autograd Function.
+# ---------------------------------------------------------------------------------------------
+
+_MM_OUT_DTYPE = {"ok": True}  # torch.mm(..., out_dtype=fp32) for bf16/fp16 on CUDA; probed on first use
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(c, H) @ (V, H)^T -> (c, V) in at least fp32 (cuBLAS accumulates in fp32 either way)."""
+    if h.dtype in (torch.bfloat16, torch.float16) and h.is_cuda and _MM_OUT_DTYPE["ok"]:
+        try:
+            # fp32 output straight from the fp32 accumulator: no rounding of logits to bf16.
+            return torch.mm(h, w.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            _MM_OUT_DTYPE["ok"] = False
+    return torch.mm(h, w.t()).to(torch.promote_types(h.dtype, torch.float32))
+
+
+def _chunk_loop(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    th: torch.Tensor | None,
+    tw: torch.Tensor | None,
+    labels: torch.Tensor,
+    n_tokens: int,
+    opts: dict,
+    chunk_size: int,
+    chunk_fn: ChunkFn,
+    need_h: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Sums over chunks; grad_h (N, Hs) in h's dtype and grad_W (V, Hs) (fp32 for half weights)."""
+    n = h.shape[0]
+    need_grad = need_h or need_w
+    acc_dtype = torch.promote_types(h.dtype, torch.float32)
+    grad_h = torch.empty_like(h) if need_h else None
+    low = w.dtype in (torch.bfloat16, torch.float16)
+    grad_w = (
+        torch.zeros(w.shape, dtype=torch.float32 if low else w.dtype, device=w.device) if need_w else None
+    )
+    sums = torch.zeros(3, dtype=acc_dtype, device=h.device)  # loss, ce, kd
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        hc = h[start:end]  # (c, Hs)
+        s = _logits(hc, w)  # (c, V)
+        t = _logits(th[start:end], tw) if th is not None else None  # (c, V)
+        loss_s, ce_s, kd_s, g = chunk_fn(
+            s,
+            t,
+            labels[start:end],
+            grad_scale=1.0 / n_tokens,
+            need_grad=need_grad,
+            grad_dtype=w.dtype if need_grad else None,
+            **opts,
+        )
+        del s, t
+        sums += torch.stack([loss_s, ce_s, kd_s]).to(acc_dtype)
+        if need_grad:
+            g = g.to(w.dtype)  # (c, V)
+            if need_h:
+                if grad_h.dtype == w.dtype:
+                    torch.mm(g, w, out=grad_h[start:end])
+                else:
+                    grad_h[start:end] = torch.mm(g, w)
+            if need_w:
+                if low:
+                    grad_w.add_(torch.mm(g.t(), hc))  # one rounding per chunk, fp32 accumulation
+                else:
+                    grad_w.addmm_(g.t(), hc)
+            del g
+    sums /= n_tokens
+    return sums[0], sums[1], sums[2], grad_h, grad_w
+
+
+class _ChunkedKDLoss(torch.autograd.Function):
+    """forward runs the chunk loop and keeps grad_h, grad_W; backward scales them by grad_output."""
+
+    @staticmethod
+    def forward(ctx, h, w, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.h_dtype, ctx.w_dtype = h.dtype, w.dtype
+        ctx.h_shape, ctx.w_shape = h.shape, w.shape
+        if n_tokens == 0:  # all ignored: loss 0, gradients 0
+            ctx.save_for_backward(None, None)
+            z = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+            ce, kd = z.clone(), z.clone()
+            ctx.mark_non_differentiable(ce, kd)
+            return z, ce, kd
+        loss, ce, kd, grad_h, grad_w = _chunk_loop(
+            h, w, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn, need_h, need_w
+        )
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.mark_non_differentiable(ce, kd)
+        return loss, ce, kd
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_kd):
+        grad_h, grad_w = ctx.saved_tensors
+        dev = grad_loss.device
+        gh = gw = None
+        if ctx.needs_input_grad[0]:
+            if grad_h is None:
+                gh = torch.zeros(ctx.h_shape, dtype=ctx.h_dtype, device=dev)
+            else:
+                gh = (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype)
+        if ctx.needs_input_grad[1]:
+            if grad_w is None:
+                gw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=dev)
+            else:
+                gw = (grad_w * grad_loss.to(grad_w.dtype)).to(ctx.w_dtype)
+        return gh, gw, None, None, None, None, None, None, None
+
+
+def _validate(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    labels,
+    alpha,
+    temperature,
+    divergence,
+    beta,
+    chunk_size,
+) -> bool:
+    """Checks arguments; returns whether the KD term (and so the teacher) is active."""
+    if divergence not in DIVERGENCES:
+        raise UserError(f"kd.divergence is '{divergence}', expected one of: {', '.join(DIVERGENCES)}")
+    if not 0 <= alpha <= 1:
+        raise UserError(f"kd.alpha is {alpha}, expected a number in [0, 1]")
+    if not temperature > 0:
+        raise UserError(f"kd.temperature is {temperature}, expected a positive number")
+    if not 0 < beta < 1:
+        raise UserError(f"kd.beta is {beta}, expected a number in (0, 1)")
+    if not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise UserError(f"kd.chunk_size is {chunk_size}, expected a positive integer")
+    if (
+        student_hidden.dim() != 2
+        or student_weight.dim() != 2
+        or student_hidden.shape[1] != student_weight.shape[1]
+    ):
+        raise ValueError(
+            f"kd_loss: student_hidden {tuple(student_hidden.shape)} and student_weight "
+            f"{tuple(student_weight.shape)} must be (N, H) and (V, H)"
+        )
+    if labels.shape != (student_hidden.shape[0],) or labels.dtype != torch.int64:
+        raise ValueError(
+            f"kd_loss: labels must be int64 of shape ({student_hidden.shape[0]},), "
+            f"got {labels.dtype} {tuple(labels.shape)}"
+        )
+    has_kd = alpha > 0
+    if has_kd:
+        if teacher_hidden is None or teacher_weight is None:
+            raise UserError(f"kd.alpha is {alpha} > 0 but no teacher logits are available (teacher missing)")
+        if (
+            teacher_hidden.dim() != 2
+            or teacher_weight.dim() != 2
+            or teacher_hidden.shape[1] != teacher_weight.shape[1]
+            or teacher_hidden.shape[0] != student_hidden.shape[0]
+        ):
+            raise ValueError(
+                f"kd_loss: teacher_hidden {tuple(teacher_hidden.shape)} and teacher_weight "
+                f"{tuple(teacher_weight.shape)} must be (N, Ht) and (Vt, Ht) with N = "
+                f"{student_hidden.shape[0]}"
+            )
+        if teacher_weight.shape[0] < student_weight.shape[0]:
+            raise UserError(
+                f"teacher lm_head has {teacher_weight.shape[0]} rows, expected at least the "
+                f"student's vocabulary size {student_weight.shape[0]}"
+            )
+    return has_kd
+
+
+def kd_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    teacher_weight: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    alpha: float,
+    temperature: float,
+    divergence: str,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+    chunk_fn: ChunkFn | None = None,
+) -> KDLossResult:
+    """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads.
+
+    Args:
+        student_hidden: (N, Hs) final hidden states of the student (after its final norm).
+        student_weight: (V, Hs) student lm_head (may be the tied embedding).
+        teacher_hidden: (N, Ht) teacher hidden states, or None when alpha == 0.
+        teacher_weight: (Vt, Ht), Vt >= V; rows past V are padding and ignored. None when alpha == 0.
+        labels: (N,) int64 next-token targets; `ignore_index` marks tokens left out of every term.
+        alpha, temperature, divergence, beta: see the module docstring.
+        chunk_size: tokens per lm_head chunk; bounds the loss's memory to a few (chunk_size, V) tensors.
+        chunk_fn: per-chunk function with `chunk_divergence_reference`'s signature (default: that
+            one; the Triton launcher `kd_loss_chunk_triton` on a GPU).
+
+    Returns:
+        KDLossResult(loss, ce, kd, tokens): loss differentiable w.r.t. student_hidden and
+        student_weight (never the teacher); ce and kd detached means; tokens the non-ignored count.
+    """
+    has_kd = _validate(
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        labels,
+        alpha,
+        temperature,
+        divergence,
+        beta,
+        chunk_size,
+    )
+    vocab = student_weight.shape[0]
+    valid = labels != ignore_index
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    n_tokens, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()  # one host sync
+    if n_bad:
+        first = int(labels[bad][0])
+        raise UserError(
+            f"labels hold token id {first} outside the student vocabulary [0, {vocab}) ({n_bad} such tokens)"
+        )
+    th = tw = None
+    if has_kd:
+        th = teacher_hidden.detach()
+        tw = teacher_weight.detach()[:vocab]  # (V, Ht): padded teacher vocab trimmed
+        if th.dtype != tw.dtype:
+            th = th.to(tw.dtype)
+    h = student_hidden
+    if h.dtype != student_weight.dtype:
+        h = h.to(student_weight.dtype)
+    opts = dict(
+        alpha=alpha, temperature=temperature, divergence=divergence, beta=beta, ignore_index=ignore_index
+    )
+    chunk_fn = chunk_fn or chunk_divergence_reference
+    if torch.is_grad_enabled() and (h.requires_grad or student_weight.requires_grad):
+        loss, ce, kd = _ChunkedKDLoss.apply(
+            h, student_weight, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn
+        )
+    elif n_tokens == 0:
+        loss = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+        ce, kd = loss.clone(), loss.clone()
+    else:
+        loss, ce, kd, _, _ = _chunk_loop(
+            h.detach(),
+            student_weight.detach(),
+            th,
+            tw,
+            labels,
+            n_tokens,
+            opts,
+            chunk_size,
+            chunk_fn,
+            False,
+            False,
+        )
+    return KDLossResult(loss, ce.detach(), kd.detach(), int(n_tokens))
