@@ -444,6 +444,27 @@ def bin_layout(head: bytes, size: int, name: str) -> tuple[int, np.dtype]:
     return offset, dtype
 
 
+def write_bin(path: str | Path, tokens: Sequence[int] | np.ndarray, width: int | None = None) -> Path:
+    """Write a KDTOKENS shard: b"KDTOKENS", uint32 version 1, uint32 bytes per token, then the tokens.
+
+    width 2 (uint16) or 4 (uint32); default: 2 when every id fits in uint16. Written atomically.
+    """
+    arr = np.asarray(tokens, dtype=np.int64)
+    if width is None:
+        width = 2 if arr.size == 0 or int(arr.max()) < (1 << 16) else 4
+    if width not in (2, 4):
+        raise ValueError("width must be 2 or 4")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= (1 << (8 * width))):
+        raise ValueError(f"token ids do not fit in {width} bytes")
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(BIN_MAGIC + struct.pack("<II", 1, width))
+        f.write(arr.astype("<u2" if width == 2 else "<u4").tobytes())
+    os.replace(tmp, path)
+    return path
+
+
 def read_bin(path: Path, name: str, vocab_size: int, eos_id: int | None) -> TokenDocs:
     """Memory-map a .bin shard, check its ids, and split it into documents at EOS (the EOS dropped)."""
     try:
