@@ -1,0 +1,360 @@
+"""Triton kernel for one chunk of the KD loss: divergence + CE + gradient w.r.t. the student logits.
+
+The chunk loop in `kdistill.ops.kd_loss` computes the (c, V) student and teacher logits with cuBLAS
+GEMMs and calls a chunk function; `kd_loss_chunk_triton` here is a drop-in replacement for
+`chunk_divergence_reference` (same arguments, same return value)::
+
+    kd_loss(h, W, ht, Wt, labels, alpha=..., temperature=..., divergence=...,
+            chunk_fn=kd_loss_chunk_triton)
+
+One program per row (token). All arithmetic is fp32 whatever the logits' dtype (fp32 or bf16).
+
+Passes over the row's vocabulary (each reads V student and V teacher logits):
+
+1. Online softmax statistics: running max and rescaled sum-exp of s (for CE, temperature 1), a = s/T
+   and b = t/T. forward_kl and reverse_kl get their value in this pass too, as a rescaled weighted
+   sum: KL(p||q) = sum e^(b - m_b) (b - a) / z_b - lse_b + lse_a, and symmetrically for KL(q||p).
+2. Only for jsd, tvd, skew_kl and skew_reverse_kl: with the row's log-normalisers known, one pass
+   for the value D and the row constant <q, g> of the gradient (module docstring of ops/kd_loss.py).
+   These need the *normalised* probabilities (log m = logaddexp(log beta + log p, log(1 - beta) +
+   log q); sign(q - p); p / r), which an online pass cannot rescale after the fact, so a second
+   reduction pass is unavoidable.
+3. The gradient pass (skipped when NEED_GRAD is false): writes
+   grad_scale * [(1 - alpha)(softmax(s) - onehot(y)) + alpha T dD/da] per element, over the student
+   logits buffer (in place) or into a separate buffer of another dtype.
+
+A row whose label is ignore_index does no pass: it writes a zero gradient and zero losses.
+
+Specialization: BLOCK_V, DIVERGENCE (id), HAS_KD, NEED_GRAD are constexprs; V (the row stride too:
+buffers are contiguous) is a runtime int that Triton specializes on divisibility by 16, so the key
+holds the vocabulary size; the logits and gradient dtypes come from the pointers. ignore_index is
+`do_not_specialize` and the labels pointer `do_not_specialize_on_alignment` (the loop passes
+slices of one labels tensor at any row offset); temperature, alpha, beta and grad_scale are runtime
+floats. So the compiled variant depends only on what `kd_loss_kernel_key` names.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdistill.ops.kd_loss import DIVERGENCE_IDS
+
+OP_NAME = "kd_loss"
+
+_FWD, _REV, _JSD, _TVD, _SKEW, _SKEW_REV = (
+    DIVERGENCE_IDS[k] for k in ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+)
+
+
+@triton.jit(do_not_specialize=["ignore_index"], do_not_specialize_on_alignment=["labels_ptr"])
+def _kd_loss_rows_kernel(
+    s_ptr,  # (c, V) student logits, fp32 or bf16, contiguous
+    t_ptr,  # (c, V) teacher logits, same dtype (unused when HAS_KD is false)
+    g_ptr,  # (c, V) gradient out: s_ptr itself (in place) or another contiguous buffer
+    labels_ptr,  # (c,) int64
+    loss_ptr,  # (c,) fp32 per-row (1 - alpha) CE + alpha KD
+    ce_ptr,  # (c,) fp32 per-row CE
+    kd_ptr,  # (c,) fp32 per-row T^2 D
+    V,
+    ignore_index,
+    temperature,
+    alpha,
+    beta,
+    grad_scale,
+    DIVERGENCE: tl.constexpr,
+    HAS_KD: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s_row = s_ptr + row * V
+    t_row = t_ptr + row * V
+    g_row = g_ptr + row * V
+    cols = tl.arange(0, BLOCK_V)
+    y = tl.load(labels_ptr + row)
+    if y == ignore_index:
+        if NEED_GRAD:
+            for off in range(0, V, BLOCK_V):
+                idx = off + cols
+                tl.store(g_row + idx, tl.zeros([BLOCK_V], dtype=g_ptr.dtype.element_ty), mask=idx < V)
+        tl.store(loss_ptr + row, 0.0)
+        tl.store(ce_ptr + row, 0.0)
+        tl.store(kd_ptr + row, 0.0)
+    else:
+        inv_t = 1.0 / temperature
+        neg_inf = float("-inf")
+        # Pass 1: online max / sum-exp of s, a = s/T, b = t/T (+ the KL value sums).
+        m_s = tl.full([], neg_inf, tl.float32)
+        z_s = tl.zeros([], tl.float32)
+        m_a = tl.full([], neg_inf, tl.float32)
+        z_a = tl.zeros([], tl.float32)
+        m_b = tl.full([], neg_inf, tl.float32)
+        z_b = tl.zeros([], tl.float32)
+        w_kl = tl.zeros([], tl.float32)  # sum e^(b - m_b)(b - a) (forward) or e^(a - m_a)(a - b) (reverse)
+        for off in range(0, V, BLOCK_V):
+            idx = off + cols
+            mask = idx < V
+            s0 = tl.load(s_row + idx, mask=mask, other=0.0).to(tl.float32)
+            s = tl.where(mask, s0, neg_inf)  # padding lanes: -inf for max / sum-exp
+            m_new = tl.maximum(m_s, tl.max(s, 0))
+            z_s = z_s * tl.exp(m_s - m_new) + tl.sum(tl.exp(s - m_new), 0)
+            m_s = m_new
+            if HAS_KD:
+                t0 = tl.load(t_row + idx, mask=mask, other=0.0).to(tl.float32)
+                a = s * inv_t
+                b = tl.where(mask, t0, neg_inf) * inv_t
+                ma_new = tl.maximum(m_a, tl.max(a, 0))
+                ea = tl.exp(a - ma_new)  # 0 on padding lanes
+                z_a = z_a * tl.exp(m_a - ma_new) + tl.sum(ea, 0)
+                mb_new = tl.maximum(m_b, tl.max(b, 0))
+                eb = tl.exp(b - mb_new)
+                z_b = z_b * tl.exp(m_b - mb_new) + tl.sum(eb, 0)
+                diff = (t0 - s0) * inv_t  # b - a, finite (0) on padding lanes
+                if DIVERGENCE == 0:
+                    w_kl = w_kl * tl.exp(m_b - mb_new) + tl.sum(eb * diff, 0)
+                if DIVERGENCE == 1:
+                    w_kl = w_kl * tl.exp(m_a - ma_new) - tl.sum(ea * diff, 0)
+                m_a = ma_new
+                m_b = mb_new
+        lse_s = m_s + tl.log(z_s)
+        ce = lse_s - tl.load(s_row + y).to(tl.float32)
+        kd = tl.zeros([], tl.float32)
+        d = tl.zeros([], tl.float32)  # D, the divergence value
+        c = tl.zeros([], tl.float32)  # the row constant of the gradient (<q, .> sums)
+        lse_a = tl.zeros([], tl.float32)
+        lse_b = tl.zeros([], tl.float32)
+        log_b = tl.log(beta)
+        log_1mb = tl.log(1.0 - beta)
+        if HAS_KD:
+            lse_a = m_a + tl.log(z_a)
+            lse_b = m_b + tl.log(z_b)
+            if DIVERGENCE == 0:
+                d = w_kl / z_b - lse_b + lse_a
+            if DIVERGENCE == 1:
+                d = w_kl / z_a - lse_a + lse_b
+            if DIVERGENCE >= 2:
+                # Pass 2: D and the gradient's row constant, from normalised probabilities.
+                d2 = tl.zeros([], tl.float32)
+                for off in range(0, V, BLOCK_V):
+                    idx = off + cols
+                    mask = idx < V
+                    s = tl.load(s_row + idx, mask=mask, other=0.0).to(tl.float32)
+                    t = tl.load(t_row + idx, mask=mask, other=0.0).to(tl.float32)
+                    logq = s * inv_t - lse_a
+                    logp = t * inv_t - lse_b
+                    q = tl.exp(logq)
+                    p = tl.exp(logp)
+                    if DIVERGENCE == 2:  # jsd: d2 = KL(p||m), c = KL(q||m)
+                        x = logp + log_b
+                        z = logq + log_1mb
+                        mx = tl.maximum(x, z)
+                        logm = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        d2 += tl.sum(tl.where(mask, p * (logp - logm), 0.0), 0)
+                        c += tl.sum(tl.where(mask, q * (logq - logm), 0.0), 0)
+                    if DIVERGENCE == 3:  # tvd: d2 = sum |q - p|, c = <q, sign(q - p)>
+                        sgn = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
+                        d2 += tl.sum(tl.where(mask, tl.abs(q - p), 0.0), 0)
+                        c += tl.sum(tl.where(mask, q * sgn, 0.0), 0)
+                    if DIVERGENCE == 4:  # skew_kl: d2 = KL(p||r), c = <q, p/r>
+                        x = logp + log_b
+                        z = logq + log_1mb
+                        mx = tl.maximum(x, z)
+                        logr = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        d2 += tl.sum(tl.where(mask, p * (logp - logr), 0.0), 0)
+                        c += tl.sum(tl.where(mask, q * tl.exp(logp - logr), 0.0), 0)
+                    if DIVERGENCE == 5:  # skew_reverse_kl: d2 = KL(q||r'), c = <q, q/r'>
+                        x = logq + log_b
+                        z = logp + log_1mb
+                        mx = tl.maximum(x, z)
+                        logr = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        d2 += tl.sum(tl.where(mask, q * (logq - logr), 0.0), 0)
+                        c += tl.sum(tl.where(mask, q * tl.exp(logq - logr), 0.0), 0)
+                if DIVERGENCE == 2:
+                    d = beta * d2 + (1.0 - beta) * c
+                if DIVERGENCE == 3:
+                    d = 0.5 * d2
+                if DIVERGENCE >= 4:
+                    d = d2
+            kd = temperature * temperature * d
+        tl.store(loss_ptr + row, (1.0 - alpha) * ce + alpha * kd)
+        tl.store(ce_ptr + row, ce)
+        tl.store(kd_ptr + row, kd)
+        if NEED_GRAD:
+            # Pass 3: dL/ds = scale [(1 - alpha)(softmax(s) - onehot(y)) + alpha T dD/da].
+            w_ce = (1.0 - alpha) * grad_scale
+            w_kd = alpha * temperature * grad_scale
+            for off in range(0, V, BLOCK_V):
+                idx = off + cols
+                mask = idx < V
+                s = tl.load(s_row + idx, mask=mask, other=0.0).to(tl.float32)
+                g = w_ce * (tl.exp(s - lse_s) - tl.where(idx == y, 1.0, 0.0))
+                if HAS_KD:
+                    t = tl.load(t_row + idx, mask=mask, other=0.0).to(tl.float32)
+                    logq = s * inv_t - lse_a
+                    logp = t * inv_t - lse_b
+                    q = tl.exp(logq)
+                    if DIVERGENCE == 0:
+                        dd = q - tl.exp(logp)
+                    if DIVERGENCE == 1:
+                        dd = q * (logq - logp - d)
+                    if DIVERGENCE == 2:
+                        x = logp + log_b
+                        z = logq + log_1mb
+                        mx = tl.maximum(x, z)
+                        logm = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        dd = (1.0 - beta) * q * (logq - logm - c)
+                    if DIVERGENCE == 3:
+                        p = tl.exp(logp)
+                        sgn = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
+                        dd = 0.5 * q * (sgn - c)
+                    if DIVERGENCE == 4:
+                        x = logp + log_b
+                        z = logq + log_1mb
+                        mx = tl.maximum(x, z)
+                        logr = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        dd = -(1.0 - beta) * q * (tl.exp(logp - logr) - c)
+                    if DIVERGENCE == 5:
+                        x = logq + log_b
+                        z = logp + log_1mb
+                        mx = tl.maximum(x, z)
+                        logr = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        dd = q * (logq - logr - d - beta * (tl.exp(logq - logr) - c))
+                    g += w_kd * dd
+                tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+def kernel_params(
+    vocab_size: int, divergence: str, has_kd: bool, need_grad: bool, block_v: int | None = None
+) -> dict:
+    """The constexprs and launch options of one variant; the launcher and the key both use this."""
+    bv = block_v or min(4096, triton.next_power_of_2(vocab_size))
+    return {
+        "BLOCK_V": bv,
+        "num_warps": 8 if bv >= 2048 else 4,
+        # Without KD the kernel never reads DIVERGENCE: pin it to 0 so no-KD runs share one variant.
+        "DIVERGENCE": DIVERGENCE_IDS[divergence] if has_kd else 0,
+        "HAS_KD": bool(has_kd),
+        "NEED_GRAD": bool(need_grad),
+    }
+
+
+def kd_loss_kernel_key(
+    vocab_size: int,
+    divergence: str,
+    logits_dtype: torch.dtype | str,
+    arch: str,
+    *,
+    has_kd: bool = True,
+    need_grad: bool = True,
+    grad_dtype: torch.dtype | str | None = None,
+    block_v: int | None = None,
+) -> tuple:
+    """Every parameter the compiled `_kd_loss_rows_kernel` depends on, as a hashable tuple of pairs.
+
+    vocab_size: the student vocabulary V (row length and stride; Triton specializes it on
+    divisibility by 16, and BLOCK_V derives from it). divergence: a name of `DIVERGENCE_IDS`.
+    logits_dtype: the student (and teacher) logits' dtype. arch: e.g. "sm_90". has_kd: alpha > 0
+    with a teacher. need_grad: False under no_grad (eval). grad_dtype: dtype of the written gradient
+    (None: logits_dtype, in place; the kd_loss loop passes the lm_head weight's dtype).
+    """
+    kp = kernel_params(vocab_size, divergence, has_kd, need_grad, block_v)
+    ld = _dtype_name(logits_dtype)
+    gd = (_dtype_name(grad_dtype) if grad_dtype is not None else ld) if need_grad else None
+    return (
+        ("op", OP_NAME),
+        ("vocab_size", int(vocab_size)),
+        ("BLOCK_V", kp["BLOCK_V"]),
+        ("num_warps", kp["num_warps"]),
+        ("DIVERGENCE", kp["DIVERGENCE"]),
+        ("HAS_KD", kp["HAS_KD"]),
+        ("NEED_GRAD", kp["NEED_GRAD"]),
+        ("logits_dtype", ld),
+        ("grad_dtype", gd),
+        ("arch", str(arch)),
+    )
+
+
+def _dtype_name(dt: torch.dtype | str) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def kd_loss_chunk_triton(
+    s_logits: torch.Tensor,
+    t_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    alpha: float,
+    temperature: float,
+    divergence: str,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    grad_scale: float = 1.0,
+    need_grad: bool = True,
+    grad_dtype: torch.dtype | None = None,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Drop-in for `chunk_divergence_reference` on the GPU (or Triton's interpreter on a CPU).
+
+    s_logits, t_logits (c, V) fp32 or bf16 (teacher cast to the student's dtype if they differ),
+    labels (c,) int64. The gradient is written over s_logits when grad_dtype is None or equals its
+    dtype (s_logits is consumed: do not reuse it); else into a new (c, V) buffer of grad_dtype.
+    block_v overrides the block size (tests); it is part of the key.
+    Returns (loss_sum, ce_sum, kd_sum, grad_logits or None), sums fp32 0-dim.
+    """
+    has_kd = alpha > 0
+    if has_kd and t_logits is None:
+        raise ValueError("kd_loss_chunk_triton: alpha > 0 needs teacher logits")
+    s = s_logits.contiguous()
+    n_rows, vocab = s.shape
+    t = s
+    if has_kd:
+        t = t_logits.contiguous()
+        if t.dtype != s.dtype:
+            t = t.to(s.dtype)
+        if t.shape != s.shape:
+            raise ValueError(
+                f"kd_loss_chunk_triton: teacher logits {tuple(t.shape)} != student {tuple(s.shape)}"
+            )
+    labels = labels.contiguous()
+    if not need_grad or grad_dtype is None or grad_dtype == s.dtype:
+        g = s  # in place (or never written)
+    else:
+        g = torch.empty(s.shape, dtype=grad_dtype, device=s.device)
+    rows = torch.empty((3, n_rows), dtype=torch.float32, device=s.device)  # loss, ce, kd per row
+    if n_rows > 0:
+        _kd_loss_rows_kernel[(n_rows,)](
+            s, t, g, labels, rows[0], rows[1], rows[2],
+            vocab, ignore_index, float(temperature), float(alpha), float(beta), float(grad_scale),
+            **kernel_params(vocab, divergence, has_kd, need_grad, block_v),
+        )  # fmt: skip
+    sums = rows.sum(dim=1)
+    return sums[0], sums[1], sums[2], (g if need_grad else None)
+
+
+_TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def build_source(key: tuple) -> tuple[triton.compiler.ASTSource, dict]:
+    """(ASTSource, options) that compile the variant `key` names without a GPU, e.g. for
+    `triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)`.
+
+    The attributes mirror what the launcher's arguments specialize at run time: every pointer but
+    the labels is 16-byte aligned (fresh torch allocations), V is divisible by 16 when it is.
+    """
+    k = dict(key)
+    ld = _TRITON_DTYPES[k["logits_dtype"]]
+    gd = _TRITON_DTYPES[k["grad_dtype"] or k["logits_dtype"]]
+    signature = {
+        "s_ptr": f"*{ld}", "t_ptr": f"*{ld}", "g_ptr": f"*{gd}", "labels_ptr": "*i64",
+        "loss_ptr": "*fp32", "ce_ptr": "*fp32", "kd_ptr": "*fp32",
+        "V": "i32", "ignore_index": "i32",
+        "temperature": "fp32", "alpha": "fp32", "beta": "fp32", "grad_scale": "fp32",
+        "DIVERGENCE": "constexpr", "HAS_KD": "constexpr", "NEED_GRAD": "constexpr", "BLOCK_V": "constexpr",
+    }  # fmt: skip
+    constexprs = {name: k[name] for name in ("DIVERGENCE", "HAS_KD", "NEED_GRAD", "BLOCK_V")}
+    aligned = [0, 1, 2, 4, 5, 6] + ([7] if k["vocab_size"] % 16 == 0 else [])
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = triton.compiler.ASTSource(_kd_loss_rows_kernel, signature, constexprs, attrs)
+    return src, {"num_warps": k["num_warps"]}
