@@ -145,8 +145,9 @@ def eval_command(args: Any) -> int:
     from kdistill.models.tokenizer import IdsOnlyTokenizer, load_tokenizer
     from kdistill.train.data import TokenCache, cache_dir, load_files, stream_tokens
 
-    seq_len, batch_size = int(args.seq_len), int(args.batch_size)
-    if seq_len < 1:
+    seq_len = None if getattr(args, "seq_len", None) is None else int(args.seq_len)
+    batch_size = int(args.batch_size)
+    if seq_len is not None and seq_len < 1:
         raise UserError(f"--seq-len is {seq_len}, expected a positive integer")
     if batch_size < 1:
         raise UserError(f"--batch-size is {batch_size}, expected a positive integer")
@@ -158,6 +159,8 @@ def eval_command(args: Any) -> int:
     if not model_dir.is_dir():
         load_model(model_dir)  # raises the loader's one-line error (missing, pickle, GGUF, ...)
     spec = load_spec(model_dir)
+    if seq_len is None:  # no --seq-len: 512 or the model's context, whichever is shorter
+        seq_len = min(512, spec.max_position_embeddings)
     if seq_len > spec.max_position_embeddings:
         raise UserError(
             f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
