@@ -1,0 +1,416 @@
+"""Prewarm and seal: compile every planned kernel before any weight is on the GPU, then count compiles.
+
+    setup_cache_dir()                       # Triton's disk cache under kdistill's (before any compile)
+    report = prewarm(keys, "cuda")          # compiles every Triton key, runs each library key once
+    seal()                                  # from now on every compile is a miss
+    ... training ...
+    jit_after_prewarm()                     # number of compiles after the seal: 0 in a healthy run
+
+Compiles are seen through Triton's hooks (`knobs.runtime.jit_cache_hook` before a compile,
+`jit_post_compile_hook` after it, `knobs.compilation.listener` for disk-cache hits; older Triton:
+`JITFunction.cache_hook`). After the seal a compile raises KernelCacheMiss naming the key (strict) or
+is logged as `kernel cache miss after prewarm: <key>` and counted. KDISTILL_LOG_KERNELS=1 logs every
+compile and disk-cache hit with its key and time.
+
+`kdistill prewarm CONFIG` runs only this for a config (`prewarm_command`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdistill.errors import KernelCacheMiss, UserError
+from kdistill.kernels import runtime
+from kdistill.kernels.keys import KernelKey, f64_value
+
+log = logging.getLogger("kdistill.kernels")
+
+
+# -- cache directory ------------------------------------------------------------------------------
+def kdistill_cache_dir() -> Path:
+    return Path(os.environ.get("KDISTILL_CACHE_DIR") or Path.home() / ".cache" / "kdistill")
+
+
+def setup_cache_dir() -> str:
+    """Point Triton's on-disk cache at <kdistill cache>/triton unless TRITON_CACHE_DIR is set by the
+    user. Must run before the first compile; returns the directory in use."""
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = str(kdistill_cache_dir() / "triton")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton >= 3.9 warns when unset; same default
+    path = os.environ["TRITON_CACHE_DIR"]
+    try:
+        from triton import knobs
+
+        if getattr(knobs.cache, "dir", None) != path:
+            knobs.cache.dir = path
+    except Exception:  # older Triton reads the environment variable
+        pass
+    return path
+
+
+# -- hooks and the seal ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class _SealState:
+    installed: str = ""  # which hook API is in use ("" until installed)
+    sealed: bool = False
+    strict: bool = False
+    misses: list[str] = dataclasses.field(default_factory=list)
+    events: list[tuple[str, float, bool | None]] = dataclasses.field(
+        default_factory=list
+    )  # name, s, disk hit
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    started: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_cache_hit: bool | None = None
+
+
+_SEAL = _SealState()
+
+
+def _log_kernels() -> bool:
+    return os.environ.get("KDISTILL_LOG_KERNELS", "") not in ("", "0")
+
+
+def _name(fallback: str) -> str:
+    key = runtime.LAUNCHING.get()
+    return str(key) if key is not None else fallback
+
+
+def _on_compile_start(fallback: str) -> None:
+    name = _name(fallback)
+    with _SEAL.lock:
+        _SEAL.started[name] = time.perf_counter()
+        _SEAL.last_cache_hit = None
+        if not _SEAL.sealed:
+            return
+        _SEAL.misses.append(name)
+    msg = f"kernel cache miss after prewarm: {name}"
+    if _SEAL.strict:
+        raise KernelCacheMiss(msg)
+    log.warning(msg)
+    print(f"kdistill: warning: {msg}", file=sys.stderr)
+
+
+def _on_compile_end(fallback: str) -> None:
+    name = _name(fallback)
+    with _SEAL.lock:
+        seconds = time.perf_counter() - _SEAL.started.pop(name, time.perf_counter())
+        hit = _SEAL.last_cache_hit
+        _SEAL.events.append((name, seconds, hit))
+    if _log_kernels():
+        what = "loaded from disk cache" if hit else "compiled"
+        _emit(f"kernel {what} in {seconds:.3f}s: {name}")
+
+
+def _emit(msg: str) -> None:
+    log.info(msg)
+    print(f"kdistill: {msg}", file=sys.stderr)
+
+
+def install_hooks() -> str:
+    """Install the compile hooks once (chaining any hooks already set). Returns the API used, or ''
+    when this Triton offers none (then the seal cannot count and says so)."""
+    if _SEAL.installed:
+        return _SEAL.installed
+    try:
+        import triton
+    except ImportError:
+        return ""
+    knobs = getattr(triton, "knobs", None)
+    rt_knobs = getattr(knobs, "runtime", None)
+    if (
+        rt_knobs is not None
+        and hasattr(rt_knobs, "jit_cache_hook")
+        and hasattr(rt_knobs, "jit_post_compile_hook")
+    ):
+        prev_pre, prev_post = rt_knobs.jit_cache_hook, rt_knobs.jit_post_compile_hook
+
+        def pre(*args: Any, **kw: Any) -> Any:
+            _on_compile_start(str(kw.get("repr", "?")))
+            return prev_pre(*args, **kw) if prev_pre else None
+
+        def post(*args: Any, **kw: Any) -> Any:
+            _on_compile_end(str(kw.get("repr", "?")))
+            return prev_post(*args, **kw) if prev_post else None
+
+        rt_knobs.jit_cache_hook, rt_knobs.jit_post_compile_hook = pre, post
+        comp = getattr(knobs, "compilation", None)
+        if comp is not None and hasattr(comp, "listener"):
+            prev_listener = comp.listener
+
+            def listener(*args: Any, **kw: Any) -> None:
+                _SEAL.last_cache_hit = bool(kw.get("cache_hit"))
+                if prev_listener:
+                    prev_listener(*args, **kw)
+
+            comp.listener = listener
+        _SEAL.installed = "triton.knobs.runtime.jit_cache_hook"
+        return _SEAL.installed
+    jit_fn = getattr(getattr(triton, "runtime", None), "JITFunction", None)
+    if jit_fn is not None and hasattr(jit_fn, "cache_hook"):  # Triton < 3.4
+        prev = jit_fn.cache_hook
+
+        def hook(*args: Any, **kw: Any) -> Any:
+            _on_compile_start(str(kw.get("repr", "?")))
+            return prev(*args, **kw) if prev else None
+
+        jit_fn.cache_hook = hook
+        _SEAL.installed = "JITFunction.cache_hook"
+        return _SEAL.installed
+    log.warning("this Triton offers no compile hook: compiles after prewarm cannot be counted")
+    return ""
+
+
+def seal(strict: bool | None = None) -> None:
+    """From now on every Triton compile in this process is a cache miss (KernelCacheMiss if strict)."""
+    install_hooks()
+    with _SEAL.lock:
+        _SEAL.sealed = True
+        _SEAL.strict = runtime.current().strict if strict is None else bool(strict)
+
+
+def unseal() -> None:
+    """Lift the seal and forget the misses (tests; a new run in the same process)."""
+    with _SEAL.lock:
+        _SEAL.sealed = False
+        _SEAL.misses.clear()
+
+
+def jit_after_prewarm() -> int:
+    """Compiles since the seal (0 in a healthy run)."""
+    return len(_SEAL.misses)
+
+
+def cache_misses() -> list[str]:
+    return list(_SEAL.misses)
+
+
+# -- prewarm --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PrewarmReport:
+    compiled: int = 0  # Triton kernels compiled now
+    from_cache: int = 0  # loaded from the disk cache (or already in memory)
+    library: int = 0  # cuBLAS / SDPA shapes run once
+    failed: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    cache_dir: str = ""
+    specializations: set[tuple] = dataclasses.field(default_factory=set)  # dry runs: what would compile
+    per_key: list[tuple[str, str, float]] = dataclasses.field(default_factory=list)  # key, status, seconds
+
+    def line(self) -> str:
+        return (
+            f"prewarm: {self.compiled + self.from_cache} kernels ({self.compiled} compiled, {self.from_cache} "
+            f"from cache), {self.library} library shapes, {len(self.failed)} failed, {self.seconds:.1f} s; "
+            f"triton cache: {self.cache_dir}"
+        )
+
+
+def _tensor(shape: tuple[int, ...], dtype: str, device: Any, aligned: bool = True) -> torch.Tensor:
+    """A tensor of `shape` whose data pointer is 16-byte aligned or deliberately not."""
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.zeros(n + 16, dtype=tdt, device=device)
+    return buf[:n].view(shape) if aligned else buf[1 : n + 1].view(shape)
+
+
+def launch_for_key(key: KernelKey, device: Any) -> tuple:
+    """(kernel, grid, args, kwargs, outs) of a tiny launch that specializes exactly as `key` says,
+    built through the same launchers as real launches (the kernels/triton/*.py files)."""
+    al = [c == "1" for c in str(key.get("align", ""))]
+    if key.op in ("rmsnorm_fwd", "rmsnorm_bwd"):
+        from kdistill.kernels.triton import rmsnorm as k
+
+        h = key["H"]
+        if key.op == "rmsnorm_fwd":
+            x = _tensor((2, h), key["dtype"], device, al[0])
+            r = _tensor((2, h), key["r_dtype"], device, al[1]) if key["HAS_RESIDUAL"] else None
+            w = _tensor((h,), key["w_dtype"], device, al[2])
+            return k.fwd_launch(key, x, r, w, f64_value(key["EPS"]))
+        dy = _tensor((2, h), key["y_dtype"], device, al[0])
+        x = _tensor((2, h), key["dtype"], device, al[1])
+        w = _tensor((h,), key["w_dtype"], device, al[2])
+        rstd = _tensor((2,), "fp32", device, al[3])
+        ds = _tensor((2, h), key["ds_dtype"], device, al[4]) if key["HAS_DRES"] else None
+        return k.bwd_launch(key, dy, x, w, rstd, ds)
+    if key.op in ("rope_fwd", "rope_bwd"):
+        from kdistill.kernels.triton import rope as k
+
+        d = key["D"]
+        q = _tensor((1, key["HQ"], 2, d), key["dtype"], device, al[0])
+        kk = _tensor((1, key["HKV"], 2, d), key["dtype"], device, al[1])
+        cos, sin = _tensor((2, d), "fp32", device, al[2]), _tensor((2, d), "fp32", device, al[3])
+        return k.launch(key, q, kk, cos, sin, f64_value(key["THETA"]), inverse=key.op == "rope_bwd")
+    if key.op in ("swiglu_fwd", "swiglu_bwd"):
+        from kdistill.kernels.triton import swiglu as k
+
+        i = key["I"]
+        ts = [_tensor((2, i), key["dtype"], device, a) for a in al[: 2 if key.op == "swiglu_fwd" else 3]]
+        return k.fwd_launch(key, *ts) if key.op == "swiglu_fwd" else k.bwd_launch(key, *ts)
+    raise ValueError(f"no warm launch for {key.op}")
+
+
+def _warm(key: KernelKey, device: Any, dry: bool) -> tuple | None:
+    """Compile one key: JIT warmup on the GPU; in a dry run return Triton's specialization instead."""
+    if key.op == "kd_loss":
+        return _warm_kd_loss(key, device, dry)
+    kernel, grid, args, kwargs, _ = launch_for_key(key, device)
+    if dry:
+        from kdistill.kernels.contract import triton_specialization
+
+        return triton_specialization(kernel, args, kwargs, key.arch)
+    token = runtime.LAUNCHING.set(key)
+    try:
+        kernel.warmup(*args, grid=grid, **kwargs)
+    finally:
+        runtime.LAUNCHING.reset(token)
+    return None
+
+
+def _warm_kd_loss(key: KernelKey, device: Any, dry: bool) -> tuple | None:
+    """The KD loss head kernel is warmed by running its launcher on a 1-row chunk."""
+    if dry:
+        return None
+    from kdistill.kernels.triton.kd_loss import kd_loss_chunk_triton
+
+    v = key["vocab_size"]
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    s = torch.zeros((1, v), dtype=tdt[key["logits_dtype"]], device=device)
+    t = s.clone() if key["HAS_KD"] else None
+    gd = tdt[key["grad_dtype"]] if key["grad_dtype"] else None
+    from kdistill.ops.kd_loss import DIVERGENCE_IDS
+
+    div = {i: n for n, i in DIVERGENCE_IDS.items()}[key["DIVERGENCE"]]
+    token = runtime.LAUNCHING.set(key)
+    try:
+        kd_loss_chunk_triton(
+            s,
+            t,
+            torch.zeros(1, dtype=torch.int64, device=device),
+            alpha=0.5 if key["HAS_KD"] else 0.0,
+            temperature=1.0,
+            divergence=div,
+            need_grad=key["NEED_GRAD"],
+            grad_dtype=gd,
+            block_v=key["BLOCK_V"],
+        )
+    finally:
+        runtime.LAUNCHING.reset(token)
+    return None
+
+
+def _warm_library(key: KernelKey, device: Any) -> None:
+    """Run cuBLAS / SDPA once at the key's shape (forward, and backward when the key has grad)."""
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key["dtype"]]
+    grad = bool(key["grad"])
+    with torch.enable_grad() if grad else torch.no_grad():
+        if key.op == "gemm":
+            a = torch.zeros((key["M"], key["K"]), dtype=tdt, device=device, requires_grad=grad)
+            w = torch.zeros((key["N"], key["K"]), dtype=tdt, device=device, requires_grad=grad)
+            y = torch.nn.functional.linear(a, w)
+        else:
+            from kdistill.ops.attention import attention_reference
+
+            b, t, d = key["B"], key["T"], key["D"]
+            q = torch.zeros((b, key["HQ"], t, d), dtype=tdt, device=device, requires_grad=grad)
+            kv = [
+                torch.zeros((b, key["HKV"], t, d), dtype=tdt, device=device, requires_grad=grad)
+                for _ in range(2)
+            ]
+            y = attention_reference(q, *kv)
+        if grad:
+            y.backward(torch.ones_like(y))
+    del y
+
+
+def prewarm(keys: Iterable[KernelKey], device: Any = "cuda", *, dry: bool = False) -> PrewarmReport:
+    """Compile every Triton key (JIT warmup on tiny tensors that specialize as the key) and run every
+    library key once, before any model weight is on the GPU. dry=True compiles nothing: it returns the
+    specializations a prewarm would compile (works on a CPU; used by the contract tests)."""
+    report = PrewarmReport(cache_dir=setup_cache_dir())
+    if not dry:
+        install_hooks()
+    t0 = time.perf_counter()
+    for key in sorted(set(keys)):
+        if key.is_library:
+            if not dry:
+                _warm_library(key, device)
+                report.library += 1
+            continue
+        n_events = len(_SEAL.events)
+        t1 = time.perf_counter()
+        try:
+            spec = _warm(key, device, dry)
+        except KernelCacheMiss:
+            raise
+        except Exception as e:
+            report.failed.append(f"{key}: {e.__class__.__name__}: {' '.join(str(e).split())[:200]}")
+            report.per_key.append((str(key), "failed", time.perf_counter() - t1))
+            if runtime.current().strict:
+                raise
+            continue
+        if dry:
+            if spec is not None:
+                report.specializations.add(spec)
+            continue
+        new = _SEAL.events[n_events:]
+        compiled = any(hit is not True for _, _, hit in new) if new else False
+        report.compiled += compiled
+        report.from_cache += not compiled
+        report.per_key.append((str(key), "compiled" if compiled else "cached", time.perf_counter() - t1))
+        if _log_kernels() and not new:
+            _emit(f"kernel already in memory: {key}")
+    if not dry and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+# -- the command ----------------------------------------------------------------------------------
+def resolve_config(config: str | None, overrides: list[str] | tuple[str, ...] = ()):
+    """(RunConfig, teacher_spec, student_spec) from a YAML path or a 'TEACHER:STUDENT' pair of presets
+    or model directories."""
+    from kdistill.config import load_config
+    from kdistill.models.spec import load_spec
+
+    if not config:
+        raise UserError("expected CONFIG: a YAML run config or a preset pair like qwen2.5-1.5b:qwen2.5-0.5b")
+    if Path(config).is_file() or config.endswith((".yaml", ".yml")) or ":" not in config:
+        cfg = load_config(config, list(overrides))
+    else:
+        teacher, student = config.split(":", 1)
+        cfg = load_config(None, [f"teacher.path={teacher}", f"student.path={student}", *overrides])
+    cfg.validate()
+    return cfg, load_spec(cfg.teacher.path), load_spec(cfg.student.path)
+
+
+def prewarm_command(args: argparse.Namespace) -> int:
+    """`kdistill prewarm CONFIG`: compile the run's kernel plan on this GPU and report count and time."""
+    from kdistill.kernels.plan import required_kernels
+
+    cfg, teacher, student = resolve_config(args.config, getattr(args, "overrides", []) or [])
+    if not torch.cuda.is_available():
+        raise UserError(
+            "prewarm: no CUDA GPU on this machine (prewarm compiles for the GPU it runs on); to check that the "
+            f"plan compiles without a GPU run: kdistill kernels build --arch sm_90 {args.config}"
+        )
+    device = cfg.runtime.device if cfg.runtime.device.startswith("cuda") else "cuda"
+    rt = runtime.configure(cfg, kernels="triton", device=device)
+    plan = required_kernels(teacher, student, cfg, rt.arch)
+    report = prewarm(plan, device)
+    print(report.line())
+    for failure in report.failed:
+        print(f"  failed: {failure}")
+    return 1 if report.failed else 0

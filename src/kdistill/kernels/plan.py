@@ -1,0 +1,212 @@
+"""The kernel plan: every kernel key a run launches, from the two specs and the run config alone.
+
+    keys = required_kernels(teacher_spec, student_spec, run, "sm_90")    # pure; no GPU, no weights
+
+It calls the same key functions as the dispatcher (kernels/keys.py), walking the decoder's op
+sequence with the dtypes the training loop uses (`precision`): the teacher in the compute dtype
+without grad; the student with fp32 master weights under autocast (bf16 on a GPU), forward with and
+without grad (training and eval) and backward; the KD loss head for training and held-out eval.
+The property test in tests/test_contract.py proves plan ⊇ launched keys for random specs and runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kdistill.kernels import keys
+from kdistill.models.spec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Dtypes of a run, as the training loop sets them (train/loop.py resolve_device and loading)."""
+
+    compute: str  # autocast dtype of the linears on a GPU ("fp32": no autocast)
+    teacher_weights: str  # the teacher is loaded in the compute dtype
+    student_weights: str  # fp32 master weights
+
+    @property
+    def autocast(self) -> bool:
+        return self.compute != "fp32"
+
+
+def precision(run, arch: str) -> Precision:
+    """runtime.dtype auto -> bf16 for a GPU arch, fp32 for 'cpu'."""
+    d = run.runtime.dtype
+    compute = ("fp32" if arch == "cpu" else "bf16") if d == "auto" else keys.dtype_name(d)
+    return Precision(compute=compute, teacher_weights=compute, student_weights="fp32")
+
+
+def _linear_out(x: str, w: str, prec: Precision) -> str:
+    """Dtype of nn.Linear's output: the autocast dtype under autocast, else the promotion."""
+    return prec.compute if prec.autocast else keys.promote(x, w)
+
+
+def model_kernels(
+    spec: ModelSpec, arch: str, prec: Precision, weights: str, *, grad: bool, batch: int, seq: int
+) -> set[keys.KernelKey]:
+    """Keys of one decoder's forward (and backward if grad), following Decoder.forward op by op."""
+    out: set[keys.KernelKey] = set()
+    h, eps = spec.hidden_size, spec.rms_eps
+    w = weights
+    emb = weights  # embedding output dtype (autocast leaves embeddings alone)
+
+    def norm(x: str, residual: str | None, hidden: int) -> str:
+        """Adds the rmsnorm keys of one call; returns y's dtype."""
+        out.add(
+            keys.rmsnorm_fwd_key(
+                arch,
+                hidden=hidden,
+                eps=eps,
+                dtype=x,
+                w_dtype=w,
+                residual=residual is not None,
+                r_dtype=residual,
+            )
+        )
+        s_dtype = keys.promote(x, residual) if residual is not None else x
+        if grad:
+            for has_dres in (False, True) if residual is not None else (False,):
+                out.add(
+                    keys.rmsnorm_bwd_key(arch, hidden=hidden, dtype=s_dtype, w_dtype=w, has_dres=has_dres)
+                )
+        return keys.promote(s_dtype, w)
+
+    x = emb
+    if spec.num_layers == 0:
+        norm(x, None, h)
+        return out
+    residual = emb
+    x = norm(x, None, h)
+    for _ in range(min(spec.num_layers, 2)):  # dtypes are the same from the second layer on
+        q = _linear_out(x, w, prec)  # q_proj, k_proj: same dtype
+        if spec.qk_norm:
+            q = norm(q, None, spec.head_dim)
+        out.add(
+            keys.rope_fwd_key(
+                arch,
+                head_dim=spec.head_dim,
+                q_heads=spec.num_heads,
+                kv_heads=spec.num_kv_heads,
+                theta=spec.rope_theta,
+                dtype=q,
+            )
+        )
+        if grad:
+            out.add(
+                keys.rope_bwd_key(
+                    arch,
+                    head_dim=spec.head_dim,
+                    q_heads=spec.num_heads,
+                    kv_heads=spec.num_kv_heads,
+                    theta=spec.rope_theta,
+                    dtype=q,
+                )
+            )
+        out.add(
+            keys.sdpa_key(
+                arch,
+                batch=batch,
+                q_heads=spec.num_heads,
+                kv_heads=spec.num_kv_heads,
+                seq=seq,
+                head_dim=spec.head_dim,
+                dtype=q,
+                grad=grad,
+            )
+        )
+        a = _linear_out(q, w, prec)  # o_proj
+        x = norm(a, residual, h)
+        residual = keys.promote(a, residual)
+        gate = _linear_out(x, w, prec)  # gate_proj, up_proj
+        out.add(keys.swiglu_fwd_key(arch, inter=spec.intermediate_size, dtype=gate))
+        if grad:
+            out.add(keys.swiglu_bwd_key(arch, inter=spec.intermediate_size, dtype=gate))
+        m = _linear_out(gate, w, prec)  # down_proj
+        x = norm(m, residual, h)
+        residual = keys.promote(m, residual)
+    return out
+
+
+def gemm_kernels(
+    spec: ModelSpec, arch: str, dtype: str, *, grad: bool, tokens: int, chunk: int
+) -> set[keys.KernelKey]:
+    """Library keys for the decoder's linears at the run's token count and the lm_head chunk GEMMs."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    shapes = {(spec.q_size, h), (spec.kv_size, h), (h, spec.q_size), (i, h), (h, i)}
+    out = {keys.gemm_key(arch, m=tokens, n=n, k=k, dtype=dtype, grad=grad) for n, k in shapes}
+    out.add(
+        keys.gemm_key(
+            arch, m=min(chunk, tokens), n=spec.vocab_size, k=h, dtype="fp32" if grad else dtype, grad=grad
+        )
+    )
+    return out
+
+
+def kd_kernels(
+    teacher: ModelSpec, student: ModelSpec, run, arch: str, prec: Precision
+) -> set[keys.KernelKey]:
+    """The KD loss head: training (the run's divergence, with grad) and held-out eval (no grad)."""
+    try:
+        import kdistill.kernels.triton.kd_loss  # noqa: F401
+    except ImportError:
+        return set()
+    kd = run.kd
+    out = set()
+    grad_dtype = prec.student_weights
+    v_s = student.vocab_size
+    out.add(
+        keys.kd_loss_key(
+            arch,
+            vocab_size=v_s,
+            divergence=kd.divergence,
+            logits_dtype="fp32",
+            has_kd=kd.alpha > 0,
+            need_grad=True,
+            grad_dtype=grad_dtype,
+        )
+    )
+    for v in {v_s, teacher.vocab_size}:
+        out.add(
+            keys.kd_loss_key(
+                arch,
+                vocab_size=v,
+                divergence="forward_kl",
+                logits_dtype="fp32",
+                has_kd=True,
+                need_grad=False,
+                grad_dtype=None,
+            )
+        )
+        out.add(
+            keys.kd_loss_key(
+                arch,
+                vocab_size=v,
+                divergence="forward_kl",
+                logits_dtype="fp32",
+                has_kd=False,
+                need_grad=False,
+                grad_dtype=None,
+            )
+        )
+    return out
+
+
+def required_kernels(teacher_spec: ModelSpec, student_spec: ModelSpec, run, arch: str) -> set[keys.KernelKey]:
+    """Every kernel key (Triton and library) the run launches: teacher forward without grad, student
+    forward with and without grad and its backward, the KD loss head; for `arch` (e.g. 'sm_90')."""
+    arch = arch if arch == "cpu" else keys.normalize_arch(arch)
+    prec = precision(run, arch)
+    b, t = run.schedule.batch_size, run.data.seq_len
+    out = model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, batch=b, seq=t)
+    out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=False, batch=b, seq=t)
+    out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, batch=b, seq=t)
+    out |= gemm_kernels(teacher_spec, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
+    out |= gemm_kernels(student_spec, arch, prec.compute, grad=True, tokens=b * t, chunk=run.kd.chunk_size)
+    out |= kd_kernels(teacher_spec, student_spec, run, arch, prec)
+    return out
+
+
+def triton_keys(plan: set[keys.KernelKey]) -> list[keys.KernelKey]:
+    """The plan's Triton kernels (library keys left out), in a stable order."""
+    return sorted(k for k in plan if not k.is_library)

@@ -1,0 +1,217 @@
+"""Triton RMSNorm fused with the residual add: kernels, launchers and the autograd Function.
+
+    s = x + residual            (HAS_RESIDUAL; stored, rounded to x's dtype like the reference)
+    y = (s * rstd).to(dtype) * w,   rstd = 1 / sqrt(mean(s^2) + eps)   (fp32 statistics)
+
+Forward: each program normalizes a (BLOCK_M x BLOCK_H) tile of rows and saves rstd (fp32 per row).
+Backward: programs stride over row blocks, write dx (+ the gradient that reached s) and accumulate a
+per-program fp32 partial of dw; the partials are summed by torch. Qwen3's per-head q/k norm is the
+same kernel with H = head_dim. Tile sizes and warps come from the kernel key (kernels/keys.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdistill.errors import KernelError
+from kdistill.kernels.keys import KernelKey, launch_options
+
+MAX_BWD_PROGRAMS = 1024  # partial dw rows; not a specialization (a runtime grid size)
+INT32_MAX = 2**31 - 1
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def rmsnorm_fwd_kernel(
+    X,
+    R,
+    W,
+    Y,
+    S,
+    RSTD,
+    n_rows,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    EPS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_H)
+    rmask = rows < n_rows
+    cmask = cols < H
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    xf = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (xf + r).to(S.dtype.element_ty)  # rounded to the sum's dtype, as the reference's x + residual
+        tl.store(S + offs, s, mask=mask)
+        xf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / H + EPS)  # (BLOCK_M,)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        n = (xf * rstd[:, None]).to(S.dtype.element_ty).to(tl.float32)
+    else:
+        n = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + offs, (n * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def rmsnorm_bwd_kernel(
+    DY,
+    X,
+    W,
+    RSTD,
+    DS,
+    DX,
+    DW,
+    n_rows,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for start in range(pid * BLOCK_M, n_rows, nprog * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < n_rows
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        n = x * rstd[:, None]
+        dn = dy * w[None, :]
+        c = tl.sum(dn * n, axis=1) / H
+        dx = rstd[:, None] * (dn - n * c[:, None])
+        if HAS_DRES:
+            dx += tl.load(DS + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+    tl.store(DW + pid.to(tl.int64) * H + cols, dw, mask=cmask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if x2.numel() > INT32_MAX:
+        raise KernelError(f"rmsnorm: {x2.numel()} elements exceed int32 indexing of rows")
+    return x2
+
+
+def fwd_launch(
+    key: KernelKey, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+):
+    """(kernel, grid, args, kwargs, outputs) for the forward of `key`; problem constants come from the
+    call (x, eps, residual), tiles and warps from the key."""
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    n_rows, h = x2.shape
+    s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    y = torch.empty(x2.shape, dtype=torch.promote_types(s_dtype, weight.dtype), device=x.device)
+    s = torch.empty(x2.shape, dtype=s_dtype, device=x.device) if residual is not None else y  # S aliases Y
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n_rows, key["BLOCK_M"]),)
+    args = (x2, r2, weight, y, s, rstd, n_rows)
+    kwargs = dict(
+        H=h,
+        BLOCK_H=key["BLOCK_H"],
+        BLOCK_M=key["BLOCK_M"],
+        EPS=float(eps),
+        HAS_RESIDUAL=residual is not None,
+        **launch_options(key),
+    )
+    return rmsnorm_fwd_kernel, grid, args, kwargs, (y, s, rstd)
+
+
+def bwd_launch(
+    key: KernelKey,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    ds: torch.Tensor | None,
+):
+    """(kernel, grid, args, kwargs, (dx, dw_partial)) for the backward of `key`. x is the normalized
+    input (x + residual when fused)."""
+    dy2, x2 = _rows(dy), _rows(x)
+    ds2 = _rows(ds) if ds is not None else dy2
+    n_rows, h = x2.shape
+    nprog = max(1, min(triton.cdiv(n_rows, key["BLOCK_M"]), MAX_BWD_PROGRAMS))
+    dx = torch.empty_like(x2)
+    dw = torch.empty((nprog, h), dtype=torch.float32, device=x.device)
+    args = (dy2, x2, weight, rstd, ds2, dx, dw, n_rows)
+    kwargs = dict(
+        H=h, BLOCK_H=key["BLOCK_H"], BLOCK_M=key["BLOCK_M"], HAS_DRES=ds is not None, **launch_options(key)
+    )
+    return rmsnorm_bwd_kernel, (nprog,), args, kwargs, (dx, dw)
+
+
+def _run(launch) -> tuple:
+    kernel, grid, args, kwargs, outs = launch
+    kernel[grid](*args, **kwargs)
+    return outs
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """(y, s) = add_rmsnorm(x, residual, w, eps), or y alone when residual is None. The forward key is
+    given; `bwd_key_fn(dy, normed, weight, rstd, ds)` (the dispatcher) computes and records the backward
+    key; `on_bwd_failure(key, exc)` warns once (raises in strict mode) before the reference backward."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, fwd_key, bwd_key_fn, on_bwd_failure):
+        y, s, rstd = _run(fwd_launch(fwd_key, x, residual, weight, eps))
+        ctx.set_materialize_grads(False)
+        ctx.has_residual = residual is not None
+        ctx.shape, ctx.eps = x.shape, eps
+        ctx.bwd_key_fn, ctx.on_bwd_failure = bwd_key_fn, on_bwd_failure
+        normed = s if residual is not None else _rows(x)
+        ctx.save_for_backward(normed, weight, rstd)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        if residual is None:
+            return y
+        return y, s.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dy, ds = grads[0], (grads[1] if ctx.has_residual else None)
+        normed, weight, rstd = ctx.saved_tensors
+        if dy is None and ds is None:
+            return None, None, None, None, None, None, None
+        if dy is None:
+            dy = torch.zeros(
+                normed.shape, dtype=torch.promote_types(normed.dtype, weight.dtype), device=normed.device
+            )
+        key = ctx.bwd_key_fn(dy, normed, weight, rstd, ds)
+        try:
+            dx, dw = _run(bwd_launch(key, dy, normed, weight, rstd, ds))
+            dw = dw.sum(0).to(weight.dtype)
+        except Exception as e:  # a kernel problem never kills a run: reference backward
+            ctx.on_bwd_failure(key, e)
+            dx, dw = reference_backward(dy, normed, weight, ctx.eps, ds)
+        dx = dx.view(ctx.shape)
+        return dx, (dx if ctx.has_residual else None), dw, None, None, None, None
+
+
+def reference_backward(dy, normed, weight, eps, ds):
+    """Backward through the PyTorch reference (recomputes the forward from the saved input)."""
+    from kdistill.ops.rmsnorm import rmsnorm_reference
+
+    with torch.enable_grad():
+        xs = normed.detach().reshape(-1, normed.shape[-1]).requires_grad_(True)
+        ws = weight.detach().requires_grad_(True)
+        y = rmsnorm_reference(xs, ws, eps)
+        dx, dw = torch.autograd.grad(y, (xs, ws), dy.reshape(y.shape))
+    if ds is not None:
+        dx = dx + ds.reshape(dx.shape)
+    return dx, dw

@@ -1,0 +1,210 @@
+"""Triton RoPE on q and k (half-rotation layout) from cos/sin tables: kernels, launchers, autograd.
+
+    forward:  o1 = x1 cos1 - x2 sin1,   o2 = x2 cos2 + x1 sin2        (x1, x2: the two halves of a head)
+    backward: d1 = g1 cos1 + g2 sin2,   d2 = g2 cos2 - g1 sin1        (the transposed rotation)
+
+One program per (batch, position) rotates every q head and every k head there. q (B, Hq, T, D) and
+k (B, Hkv, T, D) may be strided views (the decoder's transposed projections); the last dim must be
+contiguous. cos and sin are fp32 (T', D) tables with T' >= T; they are cast to q's dtype before use,
+as the reference does. THETA is a constexpr that names the tables (the key carries it as bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdistill.errors import KernelError
+from kdistill.kernels.keys import KernelKey, launch_options
+
+INT32_MAX = 2**31 - 1
+
+
+@triton.jit
+def _rotate(
+    X,
+    O,
+    base,
+    sh,
+    COS,
+    SIN,
+    t,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NH: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
+    half: tl.constexpr = D // 2
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < half
+    trow = t.to(tl.int64) * D
+    c1 = tl.load(COS + trow + d, mask=dmask, other=0.0).to(X.dtype.element_ty).to(tl.float32)
+    c2 = tl.load(COS + trow + half + d, mask=dmask, other=0.0).to(X.dtype.element_ty).to(tl.float32)
+    s1 = tl.load(SIN + trow + d, mask=dmask, other=0.0).to(X.dtype.element_ty).to(tl.float32)
+    s2 = tl.load(SIN + trow + half + d, mask=dmask, other=0.0).to(X.dtype.element_ty).to(tl.float32)
+    h = tl.arange(0, BLOCK_H)
+    mask = (h < NH)[:, None] & dmask[None, :]
+    offs = base + h.to(tl.int64)[:, None] * sh + d[None, :]
+    x1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + offs + half, mask=mask, other=0.0).to(tl.float32)
+    if INVERSE:
+        o1 = x1 * c1[None, :] + x2 * s2[None, :]
+        o2 = x2 * c2[None, :] - x1 * s1[None, :]
+    else:
+        o1 = x1 * c1[None, :] - x2 * s1[None, :]
+        o2 = x2 * c2[None, :] + x1 * s2[None, :]
+    tl.store(O + offs, o1.to(O.dtype.element_ty), mask=mask)
+    tl.store(O + offs + half, o2.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["T", "sqb", "sqh", "sqt", "skb", "skh", "skt"])
+def rope_fwd_kernel(
+    Q,
+    K,
+    COS,
+    SIN,
+    QO,
+    KO,
+    T,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,
+    D: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    THETA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // T).to(tl.int64)
+    t = pid % T
+    _rotate(Q, QO, b * sqb + t.to(tl.int64) * sqt, sqh, COS, SIN, t, D, BLOCK_D, HQ, BLOCK_HQ, False)
+    _rotate(K, KO, b * skb + t.to(tl.int64) * skt, skh, COS, SIN, t, D, BLOCK_D, HKV, BLOCK_HKV, False)
+
+
+@triton.jit(do_not_specialize=["T", "sqb", "sqh", "sqt", "skb", "skh", "skt"])
+def rope_bwd_kernel(
+    Q,
+    K,
+    COS,
+    SIN,
+    QO,
+    KO,
+    T,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,
+    D: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    THETA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // T).to(tl.int64)
+    t = pid % T
+    _rotate(Q, QO, b * sqb + t.to(tl.int64) * sqt, sqh, COS, SIN, t, D, BLOCK_D, HQ, BLOCK_HQ, True)
+    _rotate(K, KO, b * skb + t.to(tl.int64) * skt, skh, COS, SIN, t, D, BLOCK_D, HKV, BLOCK_HKV, True)
+
+
+def _prep(x: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def _table(c: torch.Tensor, t: int, d: int) -> torch.Tensor:
+    c = c.reshape(-1, c.shape[-1])
+    if c.dtype != torch.float32 or not c.is_contiguous():
+        c = c.float().contiguous()
+    if c.shape[0] < t or c.shape[1] != d:
+        raise KernelError(f"rope: cos/sin table {tuple(c.shape)} does not cover (T={t}, D={d})")
+    return c
+
+
+def launch(
+    key: KernelKey,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    theta: float,
+    inverse: bool,
+):
+    """(kernel, grid, args, kwargs, (q_out, k_out)). q (B, Hq, T, D), k (B, Hkv, T, D), any dense strides."""
+    q, k = _prep(q), _prep(k)
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    cos, sin = _table(cos, t, d), _table(sin, t, d)
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    if qo.stride() != q.stride() or ko.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+    ints = (t, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    if max(ints) > INT32_MAX or b * t > INT32_MAX:
+        raise KernelError("rope: strides exceed int32")
+    kwargs = dict(
+        D=d,
+        HQ=hq,
+        HKV=hkv,
+        BLOCK_D=key["BLOCK_D"],
+        BLOCK_HQ=key["BLOCK_HQ"],
+        BLOCK_HKV=key["BLOCK_HKV"],
+        THETA=float(theta),
+        **launch_options(key),
+    )
+    kernel = rope_bwd_kernel if inverse else rope_fwd_kernel
+    return kernel, (b * t,), (q, k, cos, sin, qo, ko, *ints), kwargs, (qo, ko)
+
+
+def _run(spec) -> tuple:
+    kernel, grid, args, kwargs, outs = spec
+    kernel[grid](*args, **kwargs)
+    return outs
+
+
+class RopeFunction(torch.autograd.Function):
+    """(q', k') = rope(q, k, cos, sin). `bwd_key_fn(dq, dk, cos, sin)` computes and records the backward
+    key; `on_bwd_failure(key, exc)` warns once (raises in strict mode) before the reference backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, theta, fwd_key, bwd_key_fn, on_bwd_failure):
+        qo, ko = _run(launch(fwd_key, q, k, cos, sin, theta, inverse=False))
+        ctx.save_for_backward(cos, sin)
+        ctx.theta, ctx.bwd_key_fn, ctx.on_bwd_failure = theta, bwd_key_fn, on_bwd_failure
+        ctx.set_materialize_grads(True)
+        return qo, ko
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        key = ctx.bwd_key_fn(dq, dk, cos, sin)
+        try:
+            gq, gk = _run(launch(key, dq, dk, cos, sin, ctx.theta, inverse=True))
+        except Exception as e:  # a kernel problem never kills a run: reference backward
+            ctx.on_bwd_failure(key, e)
+            gq, gk = reference_backward(dq, dk, cos, sin)
+        return gq, gk, None, None, None, None, None, None
+
+
+def reference_backward(dq, dk, cos, sin):
+    """The transposed rotation with PyTorch ops (the reference is linear in q and k)."""
+    from kdistill.ops.rope import rope_reference
+
+    with torch.enable_grad():
+        q = torch.zeros_like(dq, requires_grad=True)
+        k = torch.zeros_like(dk, requires_grad=True)
+        qo, ko = rope_reference(q, k, cos, sin)
+        return torch.autograd.grad((qo, ko), (q, k), (dq, dk))
