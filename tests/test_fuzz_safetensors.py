@@ -125,11 +125,12 @@ def test_gigabyte_header_length_does_not_allocate(tmp_path):
     lie.write_bytes(struct.pack("<Q", 2**63) + b"{}")
     tracemalloc.start()
     try:
+        messages = []
         for p in (big, lie):
             try:
                 read_safetensors_header(p)
-            except UserError:
-                pass
+            except UserError as e:
+                messages.append(str(e))
             else:
                 raise AssertionError(f"{p} was accepted")
         peak = tracemalloc.get_traced_memory()[1]
@@ -137,3 +138,5 @@ def test_gigabyte_header_length_does_not_allocate(tmp_path):
         tracemalloc.stop()
         os.unlink(big)
     assert peak < 1 << 20
+    assert messages[0] == f"{big}: safetensors header length 157286400 exceeds the 104857600 byte limit"
+    assert "runs past the end of the file (10 bytes)" in messages[1]

@@ -107,8 +107,8 @@ def refusal(path: Path, fmt: str) -> str:
     if fmt == "gguf":
         return (
             f"{path}: is a GGUF (llama.cpp) file; kdistill reads Hugging Face safetensors only: convert it "
-            f"first (transformers AutoModelForCausalLM.from_pretrained(dir, gguf_file=...) then "
-            f"save_pretrained, or llama.cpp's GGUF-to-HF conversion) and pass the safetensors directory"
+            f"first (transformers: AutoModelForCausalLM.from_pretrained(DIR, gguf_file=FILE) then "
+            f"save_pretrained(OUT), which writes safetensors) and pass that directory"
         )
     if fmt == "apr":
         return (
@@ -168,7 +168,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]
         raise UserError(f"{path}: corrupt safetensors header (not UTF-8 at byte {8 + e.start})") from None
     except json.JSONDecodeError as e:
         raise UserError(
-            f"{path}: corrupt safetensors header (not valid JSON: {e.msg} at byte {8 + e.pos})"
+            f"{path}: corrupt safetensors header (not valid JSON: {e.msg.removesuffix(' at')} at byte {8 + e.pos})"
         ) from None
     except (ValueError, RecursionError) as e:
         raise UserError(
