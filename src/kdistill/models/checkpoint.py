@@ -572,8 +572,3 @@ def save_model(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def spec_dtype_name(st_dtype: str) -> str:
-    """torch dtype name ("bfloat16") of a safetensors dtype name ("BF16")."""
-    return DTYPE_NAMES.get(st_dtype, st_dtype)
