@@ -595,8 +595,7 @@ def _write_cache_file(path: Path, docs: TokenDocs) -> None:
             f.write(_CACHE_MAGIC + struct.pack("<I", len(header)) + header)
             for a in arrays:
                 f.write(memoryview(a).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
+        # No fsync: a file damaged by a crash fails its checksum on load and is rebuilt.
         os.replace(tmp, path)
     except BaseException:
         try:
