@@ -876,7 +876,7 @@ def prepare_data(
     n_held_docs = sum(len(i) for _, i in held_sel)
     if len(train) == 0:
         raise UserError(
-            f"data.train: {len(train_stream)} training tokens from {n_train_docs} documents, need at "
+            f"data.train: {len(train_stream)} training tokens from {_plural(n_train_docs, 'document')}, need at "
             f"least seq_len + 1 = {seq_len + 1} for one sequence (add data or lower data.seq_len)"
         )
     if need_held and len(heldout) == 0:
@@ -886,7 +886,7 @@ def prepare_data(
             else ("add more documents, raise data.heldout_fraction, or give data.heldout paths")
         )
         raise UserError(
-            f"data: the held-out side has {len(held_stream)} tokens from {n_held_docs} documents, "
+            f"data: the held-out side has {len(held_stream)} tokens from {_plural(n_held_docs, 'document')}, "
             f"need at least seq_len + 1 = {seq_len + 1} for one sequence ({how}; or lower data.seq_len)"
         )
     stats = {
@@ -909,6 +909,10 @@ def prepare_data(
         "cache_rebuilt": cache.rebuilt,
     }
     return PreparedData(train, heldout, stats)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 # ---------------------------------------------------------------------------------------------------
