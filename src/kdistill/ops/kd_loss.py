@@ -164,8 +164,13 @@ def kd_loss_dense(
 # ---------------------------------------------------------------------------------------------
 
 
-def _logaddexp_w(x: torch.Tensor, log_wx: float, y: torch.Tensor, log_wy: float) -> torch.Tensor:
-    """log(wx e^x + wy e^y), stable: used for the mixtures m, r, r'."""
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum_j x_ij y_ij per row, (c, V) x (c, V) -> (c,), without a (c, V) product temporary."""
+    return torch.einsum("ij,ij->i", x, y)
+
+
+def _log_mix(x: torch.Tensor, log_wx: float, y: torch.Tensor, log_wy: float) -> torch.Tensor:
+    """log(wx e^x + wy e^y), stable: the log of the mixtures m, r, r'."""
     return torch.logaddexp(x + log_wx, y + log_wy)
 
 
@@ -174,50 +179,55 @@ def divergence_rows(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-row D(p || q) (c,) and dD/da (c, V) from teacher/student log-probabilities (c, V).
 
-    a = student logits / T; see the module docstring for the formulas.
+    a = student logits / T; see the module docstring for the formulas. Inputs are not modified;
+    temporaries are freed as soon as possible (this is the CPU training path too).
     """
-    q = logq.exp()
     lb, l1b = math.log(beta), math.log1p(-beta)
     grad = None
     if divergence == "forward_kl":
         p = logp.exp()
-        d = (p * (logp - logq)).sum(-1)
+        d = _rowdot(p, logp - logq)
         if need_grad:
-            grad = q - p
+            grad = logq.exp().sub_(p)  # q - p
     elif divergence == "reverse_kl":
+        q = logq.exp()
         diff = logq - logp
-        d = (q * diff).sum(-1)
+        d = _rowdot(q, diff)
         if need_grad:
-            grad = q * (diff - d[:, None])
+            grad = diff.sub_(d[:, None]).mul_(q)  # q (log q - log p - D)
     elif divergence == "jsd":
-        p = logp.exp()
-        logm = _logaddexp_w(logp, lb, logq, l1b)
-        kl_qm = (q * (logq - logm)).sum(-1)
-        d = beta * (p * (logp - logm)).sum(-1) + (1 - beta) * kl_qm
+        logm = _log_mix(logp, lb, logq, l1b)
+        kl_pm = _rowdot(logp.exp(), logp - logm)
+        q = logq.exp()
+        diff = logq.sub(logm)  # log(q / m)
+        del logm
+        kl_qm = _rowdot(q, diff)
+        d = beta * kl_pm + (1 - beta) * kl_qm
         if need_grad:
-            grad = (1 - beta) * q * (logq - logm - kl_qm[:, None])
+            grad = diff.sub_(kl_qm[:, None]).mul_(q).mul_(1 - beta)  # (1-b) q (log(q/m) - KL(q||m))
     elif divergence == "tvd":
-        p = logp.exp()
-        diff = q - p
+        q = logq.exp()
+        diff = q - logp.exp()  # q - p
         d = 0.5 * diff.abs().sum(-1)
         if need_grad:
-            sgn = diff.sign()
-            grad = 0.5 * q * (sgn - (q * sgn).sum(-1, keepdim=True))
+            sgn = diff.sign_()
+            grad = sgn.sub_(_rowdot(q, sgn)[:, None]).mul_(q).mul_(0.5)  # q/2 (sgn - <q, sgn>)
     elif divergence == "skew_kl":
-        p = logp.exp()
-        logr = _logaddexp_w(logp, lb, logq, l1b)
-        d = (p * (logp - logr)).sum(-1)
+        logr = _log_mix(logp, lb, logq, l1b)
+        d = _rowdot(logp.exp(), logp - logr)
         if need_grad:
-            ratio = (logp - logr).exp()  # p / r <= 1 / beta
-            grad = -(1 - beta) * q * (ratio - (q * ratio).sum(-1, keepdim=True))
+            q = logq.exp()
+            ratio = logp.sub(logr).exp_()  # p / r <= 1 / beta
+            grad = ratio.sub_(_rowdot(q, ratio)[:, None]).mul_(q).mul_(-(1 - beta))
     elif divergence == "skew_reverse_kl":
-        logr = _logaddexp_w(logq, lb, logp, l1b)
-        diff = logq - logr
-        d = (q * diff).sum(-1)
+        q = logq.exp()
+        diff = logq.sub(_log_mix(logq, lb, logp, l1b))  # log(q / r')
+        d = _rowdot(q, diff)
         if need_grad:
             ratio = diff.exp()  # q / r' <= 1 / beta
-            c = (q * ratio).sum(-1, keepdim=True)
-            grad = q * (diff - d[:, None] - beta * (ratio - c))
+            c = _rowdot(q, ratio)
+            # q (log(q/r') - D - beta (q/r' - <q, q/r'>))
+            grad = diff.sub_(d[:, None]).sub_(ratio.sub_(c[:, None]).mul_(beta)).mul_(q)
     else:
         raise UserError(f"kd.divergence is '{divergence}', expected one of: {', '.join(DIVERGENCES)}")
     return d, grad
@@ -241,7 +251,8 @@ def chunk_divergence_reference(
 
     Args:
         s_logits: (c, V) student logits (any float dtype). t_logits: (c, V) teacher logits, or None
-            (then no KD term: alpha must be 0). labels: (c,) int64.
+            (then no KD term: alpha must be 0). labels: (c,) int64. Both logits tensors are consumed:
+            they may be overwritten (as the Triton launcher does), so pass copies to keep them.
         grad_scale: multiplies the returned gradient (the loop passes 1 / n_tokens).
         need_grad: False skips the gradient (returns None). grad_dtype: dtype of the gradient
             (default: the compute dtype).
@@ -253,30 +264,33 @@ def chunk_divergence_reference(
         `kd_loss_chunk_triton` has this exact signature and contract.
     """
     cdt = torch.float64 if s_logits.dtype == torch.float64 else torch.float32
-    s = s_logits.to(cdt)
+    s = s_logits.to(cdt)  # (c, V), no copy when already fp32
     valid = labels != ignore_index
-    vf = valid.to(cdt)
+    vf = valid.to(cdt)  # (c,)
     safe = torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)  # (c, 1)
     lse = torch.logsumexp(s, dim=-1)  # (c,)
     ce_rows = (lse - s.gather(1, safe).squeeze(1)) * vf
-    has_kd = alpha > 0
-    if has_kd and t_logits is None:
-        raise ValueError("chunk_divergence_reference: alpha > 0 needs teacher logits")
+    grad = None
+    if need_grad:  # the CE part first, while s still holds the logits
+        grad = (s - lse[:, None]).exp_().scatter_add_(1, safe, torch.full_like(s[:, :1], -1.0))
+        grad.mul_(1 - alpha)  # (1 - alpha)(softmax(s) - onehot(y))
     kd_rows = torch.zeros_like(ce_rows)
-    dd = None
-    if has_kd:
-        logq = torch.log_softmax(s / temperature, dim=-1)
-        logp = torch.log_softmax(t_logits.to(cdt) / temperature, dim=-1)
+    if alpha > 0:
+        if t_logits is None:
+            raise ValueError("chunk_divergence_reference: alpha > 0 needs teacher logits")
+        logq = s.div_(temperature)  # s is consumed from here on
+        logq -= torch.logsumexp(logq, dim=-1, keepdim=True)
+        logp = t_logits.to(cdt).div_(temperature)
+        logp -= torch.logsumexp(logp, dim=-1, keepdim=True)
+        del s
         d, dd = divergence_rows(logp, logq, divergence, beta, need_grad)
         del logq, logp
         kd_rows = temperature**2 * d * vf
-    loss_rows = (1 - alpha) * ce_rows + alpha * kd_rows
-    grad = None
-    if need_grad:
-        grad = (s - lse[:, None]).exp_().scatter_add_(1, safe, torch.full_like(s[:, :1], -1.0))
-        grad.mul_(1 - alpha)
-        if dd is not None:
+        if need_grad:
             grad.add_(dd, alpha=alpha * temperature)
+            del dd
+    loss_rows = (1 - alpha) * ce_rows + alpha * kd_rows
+    if need_grad:
         grad.mul_((vf * grad_scale)[:, None])
         if grad_dtype is not None:
             grad = grad.to(grad_dtype)
