@@ -228,7 +228,7 @@ def _tensor(shape: tuple[int, ...], dtype: str, device: Any, aligned: bool = Tru
 def launch_for_key(key: KernelKey, device: Any) -> tuple:
     """(kernel, grid, args, kwargs, outs) of a tiny launch that specializes exactly as `key` says,
     built through the same launchers as real launches (the kernels/triton/*.py files)."""
-    al = [c == "1" for c in str(key.get("align", ""))]
+    al = [c == "A" for c in str(key.get("align", ""))]
     if key.op in ("rmsnorm_fwd", "rmsnorm_bwd"):
         from kdistill.kernels.triton import rmsnorm as k
 

@@ -237,14 +237,15 @@ def next_pow2(n: int) -> int:
 
 
 def _align(op: str, aligned: Sequence[bool] | None) -> str:
-    """Alignment flags of every pointer argument: caller-given for inputs, '1' for fresh outputs."""
+    """Alignment flags of every pointer argument, 'A' (16-byte aligned) or 'u': caller-given for
+    inputs, 'A' for fresh outputs (torch allocations are aligned)."""
     ins = [a for a in SIGNATURES[op] if a[1].startswith("*") and a[2] == "in"]
     given = [True] * len(ins) if aligned is None else [bool(a) for a in aligned]
     if len(given) != len(ins):
         raise ValueError(f"{op}: {len(given)} alignment flags for {len(ins)} input pointers")
     it = iter(given)
     return "".join(
-        ("1" if next(it) else "0") if a[2] == "in" else "1" for a in SIGNATURES[op] if a[1].startswith("*")
+        ("A" if next(it) else "u") if a[2] == "in" else "A" for a in SIGNATURES[op] if a[1].startswith("*")
     )
 
 
@@ -491,7 +492,7 @@ def source_spec(key: KernelKey) -> dict[str, Any]:
         if kind.startswith("*"):
             dt = kind[1:] if kind[1:] in DTYPES else key.get(kind[1:], "?")
             sig[name] = f"*{dt}"
-            if ptr < len(align) and align[ptr] == "1":
+            if ptr < len(align) and align[ptr] == "A":
                 attrs[(i,)] = [["tt.divisibility", 16]]
             ptr += 1
         elif kind == "i32":

@@ -105,6 +105,10 @@ def _dispatch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     rt.record(key, "fwd", lambda: _triton().fwd_launch(key, x2, r2, weight, eps))
     if residual is None:
         y, s = rmsnorm_reference(x, weight, eps), None
+    elif rt.recorder is not None and torch.is_grad_enabled():
+        # The returned sum is computed apart from the one the norm reads, so that its gradient (seen by
+        # the backward hook) is only what flows from later uses: exactly the kernel's DS input.
+        y, s = rmsnorm_reference(x + residual, weight, eps), x + residual
     else:
         y, s = add_rmsnorm_reference(x, residual, weight, eps)
 

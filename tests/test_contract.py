@@ -1,0 +1,282 @@
+"""The key contract, proven on a CPU: launched keys ⊆ required_kernels, one key = one binary, and
+prewarm covers every launch; then planted defects that each must make the check fail.
+
+The reference path records the key it would launch (forward, and backward when grads flow) and, in
+deep mode, asks Triton's own binder how the launch's actual arguments would specialize for a CUDA
+target. See kdistill/kernels/contract.py for the four rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kdistill.config import DIVERGENCES, RunConfig
+from kdistill.kernels import cache, contract, keys, runtime
+from kdistill.kernels import plan as plan_mod
+from kdistill.kernels.kd import kd_chunk
+from kdistill.models.decoder import build_decoder
+from kdistill.models.spec import spec_from_hf_config
+from kdistill.ops.kd_loss import kd_loss
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_spec(
+    arch="qwen2",
+    hidden=32,
+    inter=48,
+    layers=2,
+    heads=4,
+    kv=2,
+    head_dim=8,
+    eps=1e-6,
+    theta=1e4,
+    tied=True,
+    vocab=40,
+    llama3=False,
+    bias=False,
+):
+    cfg = {
+        "model_type": arch,
+        "architectures": [ARCHS[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": eps,
+        "rope_theta": theta,
+        "tie_word_embeddings": tied,
+        "attention_bias": bias,
+    }
+    if llama3:
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    return spec_from_hf_config(cfg)
+
+
+def make_run(dtype="float32", batch=2, seq=5, divergence="forward_kl", alpha=0.5, chunk=4):
+    run = RunConfig()
+    run.runtime.dtype, run.schedule.batch_size, run.data.seq_len = dtype, batch, seq
+    run.kd.divergence, run.kd.alpha, run.kd.chunk_size = divergence, alpha, chunk
+    return run
+
+
+def run_step(teacher_spec, student_spec, run, arch="sm_90", deep=True, seed=0) -> runtime.Recorder:
+    """A training step and a held-out eval step as train/loop.py does them, on the reference path,
+    with the loop's dtypes (teacher in the compute dtype, fp32 student, autocast), recording keys."""
+    prec = plan_mod.precision(run, arch)
+    teacher = (
+        build_decoder(teacher_spec, dtype=TORCH[prec.teacher_weights], seed=seed).eval().requires_grad_(False)
+    )
+    student = build_decoder(student_spec, dtype=TORCH[prec.student_weights], seed=seed + 1)
+    g = torch.Generator().manual_seed(seed)
+    b, t = run.schedule.batch_size, run.data.seq_len
+    ids = torch.randint(0, student_spec.vocab_size, (b, t), generator=g)
+    labels = torch.randint(0, student_spec.vocab_size, (b * t,), generator=g)
+    labels[::3] = run.kd.ignore_index
+    amp = torch.autocast("cpu", dtype=TORCH[prec.compute], enabled=prec.autocast)
+    kd = run.kd
+    with runtime.using(mode="reference", arch=arch), runtime.recording(deep=deep) as rec:
+        with torch.no_grad(), amp:
+            th = teacher(ids).flatten(0, 1)
+        with amp:
+            sh = student(ids).flatten(0, 1)
+        r = kd_loss(
+            sh,
+            student.lm_head_weight,
+            th,
+            teacher.lm_head_weight,
+            labels,
+            alpha=kd.alpha,
+            temperature=kd.temperature,
+            divergence=kd.divergence,
+            beta=kd.beta,
+            chunk_size=kd.chunk_size,
+            chunk_fn=kd_chunk,
+        )
+        r.loss.backward()
+        with torch.no_grad():  # held-out eval: T=1 forward KL and plain CE, no grad
+            with amp:
+                sh, th = student(ids).flatten(0, 1), teacher(ids).flatten(0, 1)
+            common = dict(
+                temperature=1.0, divergence="forward_kl", chunk_size=kd.chunk_size, chunk_fn=kd_chunk
+            )
+            kd_loss(sh, student.lm_head_weight, th, teacher.lm_head_weight, labels, alpha=0.5, **common)
+            kd_loss(
+                th, teacher.lm_head_weight[: student_spec.vocab_size], None, None, labels, alpha=0.0, **common
+            )
+            kd_loss(sh, student.lm_head_weight, None, None, labels, alpha=0.0, **common)
+    return rec
+
+
+def contract_problems(teacher_spec, student_spec, run, arch="sm_90", rec=None) -> list[str]:
+    rec = rec or run_step(teacher_spec, student_spec, run, arch)
+    plan = plan_mod.required_kernels(teacher_spec, student_spec, run, arch)
+    warm = cache.prewarm(
+        plan, "cpu", dry=True
+    )  # a key prewarm cannot even build a launch for is a problem too
+    return [f"prewarm failed: {f}" for f in warm.failed] + contract.check(
+        rec.launches, plan, warm.specializations
+    )
+
+
+# -- (a) the property ---------------------------------------------------------------------------------
+@st.composite
+def specs(draw, vocab):
+    arch = draw(st.sampled_from(sorted(ARCHS)))
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    kv = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    return make_spec(
+        arch=arch,
+        hidden=draw(st.integers(8, 72)),
+        inter=draw(st.integers(8, 130)),
+        layers=draw(st.integers(1, 3)),
+        heads=heads,
+        kv=kv,
+        head_dim=draw(st.sampled_from([4, 6, 8, 16, 24])),
+        eps=draw(st.sampled_from([1e-5, 1e-6])),
+        theta=draw(st.sampled_from([1e4, 5e5, 1e6])),
+        tied=draw(st.booleans()),
+        vocab=vocab,
+        llama3=arch == "llama" and draw(st.booleans()),
+        bias=arch != "qwen2" and draw(st.booleans()),
+    )
+
+
+@st.composite
+def setups(draw):
+    vocab = draw(st.integers(17, 48))
+    teacher = draw(specs(vocab + draw(st.sampled_from([0, 0, 5]))))  # sometimes a padded teacher vocab
+    student = draw(specs(vocab))
+    run = make_run(
+        dtype=draw(st.sampled_from(["float32", "bfloat16", "auto"])),
+        batch=draw(st.integers(1, 3)),
+        seq=draw(st.integers(1, 9)),
+        divergence=draw(st.sampled_from(DIVERGENCES)),
+        alpha=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        chunk=draw(st.sampled_from([3, 8, 1024])),
+    )
+    return teacher, student, run, draw(st.sampled_from(["sm_80", "sm_90", "sm_120"]))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setups())
+def test_launched_keys_are_planned_and_prewarmed(setup):
+    teacher, student, run, arch = setup
+    rec = run_step(teacher, student, run, arch)
+    assert rec.keys(), "nothing was recorded"
+    assert {launch.phase for launch in rec.launches} == {"fwd", "bwd"}
+    assert contract_problems(teacher, student, run, arch, rec) == []
+
+
+def test_preset_pair_contract_on_a_shrunken_copy():
+    """The real presets' numerics (eps, theta, llama3 scaling, qk-norm) with shrunken sizes."""
+    from kdistill.models.spec import load_spec
+
+    for t_name, s_name in [
+        ("qwen2.5-1.5b", "qwen2.5-0.5b"),
+        ("llama-3.2-3b", "llama-3.2-1b"),
+        ("qwen3-1.7b", "qwen3-0.6b"),
+    ]:
+        shrink = dict(
+            num_layers=2,
+            hidden_size=32,
+            intermediate_size=40,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            vocab_size=64,
+        )
+        t = dataclasses.replace(load_spec(t_name), **shrink)
+        s = dataclasses.replace(load_spec(s_name), **{**shrink, "hidden_size": 24})
+        assert contract_problems(t, s, make_run(dtype="bfloat16", batch=2, seq=4)) == [], (t_name, s_name)
+
+
+def test_unaligned_pointer_is_part_of_the_key():
+    from kdistill.ops.rmsnorm import rmsnorm
+
+    buf = torch.randn(3 * 16 + 1)
+    x = buf[1:].view(3, 16)  # 4-byte offset: not 16-byte aligned
+    w = torch.ones(16)
+    with runtime.using(mode="reference", arch="sm_90"), runtime.recording(deep=True) as rec:
+        rmsnorm(x, w, 1e-6)
+    (launch,) = rec.launches
+    assert launch.key["align"].startswith("uu")
+    assert contract.check(rec.launches, {launch.key}) == []
+
+
+# -- (b) planted defects ------------------------------------------------------------------------------
+def _drop(fn, param):
+    def dropped(*a, **k):
+        key = fn(*a, **k)
+        return keys.KernelKey(key.op, key.arch, tuple(p for p in key.params if p[0] != param))
+
+    return dropped
+
+
+@pytest.mark.parametrize(
+    "fn_name,param,field,a,b",
+    [
+        ("rmsnorm_fwd_key", "EPS", "rms_eps", 1e-5, 1e-6),
+        ("rope_fwd_key", "THETA", "rope_theta", 1e4, 5e5),
+        ("swiglu_fwd_key", "I", "intermediate_size", 40, 56),
+    ],
+)
+def test_key_that_drops_a_parameter_is_detected(monkeypatch, fn_name, param, field, a, b):
+    teacher = dataclasses.replace(make_spec(), **{field: a})
+    student = dataclasses.replace(make_spec(), **{field: b})  # differs from the teacher only there
+    run = make_run()
+    assert contract_problems(teacher, student, run) == []
+    monkeypatch.setattr(keys, fn_name, _drop(getattr(keys, fn_name), param))
+    rec = run_step(teacher, student, run)
+    plan = plan_mod.required_kernels(teacher, student, run, "sm_90")
+    assert rec.keys() <= plan  # the subset check alone is fooled: both sides use the broken function
+    problems = contract_problems(teacher, student, run, rec=rec)
+    assert any(param in p for p in problems), problems
+    assert any("names two different kernels" in p for p in problems), problems
+
+
+def test_prewarm_under_a_hard_coded_key_is_detected(monkeypatch):
+    teacher, student, run = make_spec(), make_spec(hidden=24, eps=1e-5), make_run()
+    assert contract_problems(teacher, student, run) == []
+    plan = plan_mod.required_kernels(teacher, student, run, "sm_90")
+    first = plan_mod.triton_keys(plan)[0]
+    warm = cache._warm
+    monkeypatch.setattr(cache, "_warm", lambda key, device, dry: warm(first, device, dry))
+    problems = contract_problems(teacher, student, run)
+    assert problems and all("not prewarmed" in p for p in problems), problems
+
+
+def test_kernel_missing_from_the_plan_is_detected(monkeypatch):
+    """A planner that forgets the last layer's add_rmsnorm backward (no gradient reaches its sum)."""
+    teacher, student, run = make_spec(), make_spec(hidden=24), make_run()
+    assert contract_problems(teacher, student, run) == []
+    forgetful = types.SimpleNamespace(**{n: getattr(keys, n) for n in dir(keys) if not n.startswith("__")})
+    forgetful.rmsnorm_bwd_key = lambda *a, **k: keys.rmsnorm_bwd_key(*a, **{**k, "has_dres": True})
+    monkeypatch.setattr(plan_mod, "keys", forgetful)
+    problems = contract_problems(teacher, student, run)
+    assert any("not in the plan" in p for p in problems), problems
+    assert all("HAS_DRES=False" in p for p in problems), problems
+
+
+def test_a_key_that_misses_the_backward_of_an_op_is_detected():
+    teacher, student, run = make_spec(), make_spec(hidden=24), make_run()
+    plan = plan_mod.required_kernels(teacher, student, run, "sm_90")
+    rec = run_step(teacher, student, run)
+    problems = contract.check(rec.launches, {k for k in plan if k.op != "rope_bwd"})
+    assert problems and all("rope_bwd" in p for p in problems)

@@ -1,0 +1,304 @@
+"""Kernel keys, dispatcher fallback, seal counting, the prewarm command without a GPU, and the
+cross-arch build (tiny pair and the Qwen2.5-1.5B -> 0.5B presets) on a machine without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import pytest
+import torch
+
+from kdistill.errors import KernelCacheMiss, KernelError, UserError
+from kdistill.kernels import cache, keys, runtime
+from kdistill.kernels.build import build_command
+from kdistill.kernels.cache import prewarm_command
+from kdistill.ops.rmsnorm import rmsnorm, rmsnorm_reference
+from kdistill.ops.swiglu import swiglu, swiglu_reference
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+def test_f64_bits_are_exact_and_distinguish_close_floats():
+    assert keys.f64_bits(1e-6) == "f64:3eb0c6f7a0b5ed8d"
+    assert keys.f64_value(keys.f64_bits(1e-5)) == 1e-5
+    assert keys.f64_bits(1e-6) != keys.f64_bits(1e-6 * (1 + 2**-52))
+
+
+def test_key_is_frozen_hashable_and_round_trips_through_its_string():
+    k = keys.rmsnorm_fwd_key(
+        "sm90", hidden=896, eps=1e-6, dtype=torch.bfloat16, w_dtype="float32", residual=True, r_dtype="fp32"
+    )
+    assert k.arch == "sm_90" and k["EPS"] == "f64:3eb0c6f7a0b5ed8d"
+    assert keys.KernelKey.parse(str(k)) == k and hash(keys.KernelKey.parse(str(k))) == hash(k)
+    with pytest.raises(dataclasses_frozen()):
+        k.op = "x"
+    assert str(k) == str(
+        keys.rmsnorm_fwd_key(
+            "sm_90", hidden=896, eps=1e-6, dtype="bf16", w_dtype="fp32", residual=True, r_dtype="fp32"
+        )
+    )
+
+
+def dataclasses_frozen():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(eps=1e-5),
+        dict(hidden=897),
+        dict(dtype="fp32"),
+        dict(residual=False),
+        dict(aligned=(False, True, True)),
+        dict(arch="sm_80"),
+    ],
+)
+def test_every_parameter_changes_the_key(change):
+    base = dict(arch="sm_90", hidden=896, eps=1e-6, dtype="bf16", w_dtype="bf16", residual=True)
+    arch = change.pop("arch", base.pop("arch"))
+    base.pop("arch", None)
+    assert keys.rmsnorm_fwd_key(arch, **{**base, **change}) != keys.rmsnorm_fwd_key("sm_90", **base)
+
+
+def test_rope_key_holds_theta_bits_and_block_sizes():
+    a = keys.rope_fwd_key("sm_90", head_dim=128, q_heads=12, kv_heads=2, theta=1e6, dtype="bf16")
+    b = keys.rope_fwd_key("sm_90", head_dim=128, q_heads=12, kv_heads=2, theta=5e5, dtype="bf16")
+    assert a != b and a["THETA"] == keys.f64_bits(1e6)
+    assert (a["BLOCK_D"], a["BLOCK_HQ"], a["BLOCK_HKV"]) == (64, 16, 2)
+    assert keys.source_spec(a)["constexprs"]["THETA"] == 1e6
+
+
+def test_source_spec_marks_aligned_pointers_and_unspecialized_ints():
+    k = keys.swiglu_bwd_key("sm_90", inter=4864, dtype="bf16", aligned=(True, False, True))
+    spec = keys.source_spec(k)
+    assert spec["signature"]["DY"] == "*bf16" and spec["constexprs"]["I"] == 4864
+    assert (0,) in spec["attrs"] and (1,) not in spec["attrs"] and (3,) in spec["attrs"]  # outputs aligned
+    r = keys.source_spec(
+        keys.rmsnorm_fwd_key("sm_90", hidden=64, eps=1e-6, dtype="fp32", w_dtype="fp32", residual=False)
+    )
+    assert r["signature"]["n_rows"] == "i32" and (6,) not in r["attrs"]
+
+
+# -- dispatcher and fallback --------------------------------------------------------------------------
+def _fallbacks(caught):
+    return [w for w in caught if issubclass(w.category, runtime.KernelFallbackWarning)]
+
+
+def test_configure_on_cpu_picks_reference_and_the_given_arch():
+    rt = runtime.configure(kernels="auto", arch="sm_89", device="cpu")
+    try:
+        assert rt.mode == "reference" and rt.arch == "sm_89"
+    finally:
+        runtime.configure(kernels="reference")
+
+
+def test_triton_mode_on_cpu_tensors_falls_back_once_per_key(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w = torch.randn(4, 8), torch.ones(8)
+    with runtime.using(mode="triton"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ys = [rmsnorm(x, w, 1e-6) for _ in range(3)]
+        rmsnorm(torch.randn(4, 16), torch.ones(16), 1e-6)  # another key: one more warning
+    assert len(_fallbacks(caught)) == 2
+    assert torch.equal(ys[0], rmsnorm_reference(x, w, 1e-6))
+    with runtime.using(mode="triton", strict=True), pytest.raises(KernelError, match="strict"):
+        rmsnorm(x, w, 1e-6)
+
+
+def test_no_triton_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(runtime, "triton_available", lambda: False)
+    g, u = torch.randn(3, 5), torch.randn(3, 5)
+    with runtime.using(mode="triton"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = [swiglu(g, u) for _ in range(2)][0]
+    assert len(_fallbacks(caught)) == 1 and "not installed" in str(_fallbacks(caught)[0].message)
+    assert torch.equal(y, swiglu_reference(g, u))
+
+
+def test_kernel_that_raises_runs_the_reference_once_warned_and_errors_in_strict(monkeypatch):
+    monkeypatch.setattr(runtime, "interpreting", lambda: True)  # let CPU tensors reach the launch
+    g, u = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+    with (
+        runtime.using(mode="triton", forced_failures={"swiglu_fwd"}) as rt,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        y1, y2 = swiglu(g, u), swiglu(g, u)
+        y1.sum().backward()
+        assert len(rt.failed) == 1
+    assert len(_fallbacks(caught)) == 1 and "planted failure" in str(_fallbacks(caught)[0].message)
+    assert torch.equal(y2, swiglu_reference(g, u)) and g.grad is not None
+    with (
+        runtime.using(mode="triton", strict=True, forced_failures={"swiglu_fwd"}),
+        pytest.raises(KernelError, match="strict"),
+    ):
+        swiglu(g, u)
+
+
+def test_reference_path_records_forward_and_backward_keys():
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    r = torch.randn(2, 3, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    from kdistill.ops.rmsnorm import add_rmsnorm
+
+    with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+        y, s = add_rmsnorm(x, r, w, 1e-5)
+        y.sum().backward()  # s gets no gradient: HAS_DRES=False
+    ops = sorted((launch.key.op, launch.key.get("HAS_DRES")) for launch in rec.launches)
+    assert ops == [("rmsnorm_bwd", False), ("rmsnorm_fwd", None)]
+
+
+# -- seal -----------------------------------------------------------------------------------------------
+@pytest.fixture
+def sealed_state():
+    cache.unseal()
+    yield
+    cache.unseal()
+
+
+def test_install_hooks_finds_this_triton_api():
+    assert cache.install_hooks() in ("triton.knobs.runtime.jit_cache_hook", "JITFunction.cache_hook")
+
+
+def test_compile_after_seal_is_counted_and_logged(sealed_state, capsys):
+    cache._on_compile_start("before-seal")
+    assert cache.jit_after_prewarm() == 0
+    cache.seal(strict=False)
+    key = keys.swiglu_fwd_key("sm_90", inter=64, dtype="bf16")
+    token = runtime.LAUNCHING.set(key)
+    try:
+        cache._on_compile_start("fallback-name")
+    finally:
+        runtime.LAUNCHING.reset(token)
+    assert cache.jit_after_prewarm() == 1
+    assert f"kernel cache miss after prewarm: {key}" in capsys.readouterr().err
+
+
+def test_compile_after_seal_raises_in_strict_mode_naming_the_key(sealed_state):
+    cache.seal(strict=True)
+    key = keys.rope_bwd_key("sm_90", head_dim=64, q_heads=14, kv_heads=2, theta=1e6, dtype="bf16")
+    token = runtime.LAUNCHING.set(key)
+    try:
+        with pytest.raises(KernelCacheMiss, match="rope_bwd"):
+            cache._on_compile_start("x")
+    finally:
+        runtime.LAUNCHING.reset(token)
+
+
+def test_triton_jit_cache_hook_is_chained_to_the_seal(sealed_state):
+    import triton
+
+    if not hasattr(getattr(triton, "knobs", None), "runtime"):
+        pytest.skip("Triton without knobs")  # pragma: no cover
+    cache.install_hooks()
+    cache.seal(strict=False)
+    triton.knobs.runtime.jit_cache_hook(
+        key="k", repr="some_kernel[...]", fn=None, compile={}, is_manual_warmup=False, already_compiled=False
+    )
+    assert cache.cache_misses() == ["some_kernel[...]"]
+
+
+def test_cache_dir_is_under_kdistill(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("KDISTILL_CACHE_DIR", str(tmp_path))
+    assert cache.setup_cache_dir() == str(tmp_path / "triton")
+
+
+# -- commands without a GPU -------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_prewarm_without_gpu_says_so_and_points_to_build():
+    args = argparse.Namespace(config="qwen2.5-1.5b:qwen2.5-0.5b", overrides=[])
+    with pytest.raises(UserError, match="no CUDA GPU.*kernels build"):
+        prewarm_command(args)
+
+
+def test_build_rejects_a_bad_arch():
+    args = argparse.Namespace(
+        config="qwen2.5-1.5b:qwen2.5-0.5b", overrides=[], arch="sm_90,hopper", json=False
+    )
+    with pytest.raises(UserError, match="hopper"):
+        build_command(args)
+
+
+def _write_tiny_pair(folder):
+    """teacher/ and student/ config.json directories (qwen3 with qk-norm, llama with llama3 rope) and a YAML."""
+    import yaml
+
+    from kdistill.models.spec import PRESETS
+
+    t = {
+        **PRESETS["qwen3-0.6b"],
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 300,
+    }
+    s = {
+        **PRESETS["qwen3-0.6b"],
+        "hidden_size": 48,
+        "intermediate_size": 80,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": 300,
+        "rms_norm_eps": 1e-5,
+    }
+    for name, cfg in (("teacher", t), ("student", s)):
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_text(json.dumps(cfg))
+    path = folder / "run.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "teacher": {"path": "teacher"},
+                "student": {"path": "student"},
+                "data": {"seq_len": 64},
+                "schedule": {"batch_size": 2},
+            }
+        )
+    )
+    return path
+
+
+def test_cross_arch_build_tiny_pair_from_yaml(tmp_path, capsys, monkeypatch):
+    """A YAML config whose models are config.json directories, built for every default arch."""
+    cfg = _write_tiny_pair(tmp_path)
+    monkeypatch.setenv("KDISTILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    args = argparse.Namespace(
+        config=str(cfg), overrides=["kd.divergence=jsd"], arch="sm_80,sm_89,sm_90,sm_100,sm_120", json=True
+    )
+    assert build_command(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["failed"] == 0
+    assert {k["arch"] for k in out["kernels"]} == {"sm_80", "sm_89", "sm_90", "sm_100", "sm_120"}
+    ops = {k["op"] for k in out["kernels"]}
+    assert {
+        "rmsnorm_fwd",
+        "rmsnorm_bwd",
+        "rope_fwd",
+        "rope_bwd",
+        "swiglu_fwd",
+        "swiglu_bwd",
+        "kd_loss",
+    } <= ops
+
+
+@pytest.mark.slow
+def test_cross_arch_build_qwen25_preset_pair(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KDISTILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    args = argparse.Namespace(
+        config="qwen2.5-1.5b:qwen2.5-0.5b", overrides=[], arch="sm_80,sm_89,sm_90,sm_100,sm_120", json=False
+    )
+    assert build_command(args) == 0
+    out = capsys.readouterr().out
+    assert "75/75 kernels built" in out or " 0 failed" in out or "FAILED" not in out

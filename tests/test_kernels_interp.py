@@ -1,0 +1,46 @@
+"""Each Triton kernel vs its PyTorch reference under Triton's interpreter (CPU), forward and backward.
+
+TRITON_INTERPRET=1 must be set before triton is imported, so the cases (tests/test_kernels_interp_cases.py)
+run in one subprocess; each case here reads its result. Small and odd shapes, fp32 and bf16,
+grad_output != 1, strict triton mode (a silent reference fallback would fail the case).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from test_kernels_interp_cases import CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KDISTILL_LOG_KERNELS": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "test_kernels_interp_cases.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["case"]] = r
+    assert results, f"interpreter run printed no results: {proc.stderr[-3000:]}"
+    return results
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_reference_interpreted(interp_results, case):
+    r = interp_results.get(case)
+    assert r is not None, f"case {case} did not run"
+    assert r["ok"], f"{r['error']}\n{r.get('trace', '')}"

@@ -1,0 +1,271 @@
+"""Kernel-vs-reference cases, shared by the interpreter tests (CPU) and the GPU tests (full size).
+
+No pytest tests here (functions are `case_*`): tests/test_kernels_interp.py runs them in a subprocess
+with TRITON_INTERPRET=1 set before triton is imported; tests/gpu/test_kernels_gpu.py runs them on CUDA.
+Each case runs the op through the dispatcher in strict triton mode (so a silent reference fallback
+is an error) and compares values and gradients with the PyTorch reference at grad_output != 1.
+
+    TRITON_INTERPRET=1 python tests/test_kernels_interp_cases.py     # prints one JSON line per case
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _close(name, got, want, dtype, scale=1.0):
+    atol, rtol = TOL[dtype]
+    got, want = got.float(), want.float()
+    if not torch.allclose(got, want, atol=atol * scale, rtol=rtol):
+        err = (got - want).abs().max().item()
+        raise AssertionError(f"{name}: max abs error {err:.3g} (atol {atol * scale}, rtol {rtol})")
+
+
+def _grads(fn, inputs, outs_grad):
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(o, g) for o, g in zip(outs, outs_grad) if g is not None]
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs], [i for i in inputs if i.requires_grad], [g for _, g in pairs]
+    )
+    return outs, grads
+
+
+def _kernel_mode():
+    from kdistill.kernels import runtime
+
+    return runtime.using(mode="triton", strict=True)
+
+
+def _leaf(shape, dtype, device, g, scale=1.0):
+    return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dtype).requires_grad_(True)
+
+
+def case_rmsnorm(
+    device="cpu",
+    dtype=torch.float32,
+    rows=(3, 5),
+    hidden=37,
+    residual=True,
+    use_ds=True,
+    r_dtype=None,
+    w_dtype=None,
+):
+    from kdistill.ops import rmsnorm as op
+
+    g = torch.Generator().manual_seed(hidden)
+    x = _leaf((*rows, hidden), dtype, device, g)
+    w = _leaf((hidden,), w_dtype or dtype, device, g)
+    with torch.no_grad():
+        w.mul_(0.5).add_(1.0)
+    inputs = [x, w]
+    if residual:
+        r = _leaf((*rows, hidden), r_dtype or dtype, device, g)
+        inputs = [x, r, w]
+    eps = 1e-6
+
+    def kernel(*a):
+        return op.add_rmsnorm(a[0], a[1], a[2], eps) if residual else op.rmsnorm(a[0], a[1], eps)
+
+    def ref(*a):
+        return (
+            op.add_rmsnorm_reference(a[0], a[1], a[2], eps)
+            if residual
+            else op.rmsnorm_reference(a[0], a[1], eps)
+        )
+
+    ref_outs = ref(*inputs)
+    ref_outs = ref_outs if isinstance(ref_outs, tuple) else (ref_outs,)
+    dy = torch.randn(ref_outs[0].shape, generator=g).to(device=device, dtype=ref_outs[0].dtype) * 0.7
+    ds = torch.randn(ref_outs[-1].shape, generator=g).to(device=device, dtype=ref_outs[-1].dtype) * 0.3
+    og = [dy, ds if (residual and use_ds) else None] if residual else [dy]
+    want_o, want_g = _grads(ref, inputs, og)
+    with _kernel_mode():
+        got_o, got_g = _grads(kernel, inputs, og)
+    for i, (a, b) in enumerate(zip(got_o, want_o)):
+        assert a.dtype == b.dtype, f"output {i} dtype {a.dtype} != {b.dtype}"
+        _close(f"out{i}", a, b, a.dtype if a.dtype in TOL else dtype)
+    for i, (a, b) in enumerate(zip(got_g, want_g)):
+        _close(
+            f"grad{i}",
+            a,
+            b,
+            torch.bfloat16 if torch.bfloat16 in (dtype, a.dtype) else torch.float32,
+            scale=(10.0 if i == len(got_g) - 1 else 1.0) * max(1.0, rows[0] * rows[1] / 64),
+        )
+
+
+def case_rope(device="cpu", dtype=torch.float32, b=2, hq=3, hkv=1, t=5, d=24):
+    from kdistill.models.spec import load_spec
+    from kdistill.ops import rope as op
+
+    g = torch.Generator().manual_seed(d)
+    spec = load_spec("qwen2.5-0.5b")
+    import dataclasses
+
+    spec = dataclasses.replace(spec, head_dim=d)
+    cos, sin = op.rope_tables(spec, t, device)
+    # the decoder's layout: (B, T, H, D) projections viewed as (B, H, T, D)
+    q = (
+        torch.randn((b, t, hq, d), generator=g)
+        .to(device=device, dtype=dtype)
+        .transpose(1, 2)
+        .requires_grad_(True)
+    )
+    k = (
+        torch.randn((b, t, hkv, d), generator=g)
+        .to(device=device, dtype=dtype)
+        .transpose(1, 2)
+        .requires_grad_(True)
+    )
+    dq = torch.randn((b, hq, t, d), generator=g).to(device=device, dtype=dtype) * 0.5
+    dk = torch.randn((b, hkv, t, d), generator=g).to(device=device, dtype=dtype) * 1.5
+    want_o, want_g = _grads(lambda a, c: op.rope_reference(a, c, cos, sin), [q, k], [dq, dk])
+    with _kernel_mode():
+        got_o, got_g = _grads(
+            lambda a, c: op.apply_rope(a, c, cos, sin, theta=spec.rope_theta), [q, k], [dq, dk]
+        )
+    for name, a, w in zip(("q", "k", "dq", "dk"), (*got_o, *got_g), (*want_o, *want_g)):
+        _close(name, a, w, dtype, scale=2.0)
+
+
+def case_swiglu(device="cpu", dtype=torch.float32, rows=(3, 7), inter=37):
+    from kdistill.ops import swiglu as op
+
+    g = torch.Generator().manual_seed(inter)
+    gate = _leaf((*rows, inter), dtype, device, g, 2.0)
+    up = _leaf((*rows, inter), dtype, device, g)
+    dy = torch.randn((*rows, inter), generator=g).to(device=device, dtype=dtype) * 0.6
+    want_o, want_g = _grads(op.swiglu_reference, [gate, up], [dy])
+    with _kernel_mode():
+        got_o, got_g = _grads(op.swiglu, [gate, up], [dy])
+    for name, a, w in zip(("y", "dgate", "dup"), (*got_o, *got_g), (*want_o, *want_g)):
+        _close(name, a, w, dtype, scale=2.0)
+
+
+def case_decoder(device="cpu", dtype=torch.float32, arch="qwen3"):
+    """A tiny decoder, forward and backward, kernels vs reference: the dispatch plumbing end to end."""
+    from kdistill.kernels import runtime
+    from kdistill.models.decoder import build_decoder
+    from kdistill.models.spec import spec_from_hf_config
+
+    cfg = {
+        "model_type": arch,
+        "architectures": [
+            {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
+        ],
+        "vocab_size": 50,
+        "hidden_size": 40,
+        "intermediate_size": 72,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 10,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
+    spec = spec_from_hf_config(cfg)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    results = []
+    for mode in ("reference", "triton"):
+        model = build_decoder(spec, device=device, dtype=dtype, seed=3)
+        with runtime.using(mode=mode, strict=True):
+            h = model(ids)
+            (h.float() * torch.linspace(-1, 2, h.shape[-1], device=device)).sum().backward()
+        results.append((h.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (h_ref, g_ref), (h_k, g_k) = results
+    _close("hidden", h_k, h_ref, dtype, scale=5.0)
+    for name in g_ref:
+        _close(name, g_k[name], g_ref[name], dtype, scale=20.0)
+
+
+def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
+    """A backward kernel that raises: the reference backward runs, one warning, gradients still right."""
+    import warnings
+
+    from kdistill.kernels import runtime
+    from kdistill.kernels.triton import swiglu as kernel
+    from kdistill.ops import swiglu as op
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = _leaf((4, 33), dtype, device, g), _leaf((4, 33), dtype, device, g)
+    dy = torch.randn((4, 33), generator=g).to(device=device, dtype=dtype)
+    want_o, want_g = _grads(op.swiglu_reference, [gate, up], [dy])
+    saved = kernel.bwd_launch
+
+    def broken(*a, **k):
+        raise RuntimeError("planted backward failure")
+
+    kernel.bwd_launch = broken
+    try:
+        with runtime.using(mode="triton", strict=False), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                got_o, got_g = _grads(op.swiglu, [gate, up], [dy])
+    finally:
+        kernel.bwd_launch = saved
+    fallbacks = [w for w in caught if issubclass(w.category, runtime.KernelFallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in caught]
+    for name, a, w in zip(("y", "dgate", "dup"), (*got_o, *got_g), (*want_o, *want_g)):
+        _close(name, a, w, dtype)
+    kernel.bwd_launch = broken
+    try:
+        with runtime.using(mode="triton", strict=True):
+            try:
+                _grads(op.swiglu, [gate, up], [dy])
+            except Exception as e:  # KernelError from strict mode
+                assert "strict" in str(e), e
+            else:
+                raise AssertionError("strict mode did not raise on a failing backward kernel")
+    finally:
+        kernel.bwd_launch = saved
+
+
+CASES = {
+    "bwd_failure_falls_back": (case_bwd_failure_falls_back, {}),
+    "rmsnorm_fp32_odd": (case_rmsnorm, dict(dtype=torch.float32)),
+    "rmsnorm_bf16_odd": (case_rmsnorm, dict(dtype=torch.bfloat16)),
+    "rmsnorm_plain_fp32": (case_rmsnorm, dict(dtype=torch.float32, residual=False, hidden=64)),
+    "rmsnorm_plain_bf16_qk": (
+        case_rmsnorm,
+        dict(dtype=torch.bfloat16, residual=False, hidden=16, rows=(2, 9)),
+    ),
+    "rmsnorm_no_dres_bf16": (case_rmsnorm, dict(dtype=torch.bfloat16, use_ds=False, hidden=50)),
+    "rmsnorm_mixed_bf16_fp32": (
+        case_rmsnorm,
+        dict(dtype=torch.bfloat16, r_dtype=torch.float32, w_dtype=torch.float32),
+    ),
+    "rope_fp32_odd": (case_rope, dict(dtype=torch.float32)),
+    "rope_bf16": (case_rope, dict(dtype=torch.bfloat16, hq=4, hkv=2, d=16)),
+    "swiglu_fp32_odd": (case_swiglu, dict(dtype=torch.float32)),
+    "swiglu_bf16_blocks": (case_swiglu, dict(dtype=torch.bfloat16, rows=(2, 3), inter=1500)),
+    "decoder_qwen3_fp32": (case_decoder, dict(dtype=torch.float32, arch="qwen3")),
+    "decoder_qwen2_fp32": (case_decoder, dict(dtype=torch.float32, arch="qwen2")),
+}
+
+
+def run_case(name: str, device: str = "cpu", **overrides) -> dict:
+    fn, kw = CASES[name]
+    t0 = time.perf_counter()
+    try:
+        fn(device=device, **{**kw, **overrides})
+        return {"case": name, "ok": True, "seconds": round(time.perf_counter() - t0, 3)}
+    except Exception as e:
+        return {
+            "case": name,
+            "ok": False,
+            "error": f"{e.__class__.__name__}: {e}",
+            "trace": traceback.format_exc()[-2000:],
+        }
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or CASES:
+        print(json.dumps(run_case(name)), flush=True)
