@@ -206,5 +206,61 @@ def test_kernel_compiles_for_gpus_without_a_gpu():
         assert len(cc.asm["cubin"]) > 1000
 
 
+def _spec_of_source(src, options) -> tuple:
+    """build_source's specialization in the form Triton's binder reports (contract.triton_specialization)."""
+    out = []
+    for i, (name, ty) in enumerate(src.signature.items()):
+        if ty == "constexpr":
+            out.append((name, "constexpr", src.constants[(i,)]))
+        elif ty.startswith("*"):
+            out.append((name, ty, "D" if (i,) in src.attrs else ""))
+        elif name == "V":  # the one specialized integer: divisible by 16 or not
+            out.append((name, ty, "D" if (i,) in src.attrs else ""))
+        else:  # do_not_specialize integers and floats
+            out.append((name, ty, None))
+    return ("_kd_loss_rows", tuple(out), tuple(sorted(options.items())))
+
+
+LAUNCHES = [
+    # (rows, V, label offset, logits dtype, alpha, need_grad, grad dtype, misaligned logits view)
+    (1, 1271, 0, torch.float32, 0.5, True, None, False),
+    (7, 1271, 3, torch.float32, 0.5, True, None, True),
+    (64, 1271, 5, torch.float32, 0.5, True, None, False),
+    (1, 1280, 1, torch.bfloat16, 0.5, True, None, False),
+    (9, 1280, 0, torch.bfloat16, 0.5, True, None, True),
+    (3, 1280, 2, torch.float32, 0.5, True, torch.bfloat16, False),
+    (5, 1280, 7, torch.float32, 0.5, True, torch.bfloat16, True),
+    (2, 1280, 1, torch.float32, 0.0, False, None, False),
+    (1, 151936, 1, torch.float32, 0.5, True, torch.bfloat16, False),
+    (3, 151936, 0, torch.float32, 0.5, True, torch.bfloat16, False),
+]
+
+
+def test_key_determines_triton_specialization():
+    """For launches of many row counts, label offsets and buffer alignments, Triton's own binder
+    specializes the kernel exactly as build_source(key) says: the key names one binary, and a chunk
+    of any size (the last, shorter one too) needs no other compile."""
+    pytest.importorskip("triton")
+    from kdistill.kernels.contract import triton_specialization
+    from kdistill.kernels.triton.kd_loss import build_source, kd_loss_kernel_key, launch_args
+
+    seen: dict[tuple, tuple] = {}
+    for rows, v, off, dt, alpha, need_grad, gd, misalign in LAUNCHES:
+        base = torch.zeros((rows + 1) * v + 8, dtype=dt)
+        s = base[1 : 1 + rows * v].view(rows, v) if misalign else torch.zeros(rows, v, dtype=dt)
+        t = torch.zeros(rows, v, dtype=dt)
+        y = torch.zeros(rows + off, dtype=torch.int64)[off:]
+        for div in ("forward_kl", "skew_reverse_kl"):
+            kernel, _grid, args, kwargs, _ = launch_args(s, t, y, alpha=alpha, temperature=2.0, divergence=div,
+                                                         need_grad=need_grad, grad_dtype=gd)  # fmt: skip
+            got = triton_specialization(kernel, args, kwargs, "sm_90")
+            key = kd_loss_kernel_key(
+                v, div, dt, "sm_90", has_kd=alpha > 0, need_grad=need_grad, grad_dtype=gd
+            )
+            assert got == _spec_of_source(*build_source(key)), (rows, v, off, dt, div)
+            assert seen.setdefault(key, got) == got
+    assert len(seen) == 9  # 5 configurations x 2 divergences, less 1: no-KD keys ignore the divergence
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1])
