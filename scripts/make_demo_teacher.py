@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -61,7 +62,19 @@ def _tokens(files: list[Path], tok) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
-def train_teacher(minutes: float, seq_len: int, batch: int, lr: float) -> None:
+def hash_bucket(name: str) -> int:
+    """0..99 from a file name, salted differently from the held-out split."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(b"val:" + name.encode()).digest()[:8], "little") % 100
+
+
+def _rows(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
+    n = len(tokens) // (seq_len + 1)
+    return torch.from_numpy(tokens[: n * (seq_len + 1)]).view(n, seq_len + 1)
+
+
+def train_teacher(minutes: float, seq_len: int, batch: int, lr: float, device: str, out: Path, max_steps: int) -> None:
     from tokenizers import Tokenizer
 
     from kdistill.models.checkpoint import save_model
@@ -69,30 +82,36 @@ def train_teacher(minutes: float, seq_len: int, batch: int, lr: float) -> None:
     from kdistill.models.spec import spec_from_hf_config
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     tok = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
     train_files, held_files = stdlib_split()
-    train, held = _tokens(train_files, tok), _tokens(held_files, tok)
+    val_files = [p for p in train_files if hash_bucket(p.name) < 5]
+    train_files = [p for p in train_files if hash_bucket(p.name) >= 5]
+    train, val, held = _tokens(train_files, tok), _tokens(val_files, tok), _tokens(held_files, tok)
     print(f"corpus: {len(train)} train tokens, {len(held)} held-out tokens")
     spec = spec_from_hf_config(TEACHER_CONFIG)
     model = build_decoder(spec, device=dev, dtype=torch.float32, seed=0)
     print(f"teacher: {spec.param_counts()['total'] / 1e6:.2f}M parameters")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda")
     train_t = torch.from_numpy(train).to(dev)
-    held_t = torch.from_numpy(held[: (len(held) // (seq_len + 1)) * (seq_len + 1)]).view(-1, seq_len + 1).to(dev)
+    held_t = _rows(held, seq_len).to(dev)
+    val_t = _rows(val, seq_len).to(dev)
 
     def loss_of(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             h = model(x[:, :-1])
             logits = h @ model.lm_head_weight.t()  # (B, T, V): V is only 4096 here
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
 
-    start, step = time.time(), 0
+    # Early stopping on a validation split carved out of the TRAIN files (the held-out files stay
+    # unseen): a 4M-parameter model memorises 3M tokens within a few epochs.
+    start, step, best, best_state = time.time(), 0, float("inf"), None
     budget = minutes * 60
-    while time.time() - start < budget:
-        frac = (time.time() - start) / budget
+    eval_every = 250 if dev.type == "cuda" else 5
+    while time.time() - start < budget and step < max_steps:
+        frac = step / max_steps
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, step / 200) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            g["lr"] = lr * min(1.0, (step + 1) / 200) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
         idx = torch.randint(0, len(train_t) - seq_len - 1, (batch,), device=dev)
         x = torch.stack([train_t[i : i + seq_len + 1] for i in idx.tolist()])
         loss = loss_of(x)
@@ -101,13 +120,27 @@ def train_teacher(minutes: float, seq_len: int, batch: int, lr: float) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        if step % 500 == 0:
+        if step % eval_every == 0 or step == max_steps:
             with torch.no_grad():
-                hl = torch.stack([loss_of(held_t[i : i + 64]) for i in range(0, len(held_t), 64)]).mean()
-            print(f"step {step} {time.time() - start:.0f}s train {loss.item():.3f} heldout {hl.item():.3f}", flush=True)
+                vl = torch.stack([loss_of(val_t[i : i + 64]) for i in range(0, len(val_t), 64)]).mean().item()
+                hl = torch.stack([loss_of(held_t[i : i + 64]) for i in range(0, len(held_t), 64)]).mean().item()
+            if vl < best:
+                best = vl
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            print(f"step {step} {time.time() - start:.0f}s train {loss.item():.3f} val {vl:.3f} heldout {hl:.3f}",
+                  flush=True)
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    print(f"kept the weights with the best validation loss {best:.3f}")
     model = model.to(torch.bfloat16).cpu()
-    save_model(model, ASSETS, source_dir=ASSETS)
-    print(f"saved teacher after {step} steps -> {ASSETS}")
+    # save_model writes a whole model directory (tokenizer files copied from the assets), so write
+    # it beside `out` and swap it in.
+    staged = out.with_name(out.name + ".new")
+    save_model(model, staged, source_dir=ASSETS)
+    if out.exists():
+        shutil.rmtree(out)
+    staged.rename(out)
+    print(f"saved teacher after {step} steps -> {out}")
 
 
 def main() -> None:
@@ -117,11 +150,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--out", default=str(ASSETS), help="output folder (default: the package assets)")
     a = ap.parse_args()
     if a.stage == "tokenizer":
         train_tokenizer()
     else:
-        train_teacher(a.minutes, a.seq_len, a.batch, a.lr)
+        train_teacher(a.minutes, a.seq_len, a.batch, a.lr, a.device, Path(a.out), a.steps)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity of a model on data")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, nargs="+", help="text files/directories or JSONL")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: %(default)s)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: min(512, the model's max_position_embeddings))",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: %(default)s)")
     p.add_argument("--no-pack", action="store_true", help="score each JSONL line / document on its own")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")

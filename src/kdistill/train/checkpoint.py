@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kdistill.errors import UserError
@@ -132,7 +132,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torc
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
         weights = load_file(str(path / "student.safetensors"))
         opt = load_file(str(path / "optimizer.safetensors"))
-    except (OSError, ValueError, SafetensorsError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise UserError(f"{path}: checkpoint is unreadable ({e.__class__.__name__})") from None
     return weights, opt, state
 

@@ -313,7 +313,8 @@ def train(
     data_cfg = dataclasses.replace(
         cfg.data, train=expand_data_paths(cfg.data.train), heldout=expand_data_paths(cfg.data.heldout)
     )
-    data = prepare_data(data_cfg, tok, seed=seed)
+    # The held-out split does not depend on the training seed, so runs stay comparable.
+    data = prepare_data(data_cfg, tok, seed=0)
 
     # -- kernels: compiled and sealed before any weight is on the GPU -----------------------------
     kernels = setup_kernels(cfg, teacher_spec, student_spec, device, dtype, quiet)
@@ -422,11 +423,12 @@ def train(
                         log.warning("step %d: degenerate batch (%s)", step + 1, reason)
                     input_ids, labels = input_ids.to(device), labels.to(device)
                     r = compute_loss(student, teacher, input_ids, labels, cfg, amp)
-                    if not math.isfinite(float(r.loss)):
-                        bad_cause = f"loss is {float(r.loss)}"
+                    loss_value = float(r.loss.detach())
+                    if not math.isfinite(loss_value):
+                        bad_cause = f"loss is {loss_value}"
                         break
                     (r.loss / cfg.schedule.grad_accum).backward()
-                    loss_sum += float(r.loss)
+                    loss_sum += loss_value
                     ce_sum += float(r.ce)
                     kd_sum += float(r.kd)
                     step_tokens += int(r.tokens)
@@ -668,9 +670,9 @@ def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
 def run_demo(overrides: list[str], quiet: bool = False, as_json: bool = False) -> int:
     """The embedded default: KD student and CE-only student on the stdlib, then a held-out table."""
     from kdistill.cli import print_json
-    from kdistill.demo import DEMO_CONFIG
+    from kdistill.demo import DEMO_YAML
 
-    cfg = load_config(None, overrides, base=DEMO_CONFIG).validate()
+    cfg = load_config(DEMO_YAML, overrides).validate()
     run_dir = Path(cfg.output.dir)
     prepare_output(run_dir, overwrite=True)  # the demo always starts afresh
     _print_config(cfg, quiet)
