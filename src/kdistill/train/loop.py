@@ -536,6 +536,11 @@ def train(
         "device": str(device),
         "wall_seconds": time.time() - t_start,
     }
+    if device.type == "cuda":
+        from kdistill.plan import GIB, estimate_memory
+
+        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        summary["planned_memory_gib"] = estimate_memory(teacher_spec, student_spec, cfg)["total"] / GIB
     summary["heldout"]["student"] = summary["heldout"].get("student_loss")
     summary["heldout"]["teacher"] = summary["heldout"].get("teacher_loss")
     write_json(run_dir / "summary.json", summary)
