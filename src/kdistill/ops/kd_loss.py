@@ -64,7 +64,11 @@ has the same signature) for the loss sums and dL/ds of the chunk, and at once tu
 grad_h[chunk] = dL/ds @ W and grad_W += dL/ds^T @ h[chunk]. The chunk's logits are then dropped.
 The autograd Function keeps only grad_h (N, Hs) and grad_W (V, Hs) (the idea of Liger-Kernel's fused
 linear cross entropy); its backward scales them by grad_output. Peak extra memory is a few
-(chunk_size, V) fp32 tensors plus grad_h and grad_W, instead of several (N, V) ones.
+(chunk_size, V) fp32 tensors plus grad_h and grad_W, instead of several (N, V) ones. grad_W is
+accumulated in fp32 also for bf16/fp16 weights (on CUDA by cuBLAS straight into the fp32 buffer),
+then cast to the weight's dtype in backward: V * Hs * 4 bytes (545 MB for Qwen2.5-0.5B's lm_head).
+On CUDA with bf16/fp16 weights the logits GEMMs write fp32 directly (torch.mm(..., out_dtype=fp32)),
+and the chunk's gradient is produced in the weight's dtype for the two backward GEMMs.
 
 Example::
 
@@ -301,18 +305,35 @@ def chunk_divergence_reference(
 # The chunk loop and its autograd Function.
 # ---------------------------------------------------------------------------------------------
 
-_MM_OUT_DTYPE = {"ok": True}  # torch.mm(..., out_dtype=fp32) for bf16/fp16 on CUDA; probed on first use
+# torch.mm / torch.addmm with out_dtype=fp32 for bf16/fp16 inputs (CUDA only); switched off on the first
+# failure, then the plain GEMM + upcast is used.
+_OUT_DTYPE_OK = {"mm": True, "addmm": True}
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """(c, H) @ (V, H)^T -> (c, V) in at least fp32 (cuBLAS accumulates in fp32 either way)."""
-    if h.dtype in (torch.bfloat16, torch.float16) and h.is_cuda and _MM_OUT_DTYPE["ok"]:
+    if h.dtype in (torch.bfloat16, torch.float16) and h.is_cuda and _OUT_DTYPE_OK["mm"]:
         try:
             # fp32 output straight from the fp32 accumulator: no rounding of logits to bf16.
             return torch.mm(h, w.t(), out_dtype=torch.float32)
         except (RuntimeError, TypeError):
-            _MM_OUT_DTYPE["ok"] = False
+            _OUT_DTYPE_OK["mm"] = False
     return torch.mm(h, w.t()).to(torch.promote_types(h.dtype, torch.float32))
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc fp32 (or fp64) also for bf16/fp16 a, b."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda and _OUT_DTYPE_OK["addmm"]:
+        try:
+            # cuBLAS accumulates into the fp32 buffer itself: no (V, H) temporary.
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            _OUT_DTYPE_OK["addmm"] = False
+    acc.add_(torch.mm(a, b))  # a (V, H) temporary, rounded once per chunk, summed in fp32
 
 
 def _chunk_loop(
@@ -362,10 +383,7 @@ def _chunk_loop(
                 else:
                     grad_h[start:end] = torch.mm(g, w)
             if need_w:
-                if low:
-                    grad_w.add_(torch.mm(g.t(), hc))  # one rounding per chunk, fp32 accumulation
-                else:
-                    grad_w.addmm_(g.t(), hc)
+                _accumulate(grad_w, g.t(), hc)
             del g
     sums /= n_tokens
     return sums[0], sums[1], sums[2], grad_h, grad_w
