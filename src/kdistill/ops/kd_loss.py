@@ -416,16 +416,20 @@ class _ChunkedKDLoss(torch.autograd.Function):
         dev = grad_loss.device
         gh = gw = None
         if ctx.needs_input_grad[0]:
-            if grad_h is None:
-                gh = torch.zeros(ctx.h_shape, dtype=ctx.h_dtype, device=dev)
-            else:
-                gh = (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype)
+            gh = _scaled(grad_h, grad_loss, ctx.h_dtype, ctx.h_shape, dev)
         if ctx.needs_input_grad[1]:
-            if grad_w is None:
-                gw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=dev)
-            else:
-                gw = (grad_w * grad_loss.to(grad_w.dtype)).to(ctx.w_dtype)
+            gw = _scaled(grad_w, grad_loss, ctx.w_dtype, ctx.w_shape, dev)
         return gh, gw, None, None, None, None, None, None, None
+
+
+def _scaled(saved, grad_out, dtype, shape, device) -> torch.Tensor:
+    """saved * grad_out in `dtype`, leaving `saved` intact (backward may run again with retain_graph).
+    A cast to a narrower dtype happens first, so the only temporary is the result itself."""
+    if saved is None:  # all tokens ignored
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if saved.dtype == dtype:
+        return saved * grad_out.to(dtype)
+    return saved.to(dtype).mul_(grad_out.to(dtype))
 
 
 def _validate(
