@@ -280,31 +280,31 @@ def _warm(key: KernelKey, device: Any, dry: bool) -> tuple | None:
 
 def _warm_kd_loss(key: KernelKey, device: Any, dry: bool) -> tuple | None:
     """The KD loss head kernel is warmed by running its launcher on a 1-row chunk."""
-    if dry:
-        return None
-    from kdistill.kernels.triton.kd_loss import kd_loss_chunk_triton
+    from kdistill.kernels.triton.kd_loss import kd_loss_chunk_triton, launch_args
+    from kdistill.ops.kd_loss import DIVERGENCE_IDS
 
     v = key["vocab_size"]
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     s = torch.zeros((1, v), dtype=tdt[key["logits_dtype"]], device=device)
     t = s.clone() if key["HAS_KD"] else None
-    gd = tdt[key["grad_dtype"]] if key["grad_dtype"] else None
-    from kdistill.ops.kd_loss import DIVERGENCE_IDS
-
     div = {i: n for n, i in DIVERGENCE_IDS.items()}[key["DIVERGENCE"]]
+    kw = dict(
+        alpha=0.5 if key["HAS_KD"] else 0.0,
+        temperature=1.0,
+        divergence=div,
+        need_grad=key["NEED_GRAD"],
+        grad_dtype=tdt[key["grad_dtype"]] if key["grad_dtype"] else None,
+        block_v=key["BLOCK_V"],
+    )
+    labels = torch.zeros(1, dtype=torch.int64, device=device)
+    if dry:
+        from kdistill.kernels.contract import triton_specialization
+
+        kernel, _grid, args, kwargs, _ = launch_args(s, t, labels, **kw)
+        return triton_specialization(kernel, args, kwargs, key.arch)
     token = runtime.LAUNCHING.set(key)
     try:
-        kd_loss_chunk_triton(
-            s,
-            t,
-            torch.zeros(1, dtype=torch.int64, device=device),
-            alpha=0.5 if key["HAS_KD"] else 0.0,
-            temperature=1.0,
-            divergence=div,
-            need_grad=key["NEED_GRAD"],
-            grad_dtype=gd,
-            block_v=key["BLOCK_V"],
-        )
+        kd_loss_chunk_triton(s, t, labels, **kw)
     finally:
         runtime.LAUNCHING.reset(token)
     return None

@@ -69,7 +69,7 @@ def check(launches: Iterable[Launch], plan: set[KernelKey], warmed: set[tuple] |
         if spec is None:
             continue
         try:
-            expected = specialization_of(key)
+            expected = kd_loss_specialization(key) if key.op == "kd_loss" else specialization_of(key)
         except (KeyError, ValueError) as e:
             problems.append(f"key {key} does not determine its kernel: {e}")
             continue
@@ -90,3 +90,27 @@ def _diff(a: tuple, b: tuple) -> str:
     if a[2] != b[2]:
         parts.append(f"options {a[2]} vs {b[2]}")
     return "differently (" + "; ".join(parts) + ")"
+
+
+def kd_loss_specialization(key: KernelKey) -> tuple:
+    """specialization_of for the KD loss head, from its own build_source (kernels/triton/kd_loss.py)."""
+    from kdistill.kernels.keys import kd_loss_raw_key
+    from kdistill.kernels.triton.kd_loss import build_source
+
+    src, options = build_source(kd_loss_raw_key(key))
+    kernel = src.fn
+    out = []
+    for i, param in enumerate(kernel.params):
+        ty = src.signature[param.name]
+        aligned = (i,) in src.attrs and any(a[0] == "tt.divisibility" for a in src.attrs[(i,)])
+        if ty == "constexpr":
+            out.append((param.name, "constexpr", src.constants.get((i,), "<missing>")))
+        elif ty.startswith("*"):
+            out.append((param.name, ty, "D" if aligned else ""))
+        elif ty.startswith(("i", "u")) and not param.do_not_specialize:
+            out.append((param.name, ty, "D" if aligned else ""))
+        else:
+            out.append((param.name, ty, None))
+    op = kernel.fn.__name__.removesuffix("_kernel")
+    opts = tuple(sorted((k, v) for k, v in options.items() if k in ("num_warps", "num_stages")))
+    return (op, tuple(out), opts)

@@ -74,5 +74,11 @@ def kd_chunk(
             return rt.launch(key, lambda: kd_loss_chunk_triton(s_logits, t_logits, labels, **kw))
         except Exception as e:
             rt.kernel_failed(key, e)
-    rt.record(key, "fwd")
+    rt.record(key, "fwd", lambda: _launch_args(s_logits, t_logits, labels, kw))
     return chunk_divergence_reference(s_logits, t_logits, labels, **kw)
+
+
+def _launch_args(s_logits, t_logits, labels, kw):
+    from kdistill.kernels.triton.kd_loss import launch_args
+
+    return launch_args(s_logits.detach().clone(), t_logits, labels, **kw)
