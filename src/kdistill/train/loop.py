@@ -45,6 +45,22 @@ from kdistill.train.optim import lr_at, make_optimizer
 
 log = logging.getLogger("kdistill")
 
+# Test hooks (tests/test_resume*.py, test_signals.py): KDISTILL_TEST_KILL_AT names points at which the
+# process signals itself ("SIGNAL@POINT,..."; a bare POINT means SIGKILL). Points: "S" after step S's
+# metrics line, "S.M" after micro-batch M's backward of step S, "S.saved" after the checkpoint of step S.
+# KDISTILL_TEST_NAN_STEPS="3,4" makes the loss of those steps non-finite.
+_KILL_ENV, _NAN_ENV = "KDISTILL_TEST_KILL_AT", "KDISTILL_TEST_NAN_STEPS"
+
+
+def _test_hook(point: str) -> None:
+    spec = os.environ.get(_KILL_ENV)
+    if not spec:
+        return
+    for item in spec.split(","):
+        name, _, at = item.rpartition("@")
+        if at == point:
+            os.kill(os.getpid(), signal.Signals[name or "SIGKILL"])
+
 
 # ----------------------------------------------------------------------------------------------
 # Set-up helpers
@@ -190,6 +206,7 @@ def compute_loss(
     amp: contextlib.AbstractContextManager,
 ):
     """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult."""
+    from kdistill.kernels.kd import kd_chunk
     from kdistill.ops.kd_loss import kd_loss
 
     kd = cfg.kd
@@ -212,6 +229,7 @@ def compute_loss(
         beta=kd.beta,
         ignore_index=kd.ignore_index,
         chunk_size=kd.chunk_size,
+        chunk_fn=kd_chunk,
     )
 
 
@@ -226,6 +244,7 @@ def heldout_eval(
     with_teacher_loss: bool,
 ) -> dict[str, float]:
     """Token-weighted held-out CE of the student, KL(teacher || student) at T=1, and teacher CE."""
+    from kdistill.kernels.kd import kd_chunk
     from kdistill.ops.kd_loss import kd_loss
 
     tot = {"student": 0.0, "kl": 0.0, "teacher": 0.0}
@@ -241,6 +260,7 @@ def heldout_eval(
             divergence="forward_kl",
             ignore_index=cfg.kd.ignore_index,
             chunk_size=cfg.kd.chunk_size,
+            chunk_fn=kd_chunk,
         )
         if t_h is not None:
             r = kd_loss(s_h, student.lm_head_weight, t_h, teacher.lm_head_weight, flat, alpha=0.5, **common)
@@ -349,14 +369,21 @@ def train(
         found = ckpt.latest_loadable(run_dir)
         if found is not None:
             path, (weights, opt_tensors, state) = found
-            student.load_state_dict({k: v.to(device) for k, v in weights.items()})
-            ckpt.load_optimizer_tensors(
-                opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
-            )
-            batcher.load_state_dict(state["batcher"])
-            torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
-            start_step = state["step"]
-            counters.update(state["counters"])
+            try:
+                student.load_state_dict({k: v.to(device) for k, v in weights.items()})
+                ckpt.load_optimizer_tensors(
+                    opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
+                )
+                batcher.load_state_dict(state["batcher"])
+                torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
+                start_step = state["step"]
+                if type(start_step) is not int or not 0 <= start_step <= cfg.schedule.steps:
+                    raise ValueError(f"step {start_step!r}")
+                counters.update({k: type(v)(state["counters"][k]) for k, v in counters.items()})
+            except (RuntimeError, KeyError, TypeError, ValueError, AttributeError) as e:
+                # A damaged or foreign checkpoint: names, shapes or state that do not fit this run.
+                what = str(e).splitlines()[0][:200] if str(e) else e.__class__.__name__
+                raise UserError(f"{path}: checkpoint does not match this run ({what})") from None
             print(f"resuming from {path} (step {start_step})", file=sys.stderr)
     metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=start_step if resume else None)
     eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=start_step if resume else None)
@@ -414,7 +441,7 @@ def train(
                 degenerate = False
                 bad_cause = None
                 step_tokens = 0
-                for _ in range(cfg.schedule.grad_accum):
+                for micro in range(cfg.schedule.grad_accum):
                     input_ids, labels = batcher.next()
                     reason = check_batch(labels, cfg.kd.ignore_index)
                     if reason:
@@ -424,6 +451,8 @@ def train(
                     input_ids, labels = input_ids.to(device), labels.to(device)
                     r = compute_loss(student, teacher, input_ids, labels, cfg, amp)
                     loss_value = float(r.loss.detach())
+                    if os.environ.get(_NAN_ENV) and str(step + 1) in os.environ[_NAN_ENV].split(","):
+                        loss_value = float("nan")
                     if not math.isfinite(loss_value):
                         bad_cause = f"loss is {loss_value}"
                         break
@@ -432,6 +461,7 @@ def train(
                     ce_sum += float(r.ce)
                     kd_sum += float(r.kd)
                     step_tokens += int(r.tokens)
+                    _test_hook(f"{step + 1}.{micro + 1}")
                 grad_norm = None
                 if bad_cause is None:
                     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
@@ -478,6 +508,7 @@ def train(
                 if degenerate:
                     row["degenerate"] = True
                 metrics.write(row)
+                _test_hook(str(step))
                 if bad_cause is None:
                     bar.set_postfix(
                         loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
@@ -493,14 +524,18 @@ def train(
                             else ""
                         )
                     )
+                saved = False
                 if (
                     cfg.schedule.checkpoint_every
                     and step % cfg.schedule.checkpoint_every == 0
                     and step < steps
                 ):
                     save(step)
+                    saved = True
+                    _test_hook(f"{step}.saved")
                 if guard.requested and step < steps:
-                    save(step)
+                    if not saved:  # re-saving the same step would delete it before replacing it
+                        save(step)
                     status = "interrupted"
                     break
     finally:
@@ -649,13 +684,34 @@ def run_command(args: argparse.Namespace) -> int:
         return run_demo(overrides, quiet=args.quiet, as_json=args.json)
     cfg = load_config(args.config, args.overrides).validate()
     run_dir = Path(cfg.output.dir)
+    fresh = not run_dir.exists()
     prepare_output(run_dir, args.overwrite)
-    _print_config(cfg, args.quiet)
-    device, _ = resolve_device(cfg)
-    _start_run_dir(cfg, run_dir, str(device))
-    summary = train(cfg, run_dir, quiet=args.quiet)
+    try:
+        _print_config(cfg, args.quiet)
+        device, _ = resolve_device(cfg)
+        _start_run_dir(cfg, run_dir, str(device))
+        summary = train(cfg, run_dir, quiet=args.quiet)
+    except BaseException:
+        _discard_unstarted(run_dir, fresh)
+        raise
     _print_summary(summary, args.json)
     return 0
+
+
+_RUN_FILES = ("manifest.json", "config.yaml", "metrics.jsonl", "eval.jsonl")
+
+
+def _discard_unstarted(run_dir: Path, fresh: bool) -> None:
+    """A run that failed before its first step leaves nothing behind (so a corrected rerun just works)."""
+    if read_metrics(run_dir / "metrics.jsonl") or ckpt.list_checkpoints(run_dir):
+        return
+    for name in _RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        (run_dir / "checkpoints").rmdir()
+    if fresh:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
 
 
 def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
