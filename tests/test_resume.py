@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tests.test_train_kit import (
     final_weights,
     read_summary,
     run_proc,
+    start_proc,
     student_weights,
     write_config,
 )
@@ -58,22 +60,43 @@ def _chain(cfg: Path, run_dir: Path, points: list[str]) -> list[dict]:
     return stages
 
 
+def _pause_chain(cfg: Path, run_dir: Path) -> dict:
+    """Kill after step 3 (step 2 saved), resume and SIGKILL it inside the step-4 checkpoint write, resume."""
+    out: dict = {}
+    r = run_proc(["run", str(cfg), f"output.dir={run_dir}", "--quiet"], 180, KDISTILL_TEST_KILL_AT="3")
+    out["first"] = (r.returncode, r.stderr)
+    flag = run_dir.parent / f"{run_dir.name}.pause"
+    p = start_proc(["run", "--resume", str(run_dir), "--quiet"], KDISTILL_TEST_CKPT_PAUSE=str(flag))
+    deadline = time.time() + 120
+    while not flag.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    out["stage"] = flag.read_text() if flag.exists() else None
+    out["during"] = {d.name: sorted(f.name for f in d.iterdir()) for d in (run_dir / "checkpoints").iterdir()}
+    p.kill()
+    out["killed"] = p.wait(timeout=30)
+    p.communicate()
+    r = run_proc(["run", "--resume", str(run_dir), "--quiet"], 180)
+    out["last"] = (r.returncode, r.stderr)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The uninterrupted run and the two kill chains, in parallel (one thread per child)."""
     root = tmp_path_factory.mktemp("resume")
     cfg = write_config(root, **SCHED)
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         base = pool.submit(run_proc, ["run", str(cfg), f"output.dir={root / 'baseline'}", "--quiet"], 180)
         chains = {k: pool.submit(_chain, cfg, root / k, pts) for k, pts in CHAINS.items()}
+        paused = pool.submit(_pause_chain, cfg, root / "paused")
         r = base.result()
         assert r.returncode == 0, r.stderr
-        return root, {k: f.result() for k, f in chains.items()}
+        return root, {k: f.result() for k, f in chains.items()}, paused.result()
 
 
 @pytest.mark.parametrize("chain", list(CHAINS))
 def test_killed_and_resumed_run_matches_uninterrupted(runs, chain):
-    root, chains = runs
+    root, chains, _ = runs
     stages = chains[chain]
     for st in stages[:-1]:
         if st["point"].startswith("SIGTERM@"):
@@ -107,7 +130,7 @@ def test_killed_and_resumed_run_matches_uninterrupted(runs, chain):
 
 
 def test_checkpoint_holds_everything_resume_needs(runs):
-    root, _ = runs
+    root, _, _ = runs
     from kdistill.train.checkpoint import list_checkpoints, load_checkpoint
 
     path = list_checkpoints(root / "baseline")[0]
@@ -118,3 +141,43 @@ def test_checkpoint_holds_everything_resume_needs(runs):
     assert any(k.endswith(".exp_avg_sq") for k in opt) and all(
         torch.isfinite(v).all() for v in weights.values()
     )
+
+
+def test_kill_inside_a_checkpoint_write_resumes_from_the_newest_complete_one(runs):
+    """Atomic checkpoints (issue 5, item 2): SIGKILL between the weight and optimizer files of step 4."""
+    root, _, paused = runs
+    assert paused["first"][0] == -signal.SIGKILL, paused["first"][1]
+    assert paused["stage"] == "between-files"
+    during = paused["during"]
+    tmp = [name for name in during if name.startswith(".tmp-step-0000004-")]
+    assert len(tmp) == 1 and during[tmp[0]] == ["student.safetensors"]  # half-written, under a temp name
+    assert "step-0000004" not in during and during["step-0000002"] == [
+        "optimizer.safetensors",
+        "state.json",
+        "student.safetensors",
+    ]
+    assert paused["killed"] == -signal.SIGKILL
+    rc, err = paused["last"]
+    assert rc == 0, err
+    assert f"resuming from {root / 'paused' / 'checkpoints' / 'step-0000002'} (step 2)" in err
+    assert_same_weights(final_weights(root / "baseline"), final_weights(root / "paused"))
+    assert _metrics(root / "baseline") == _metrics(root / "paused")
+    names = sorted(p.name for p in (root / "paused" / "checkpoints").iterdir())
+    assert names == ["step-0000006", "step-0000008"]  # the temp folder is gone; rotation kept 2
+
+
+def test_damaged_newest_checkpoint_is_skipped(tmp_path, capsys):
+    """A newest checkpoint whose weights file is cut short: resume falls back to the one before."""
+    from tests.test_train_kit import run_cli
+
+    cfg = write_config(tmp_path, steps=4, checkpoint_every=1, eval_every=0)
+    rc, _, err = run_cli(capsys, "run", str(cfg), "output.keep_checkpoints=3", "--quiet")
+    assert rc == 0, err
+    run = tmp_path / "run"
+    assert len(list((run / "checkpoints").iterdir())) == 3
+    w = run / "checkpoints" / "step-0000004" / "student.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    rc, _, err = run_cli(capsys, "run", "--resume", str(run), "schedule.steps=5", "--quiet")
+    assert rc == 0, err
+    assert f"resuming from {run / 'checkpoints' / 'step-0000003'} (step 3)" in err
+    assert read_summary(run)["steps"] == 5
