@@ -302,6 +302,10 @@ def train(
     seed = cfg.schedule.seed
     torch.manual_seed(seed)
 
+    def stage(msg: str) -> None:
+        if not quiet:
+            print(f"[{time.time() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
     # -- plan: specs from config.json alone, tokenizers, vocab ------------------------------------
     teacher_spec, student_spec = load_spec(cfg.teacher.path), load_spec(cfg.student.path)
     tok = load_tokenizer(cfg.teacher.path)
@@ -335,6 +339,7 @@ def train(
     )
     # The held-out split does not depend on the training seed, so runs stay comparable.
     data = prepare_data(data_cfg, tok, seed=0)
+    stage(f"data: {len(data.train)} train and {len(data.heldout)} held-out sequences of {cfg.data.seq_len}")
 
     # -- kernels: compiled and sealed before any weight is on the GPU -----------------------------
     kernels = setup_kernels(cfg, teacher_spec, student_spec, device, dtype, quiet)
@@ -355,6 +360,7 @@ def train(
         if init == "teacher_layers":
             init_from_teacher_layers(student, teacher)
     student.train()
+    stage(f"loaded teacher ({teacher_spec.name}) and student ({init}) on {device}")
     opt = make_optimizer(student, cfg.optim)
     batcher = Batcher(data.train, cfg.schedule.batch_size, seed)
     held = heldout_batches(data.heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)

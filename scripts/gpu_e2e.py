@@ -1,0 +1,141 @@
+"""GPU end-to-end check: strict-mode runs of real-shaped teacher/student pairs (random weights).
+
+    PYTHONPATH=src:. python3 scripts/gpu_e2e.py --pair qwen2.5-1.5b:qwen2.5-0.5b --seq-len 2048 \
+        --batch 4 --steps 20 --out $OUT/qwen
+
+For the pair it writes random-weight Hugging Face directories at the presets' real shapes (with a small
+byte-level tokenizer: the data's token ids stay below its vocabulary, the logits still span the full
+vocabulary), then runs `kdistill run` twice with runtime.strict_kernels=true: the first run compiles
+the kernel plan in prewarm, the second must find everything in the cache. Each run's summary.json
+(jit_after_prewarm, prewarm counts, tokens/s, measured vs planned peak memory) is collected into
+OUT/results.json and printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_model_dir(preset: str, out: Path, tok_dir: Path, seed: int) -> Path:
+    from kdistill.models.checkpoint import save_model
+    from kdistill.models.decoder import build_decoder
+    from kdistill.models.spec import load_spec
+
+    spec = load_spec(preset)
+    model = build_decoder(spec, device="cuda", dtype=torch.bfloat16, seed=None)
+    with torch.no_grad():
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    save_model(model.cpu(), out, source_dir=tok_dir)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", required=True)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/kd_e2e")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--extra", nargs="*", default=[])
+    a = ap.parse_args()
+    from tests.tiny import make_tokenizer
+
+    work, out = Path(a.work), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = work / "tok"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(tok_dir, vocab_size=512)
+    teacher, student = a.pair.split(":")
+    t0 = time.time()
+    t_dir = make_model_dir(teacher, work / "teacher", tok_dir, 1)
+    s_dir = make_model_dir(student, work / "student", tok_dir, 2)
+    print(f"random-weight model dirs written in {time.time() - t0:.0f} s", flush=True)
+    results = []
+    for i in range(a.runs):
+        run_dir = work / f"run{i}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "kdistill",
+            "run",
+            "--overwrite",
+            "--quiet",
+            f"teacher.path={t_dir}",
+            f"student.path={s_dir}",
+            "student.init=pretrained",
+            "data.train=stdlib:train",
+            "data.heldout=stdlib:heldout",
+            f"data.seq_len={a.seq_len}",
+            f"schedule.batch_size={a.batch}",
+            f"schedule.steps={a.steps}",
+            "schedule.eval_every=0",
+            "schedule.eval_batches=2",
+            "schedule.checkpoint_every=0",
+            "runtime.strict_kernels=true",
+            f"output.dir={run_dir}",
+            *a.extra,
+        ]
+        t0 = time.time()
+        log_path = out / f"run{i}.log"
+        with open(log_path, "w") as log:  # streamed, so a killed call still leaves the log
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        wall = time.time() - t0
+        text = log_path.read_text()
+        print(f"run {i}: exit {proc.returncode} in {wall:.0f} s", flush=True)
+        if proc.returncode != 0:
+            print(text[-3000:])
+            results.append({"run": i, "exit": proc.returncode})
+            continue
+        summary = json.loads((run_dir / "summary.json").read_text())
+        summary["run"] = i
+        summary["wall_s"] = wall
+        results.append(summary)
+        prewarm = [ln for ln in text.splitlines() if ln.startswith("prewarm:")]
+        print("  " + (prewarm[0] if prewarm else "no prewarm line"))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "pair": a.pair,
+                "device": torch.cuda.get_device_name(),
+                "seq_len": a.seq_len,
+                "batch": a.batch,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+    print(
+        f"{'run':>4} {'jit_after':>9} {'compiled':>8} {'cached':>6} {'prewarm_s':>9} {'tok/s':>9} "
+        f"{'peak_GiB':>8} {'plan_GiB':>8} {'loss0':>7} {'lossN':>7}"
+    )
+    for r in results:
+        if "status" not in r:
+            continue
+        pw = r.get("kernels", {}).get("prewarm", {})
+        print(
+            f"{r['run']:>4} {r['jit_after_prewarm']:>9} {pw.get('compiled', '-'):>8} {pw.get('from_cache', '-'):>6} "
+            f"{pw.get('seconds', 0):>9.1f} {r['tokens_per_s']:>9.0f} {r.get('peak_memory_gib', 0):>8.2f} "
+            f"{r.get('planned_memory_gib', 0):>8.2f} {r['initial_loss']:>7.3f} {r['final_loss']:>7.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
