@@ -259,6 +259,11 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
             setattr(obj, key, _coerce(value, hint, where))
 
 
+# What yaml.safe_load raises besides YAMLError: bad dates (ValueError), a bare '!!float' tag (IndexError),
+# deep nesting (RecursionError).
+_YAML_FAILURES = (yaml.YAMLError, ValueError, IndexError, TypeError, OverflowError, RecursionError)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'kd.temperature=2' -> (['kd', 'temperature'], 2): values parsed as YAML scalars."""
     if "=" not in text:
@@ -268,7 +273,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise UserError(f"override '{text}' has an empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except _YAML_FAILURES:
         value = raw
     return key.split("."), value
 
@@ -296,6 +301,8 @@ def load_config(
             raise UserError(
                 f"{p}: {line}not valid YAML ({getattr(e, 'problem', None) or 'syntax error'})"
             ) from None
+        except _YAML_FAILURES as e:  # a scalar the YAML constructors reject (e.g. date 2024-13-45)
+            raise UserError(f"{p}: not valid YAML ({e.__class__.__name__}: {e})") from None
         if not isinstance(data, dict):
             raise UserError(
                 f"{p}: expected a mapping of sections (teacher, student, data, kd, ...) at the top"
