@@ -356,3 +356,20 @@ def test_resume_with_changed_batch_size(finished_run, capsys, tmp_path):
         "cannot resume: batch size is 2, the checkpoint used 4"
     )
     assert _snapshot(copy) == before
+
+
+def test_resume_with_a_checkpoint_of_another_shape(finished_run, capsys, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, run = finished_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    ckpt = copy / "checkpoints" / "step-0000004"
+    w = load_file(str(ckpt / "student.safetensors"))
+    w["model.norm.weight"] = torch.ones(48)
+    save_file(w, str(ckpt / "student.safetensors"))
+    assert _error(capsys, "run", "--resume", str(copy), "schedule.steps=5", "--quiet") == (
+        f"{ckpt}: checkpoint does not match this run (tensor 'model.norm.weight' has shape [48], expected [32])"
+    )

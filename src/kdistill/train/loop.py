@@ -376,6 +376,15 @@ def train(
         if found is not None:
             path, (weights, opt_tensors, state) = found
             try:
+                own = student.state_dict()
+                odd = sorted(set(own) ^ set(weights))
+                if odd:
+                    raise ValueError(f"{'unexpected' if odd[0] in weights else 'missing'} tensor {odd[0]!r}")
+                for k, v in weights.items():
+                    if v.shape != own[k].shape:
+                        raise ValueError(
+                            f"tensor {k!r} has shape {list(v.shape)}, expected {list(own[k].shape)}"
+                        )
                 student.load_state_dict({k: v.to(device) for k, v in weights.items()})
                 ckpt.load_optimizer_tensors(
                     opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
