@@ -72,7 +72,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case,name", [("term", "SIGTERM"), ("int", "SIGINT")])
-def test_signal_finishes_the_step_saves_and_exits_zero(results, case, name):
+def test_signal_finishes_the_step_saves_and_exits_zero(results, case, name, capsys):
     from kdistill.train.checkpoint import latest_loadable
 
     r = results[case]
@@ -88,6 +88,13 @@ def test_signal_finishes_the_step_saves_and_exits_zero(results, case, name):
     path, (weights, _, state) = latest_loadable(r["run"])
     assert path.name == f"step-{summary['steps']:07d}" and state["step"] == summary["steps"]
     assert not (r["run"] / "student").exists()  # only a completed run exports the student
+    # `kdistill report` reads the interrupted run.
+    from kdistill.cli import main
+
+    assert main(["report", str(r["run"]), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "interrupted" and report["steps_done"] == summary["steps"]
+    assert report["checkpoints"] == [path.name]
 
 
 def test_second_signal_exits_at_once(results):
