@@ -139,7 +139,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kdistill` script. Returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Intermixed: `kdistill run cfg.yaml --quiet a=b` keeps a=b as an override after an option.
+    args = parser.parse_intermixed_args(argv)
     try:
         return _dispatch(args) or 0
     except UserError as e:

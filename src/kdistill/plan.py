@@ -20,11 +20,13 @@ from kdistill.models.spec import ModelSpec, load_spec
 
 GIB = 1024**3
 
-# Saved-for-backward bytes per token per layer, per unit of (hidden, intermediate, q+2kv) width,
-# for the bf16-autocast student. Counted from the decoder's ops: the fp32 residual stream and norm
-# inputs, bf16 casts of the linears' inputs, q/k/v/attention output and the three MLP tensors.
-ACT_COEF_GPU = {"hidden": 22.0, "inter": 10.0, "qkv": 6.0}
-ACT_COEF_CPU = {"hidden": 28.0, "inter": 16.0, "qkv": 12.0}  # fp32 everywhere
+# Saved-for-backward bytes per token per layer, per unit of width, for the bf16-autocast student on
+# the kernel path. Counted from the decoder's ops: two fp32 residual sums kept by the fused norms (8H)
+# and five bf16 casts of normed inputs for the q/k/v/gate/up projections (10H); q, k, v saved by SDPA,
+# its output and o_proj's input (about 6 per unit of q + 2kv); gate, up and the SwiGLU output (6I).
+# Checked against torch.cuda.max_memory_allocated on an H200 (docs/memory.md).
+ACT_COEF_GPU = {"hidden": 18.0, "inter": 6.0, "qkv": 6.0}
+ACT_COEF_CPU = {"hidden": 28.0, "inter": 16.0, "qkv": 12.0}  # fp32 everywhere, reference ops
 
 
 def resolve_pair(config: str | None, overrides: list[str]) -> tuple[RunConfig, ModelSpec, ModelSpec]:
@@ -45,7 +47,16 @@ def resolve_pair(config: str | None, overrides: list[str]) -> tuple[RunConfig, M
 def estimate_memory(
     teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, device: str = "cuda"
 ) -> dict[str, int]:
-    """Peak memory of one training step on one device, by term, in bytes."""
+    """Peak memory of one training step on one device, by term, in bytes.
+
+    The peak is at the end of the student's forward pass, when everything below is live at once:
+    weights, AdamW state and autocast's bf16 weight copies; the student's saved activations; the
+    teacher's final hidden states; the KD head's gradient buffers for the hidden states and the
+    lm_head; and two [chunk x vocab] fp32 logits buffers of the chunk being computed. (The teacher's
+    own forward runs before the student's activations exist, and the student's gradients replace its
+    activations during the backward pass, so neither adds to this peak unless it is larger:
+    `optimizer_phase` covers the end of the backward pass.)
+    """
     gpu = device != "cpu"
     n = cfg.schedule.batch_size * cfg.data.seq_len  # tokens per micro-batch
     ps = student.param_counts()["total"]
@@ -59,21 +70,23 @@ def estimate_memory(
     )
     vocab = student.vocab_size
     chunk = min(cfg.kd.chunk_size, n)
-    terms = {
+    fixed = {
         "teacher_weights": pt * act_bytes,
         "student_weights": ps * 4,
-        "student_grads": ps * 4,
         "optimizer_state": ps * 8,
         "autocast_weight_copies": ps * 2 if gpu else 0,
-        "student_activations": int(n * student.num_layers * per_tok_layer) + n * student.hidden_size * 4,
-        # Teacher forward without grad: one layer's transient tensors plus the final hidden states.
-        "teacher_transient": n * (6 * teacher.hidden_size + 3 * teacher.intermediate_size) * act_bytes
-        + n * teacher.hidden_size * act_bytes,
-        # Loss head: student and teacher chunk logits (fp32) and the gradient, plus grad_h and grad_W.
-        "loss_workspace": chunk * vocab * 4 * 4
-        + n * student.hidden_size * 4
-        + vocab * student.hidden_size * 4,
     }
+    forward_peak = {
+        "student_activations": int(n * student.num_layers * per_tok_layer) + n * student.hidden_size * 4,
+        "teacher_hidden": n * teacher.hidden_size * act_bytes,
+        "loss_gradients": n * student.hidden_size * 4 + vocab * student.hidden_size * 4,
+        "loss_chunk_logits": 2 * chunk * vocab * 4,
+    }
+    optimizer_phase = ps * 4 * 2  # gradients plus AdamW's foreach temporaries
+    terms = {**fixed, **forward_peak}
+    live_forward = sum(forward_peak.values())
+    if optimizer_phase > live_forward:
+        terms = {**fixed, "gradients_and_optimizer_temporaries": optimizer_phase}
     terms["total"] = sum(terms.values())
     return terms
 

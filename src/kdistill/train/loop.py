@@ -694,10 +694,15 @@ def run_command(args: argparse.Namespace) -> int:
         summary = train(cfg, run_dir, resume=True, quiet=args.quiet)
         _print_summary(summary, args.json)
         return 0
-    if args.config is None or "=" in (args.config or ""):
-        overrides = ([args.config] if args.config else []) + list(args.overrides)
+    config_path = args.config
+    overrides = list(args.overrides)
+    if config_path is not None and "=" in config_path and not Path(config_path).exists():
+        overrides.insert(0, config_path)  # `kdistill run key=value ...`: no config file
+        config_path = None
+    if config_path is None and not any(o.startswith("teacher.path=") for o in overrides):
+        # No config and no teacher: the embedded demo (overrides apply to it).
         return run_demo(overrides, quiet=args.quiet, as_json=args.json)
-    cfg = load_config(args.config, args.overrides).validate()
+    cfg = load_config(config_path, overrides).validate()
     run_dir = Path(cfg.output.dir)
     fresh = not run_dir.exists()
     prepare_output(run_dir, args.overwrite)
