@@ -139,8 +139,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kdistill` script. Returns the process exit code."""
     parser = build_parser()
-    # Intermixed: `kdistill run cfg.yaml --quiet a=b` keeps a=b as an override after an option.
-    args = parser.parse_intermixed_args(argv)
+    # `kdistill run cfg.yaml --quiet a=b`: overrides after an option are still overrides.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return _dispatch(args) or 0
     except UserError as e:
