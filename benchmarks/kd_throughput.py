@@ -46,7 +46,7 @@ def dense_loss(student, teacher, ids, labels, alpha, T):
     return (1 - alpha) * ce + alpha * T * T * kl
 
 
-def bench(provider: str, cfg, t_spec, s_spec, batches, steps: int) -> dict:
+def bench(provider: str, cfg, t_spec, s_spec, batches, steps: int, profile: bool = False) -> dict:
     dev = torch.device("cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -74,6 +74,24 @@ def bench(provider: str, cfg, t_spec, s_spec, batches, steps: int) -> dict:
         torch.cuda.synchronize()
         if i >= 2:  # two warm-up steps
             times.append(time.perf_counter() - start)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for ids, labels in batches[:2]:
+                opt.zero_grad(set_to_none=True)
+                if provider == "dense":
+                    loss = dense_loss(student, teacher, ids, labels, cfg.kd.alpha, cfg.kd.temperature)
+                else:
+                    loss = compute_loss(student, teacher, ids, labels, cfg, amp).loss
+                loss.backward()
+                opt.step()
+            torch.cuda.synchronize()
+        print(f"--- {provider}: top CUDA kernels over 2 steps")
+        print(
+            prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70)
+        )
     tokens = batches[0][0].numel()
     med = statistics.median(times)
     out = {
@@ -81,7 +99,7 @@ def bench(provider: str, cfg, t_spec, s_spec, batches, steps: int) -> dict:
         "median_step_s": med,
         "tokens_per_s": tokens / med,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "final_loss": float(loss),
+        "final_loss": float(loss.detach()),
         "prewarm_s": prewarm_s,
         "jit_after_prewarm": sess.jit_after_prewarm(),
         "spread_s": max(times) - min(times),
@@ -98,6 +116,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--providers", default="triton,reference,dense")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--profile", action="store_true", help="print the top CUDA kernels of two steps per provider"
+    )
     a = ap.parse_args()
     t_name, s_name = a.pair.split(":")
     cfg = load_config(
@@ -123,7 +144,7 @@ def main() -> None:
     rows = []
     for p in a.providers.split(","):
         try:
-            rows.append(bench(p, cfg, t_spec, s_spec, batches, a.steps))
+            rows.append(bench(p, cfg, t_spec, s_spec, batches, a.steps, a.profile))
         except torch.OutOfMemoryError:
             rows.append({"provider": p, "error": "out of memory"})
             torch.cuda.empty_cache()
