@@ -135,11 +135,7 @@ def gemm_kernels(
     h, i = spec.hidden_size, spec.intermediate_size
     shapes = {(spec.q_size, h), (spec.kv_size, h), (h, spec.q_size), (i, h), (h, i)}
     out = {keys.gemm_key(arch, m=tokens, n=n, k=k, dtype=dtype, grad=grad) for n, k in shapes}
-    out.add(
-        keys.gemm_key(
-            arch, m=min(chunk, tokens), n=spec.vocab_size, k=h, dtype="fp32" if grad else dtype, grad=grad
-        )
-    )
+    out.add(keys.gemm_key(arch, m=min(chunk, tokens), n=spec.vocab_size, k=h, dtype=dtype, grad=grad))
     return out
 
 
@@ -153,7 +149,9 @@ def kd_kernels(
         return set()
     kd = run.kd
     out = set()
-    grad_dtype = prec.student_weights
+    # The loop casts the head's operands to the autocast dtype (train/loop.py head_operands), so the
+    # logits gradient is written in the compute dtype; fp32 when there is no autocast.
+    grad_dtype = prec.compute if prec.autocast else prec.student_weights
     v_s = student.vocab_size
     out.add(
         keys.kd_loss_key(

@@ -197,6 +197,17 @@ class SignalGuard:
 # ----------------------------------------------------------------------------------------------
 # Loss and evaluation
 # ----------------------------------------------------------------------------------------------
+def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KD head's GEMM operands: under autocast both go to the autocast dtype, as every other
+    linear of the model does (fp32 master weights would otherwise make the lm_head GEMMs fp32). The
+    head still accumulates logits and the lm_head gradient in fp32."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return hidden.to(dt), weight.to(dt)
+    return hidden, weight
+
+
 def compute_loss(
     student: Decoder,
     teacher: Decoder | None,
@@ -217,9 +228,12 @@ def compute_loss(
         t_weight = teacher.lm_head_weight
     with amp:
         s_hidden = student(input_ids).flatten(0, 1)  # (N, Hs)
+        s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
+        if t_hidden is not None:
+            t_hidden, t_weight = head_operands(t_hidden, t_weight)
     return kd_loss(
         s_hidden,
-        student.lm_head_weight,
+        s_weight,
         t_hidden,
         t_weight,
         labels.flatten(),
@@ -253,8 +267,10 @@ def heldout_eval(
         input_ids, labels = input_ids.to(device), labels.to(device)
         flat = labels.flatten()
         with amp:
-            s_h = student(input_ids).flatten(0, 1)
-            t_h = teacher(input_ids).flatten(0, 1) if teacher is not None else None
+            s_h, s_w = head_operands(student(input_ids).flatten(0, 1), student.lm_head_weight)
+            t_h, t_w = None, None
+            if teacher is not None:
+                t_h, t_w = head_operands(teacher(input_ids).flatten(0, 1), teacher.lm_head_weight)
         common = dict(
             temperature=1.0,
             divergence="forward_kl",
@@ -263,13 +279,13 @@ def heldout_eval(
             chunk_fn=kd_chunk,
         )
         if t_h is not None:
-            r = kd_loss(s_h, student.lm_head_weight, t_h, teacher.lm_head_weight, flat, alpha=0.5, **common)
+            r = kd_loss(s_h, s_w, t_h, t_w, flat, alpha=0.5, **common)
             tot["kl"] += float(r.kd) * r.tokens
             if with_teacher_loss:
-                rt = kd_loss(t_h, teacher.lm_head_weight, None, None, flat, alpha=0.0, **common)
+                rt = kd_loss(t_h, t_w, None, None, flat, alpha=0.0, **common)
                 tot["teacher"] += float(rt.ce) * rt.tokens
         else:
-            r = kd_loss(s_h, student.lm_head_weight, None, None, flat, alpha=0.0, **common)
+            r = kd_loss(s_h, s_w, None, None, flat, alpha=0.0, **common)
         tot["student"] += float(r.ce) * r.tokens
         tokens += r.tokens
     n = max(tokens, 1)
