@@ -73,11 +73,18 @@ def test_kernels_track_reference_every_step(dtype: str, tol: float, divergence: 
     student = _spec("qwen2", 64, 2, 4, 2, 160)
     g = torch.Generator(device="cuda").manual_seed(0)
     batches = []
+    # Learnable sequences (each token a fixed function of the previous one, from random starts), so
+    # both paths must actually train, not just agree on noise.
+    steps = torch.arange(65, device="cuda")
     for _ in range(30):
-        x = torch.randint(0, 1000, (4, 65), device="cuda", generator=g)
+        start = torch.randint(0, 1000, (4, 1), device="cuda", generator=g)
+        x = (start * 7 + steps * 13) % 1000
         batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     ref = _train("reference", teacher, student, batches, divergence, dtype)
     ker = _train("triton", teacher, student, batches, divergence, dtype)
     rel = [abs(a - b) / abs(b) for a, b in zip(ker, ref)]
-    assert max(rel) < tol, f"max relative loss difference {max(rel):.2e} at step {rel.index(max(rel)) + 1}"
-    assert ref[-1] < ref[0] and ker[-1] < ker[0]
+    trace = " ".join(f"{r:.1e}" for r in rel)
+    assert max(rel) < tol, (
+        f"max relative loss difference {max(rel):.2e} at step {rel.index(max(rel)) + 1}: {trace}"
+    )
+    assert ref[-1] < 0.9 * ref[0] and ker[-1] < 0.9 * ker[0]
