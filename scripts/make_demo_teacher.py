@@ -27,10 +27,22 @@ EOS = "<|endoftext|>"
 
 # The teacher's architecture (about 4.2M parameters: 8.4 MB in bf16).
 TEACHER_CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": 256,
-    "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024, "tie_word_embeddings": True,
-    "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
 }
 
 
@@ -41,14 +53,28 @@ def train_tokenizer() -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS], min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=[EOS],
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train([str(p) for p in train], trainer)
     ASSETS.mkdir(parents=True, exist_ok=True)
     tok.save(str(ASSETS / "tokenizer.json"))
-    (ASSETS / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": EOS, "bos_token": None, "model_max_length": 1024, "tokenizer_class": "PreTrainedTokenizerFast"},
-        indent=2) + "\n")
+    (ASSETS / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": EOS,
+                "bos_token": None,
+                "model_max_length": 1024,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"tokenizer: {tok.get_vocab_size()} tokens -> {ASSETS / 'tokenizer.json'}")
 
 
@@ -74,7 +100,9 @@ def _rows(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(tokens[: n * (seq_len + 1)]).view(n, seq_len + 1)
 
 
-def train_teacher(minutes: float, seq_len: int, batch: int, lr: float, device: str, out: Path, max_steps: int) -> None:
+def train_teacher(
+    minutes: float, seq_len: int, batch: int, lr: float, device: str, out: Path, max_steps: int
+) -> None:
     from tokenizers import Tokenizer
 
     from kdistill.models.checkpoint import save_model
@@ -92,7 +120,9 @@ def train_teacher(minutes: float, seq_len: int, batch: int, lr: float, device: s
     spec = spec_from_hf_config(TEACHER_CONFIG)
     model = build_decoder(spec, device=dev, dtype=torch.float32, seed=0)
     print(f"teacher: {spec.param_counts()['total'] / 1e6:.2f}M parameters")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda"
+    )
     train_t = torch.from_numpy(train).to(dev)
     held_t = _rows(held, seq_len).to(dev)
     val_t = _rows(val, seq_len).to(dev)
@@ -123,12 +153,18 @@ def train_teacher(minutes: float, seq_len: int, batch: int, lr: float, device: s
         if step % eval_every == 0 or step == max_steps:
             with torch.no_grad():
                 vl = torch.stack([loss_of(val_t[i : i + 64]) for i in range(0, len(val_t), 64)]).mean().item()
-                hl = torch.stack([loss_of(held_t[i : i + 64]) for i in range(0, len(held_t), 64)]).mean().item()
+                hl = (
+                    torch.stack([loss_of(held_t[i : i + 64]) for i in range(0, len(held_t), 64)])
+                    .mean()
+                    .item()
+                )
             if vl < best:
                 best = vl
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            print(f"step {step} {time.time() - start:.0f}s train {loss.item():.3f} val {vl:.3f} heldout {hl:.3f}",
-                  flush=True)
+            print(
+                f"step {step} {time.time() - start:.0f}s train {loss.item():.3f} val {vl:.3f} heldout {hl:.3f}",
+                flush=True,
+            )
     if best_state is not None:
         model.load_state_dict(best_state)
     print(f"kept the weights with the best validation loss {best:.3f}")

@@ -218,3 +218,34 @@ def report_command(args: argparse.Namespace) -> int:
         print(f"jit after prewarm  {report['jit_after_prewarm']}")
     print(f"checkpoints {', '.join(ckpts) if ckpts else 'none'}")
     return 0
+
+
+def plot_comparison(runs: dict[str, Path], out: Path, title: str) -> Path | None:
+    """One figure of held-out student loss against the step for several runs, with the teacher's."""
+    curves = {name: read_metrics(d / "eval.jsonl") for name, d in runs.items()}
+    if not any(curves.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    teacher = None
+    for name, rows in curves.items():
+        if rows:
+            ax.plot([r["step"] for r in rows], [r["student_loss"] for r in rows], "o-", label=name)
+            teacher = teacher or next((r["teacher_loss"] for r in rows if r.get("teacher_loss")), None)
+    if teacher is not None:
+        ax.axhline(teacher, color="gray", ls="--", label="teacher")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

@@ -36,6 +36,7 @@ from kdistill.train import checkpoint as ckpt
 from kdistill.train.evidence import (
     MetricsWriter,
     make_manifest,
+    plot_comparison,
     plot_losses,
     read_metrics,
     smoke_contract,
@@ -798,6 +799,11 @@ def run_demo(overrides: list[str], quiet: bool = False, as_json: bool = False) -
     }
     kd_summary["kd_beats_baseline"] = heldout["student"] < heldout["baseline_ce"]
     write_json(run_dir / "summary.json", kd_summary)
+    plot_comparison(
+        {"KD student": run_dir, "CE-only student": base_dir},
+        run_dir / "comparison.png",
+        "held-out loss on the stdlib: KD vs hard labels only",
+    )
     if as_json:
         print_json(kd_summary)
     else:
@@ -809,6 +815,6 @@ def run_demo(overrides: list[str], quiet: bool = False, as_json: bool = False) -
         verdict = "beats" if kd_summary["kd_beats_baseline"] else "does NOT beat"
         print(
             f"KD student {verdict} the CE-only student by {heldout['baseline_ce'] - heldout['student']:+.4f} nats; "
-            f"run in {run_dir}/ (summary.json, loss.png, student/)"
+            f"run in {run_dir}/ (summary.json, loss.png, comparison.png, student/)"
         )
     return 0
