@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kdistill.errors import UserError
+from kdistill.fileio import fsync_dir, write_json_durable
 from kdistill.models.decoder import Decoder
 from kdistill.models.spec import read_config_json, spec_from_hf_config
 
@@ -464,27 +465,6 @@ def has_weights(model_dir: Path) -> bool:
     return (model_dir / WEIGHTS_NAME).is_file() or (model_dir / INDEX_NAME).is_file()
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def save_model(
     model: Decoder, out_dir: Path, *, source_dir: Path | None = None, dtype: torch.dtype | None = None
 ) -> None:
@@ -530,7 +510,7 @@ def save_model(
         dtype_name = str(dtype).removeprefix("torch.")
         cfg = model.spec.to_hf_config()
         cfg["torch_dtype"] = cfg["dtype"] = dtype_name
-        _write_json(tmp / "config.json", cfg)
+        write_json_durable(tmp / "config.json", cfg)
 
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
@@ -552,7 +532,7 @@ def save_model(
             for fname in (*TOKENIZER_FILES, *EXTRA_FILES):
                 if (src / fname).is_file():
                     shutil.copyfile(src / fname, tmp / fname)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
 
         if out_dir.exists():
             os.rename(out_dir, old)
@@ -564,7 +544,7 @@ def save_model(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out_dir)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except OSError as e:
         raise UserError(
             f"{out_dir}: cannot write the model ({e.__class__.__name__}: {e.strerror or e})"

@@ -22,30 +22,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kdistill.errors import UserError
+from kdistill.fileio import fsync_dir, write_json_durable
 
 _PREFIX = "step-"
 # Tests set this to pause between files and kill the process inside a checkpoint write.
 _PAUSE_ENV = "KDISTILL_TEST_CKPT_PAUSE"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _pause_hook(stage: str) -> None:
@@ -98,15 +79,15 @@ def save_checkpoint(
         _pause_hook("between-files")
         opt_t, opt_meta = optimizer_tensors(opt)
         save_file(opt_t, str(tmp / "optimizer.safetensors"))
-        _write_json(tmp / "state.json", {"step": step, "optimizer": opt_meta, **state})
+        write_json_durable(tmp / "state.json", {"step": step, "optimizer": opt_meta, **state})
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(
