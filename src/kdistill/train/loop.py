@@ -548,14 +548,15 @@ def train(
                 bar.update(1)
                 if cfg.schedule.eval_every and step % cfg.schedule.eval_every == 0 and step < steps:
                     last_eval = run_eval(step)
-                    bar.write(
-                        f"step {step}: held-out student {last_eval['student_loss']:.4f}"
-                        + (
-                            f", teacher {last_eval['teacher_loss']:.4f}"
-                            if last_eval.get("teacher_loss")
-                            else ""
+                    if not quiet:
+                        bar.write(
+                            f"step {step}: held-out student {last_eval['student_loss']:.4f}"
+                            + (
+                                f", teacher {last_eval['teacher_loss']:.4f}"
+                                if last_eval.get("teacher_loss")
+                                else ""
+                            )
                         )
-                    )
                 saved = False
                 if (
                     cfg.schedule.checkpoint_every
