@@ -137,11 +137,20 @@ def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec) -> dict[st
     }
 
 
+def _short(name: str, width: int = 17) -> str:
+    """A model name for the table: a preset as is, a path by its folder name."""
+    from pathlib import Path
+
+    p = Path(name)
+    short = p.parent.name if p.name == "config.json" else p.name
+    return short if len(short) <= width else short[: width - 1] + "…"
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     t, s = plan["teacher"], plan["student"]
     lines = [
         f"{'':24s}{'teacher':>18s}{'student':>18s}",
-        f"{'model':24s}{t['name']:>18s}{s['name']:>18s}",
+        f"{'model':24s}{_short(t['name']):>18s}{_short(s['name']):>18s}",
         f"{'parameters (M)':24s}{t['params']['total'] / 1e6:>18.1f}{s['params']['total'] / 1e6:>18.1f}",
         f"{'non-embedding (M)':24s}{t['params']['non_embedding'] / 1e6:>18.1f}{s['params']['non_embedding'] / 1e6:>18.1f}",
         "",

@@ -325,6 +325,11 @@ def train(
 
     # -- plan: specs from config.json alone, tokenizers, vocab ------------------------------------
     teacher_spec, student_spec = load_spec(cfg.teacher.path), load_spec(cfg.student.path)
+    if not Path(cfg.teacher.path).is_dir():
+        raise UserError(
+            f"teacher.path '{cfg.teacher.path}' is not a model directory: a run needs the teacher's weights "
+            "and tokenizer.json (presets only describe shapes, for `kdistill plan`)"
+        )
     tok = load_tokenizer(cfg.teacher.path)
     student_dir = Path(cfg.student.path) if Path(cfg.student.path).is_dir() else None
     if student_dir is not None and (student_dir / "tokenizer.json").exists():
