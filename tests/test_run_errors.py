@@ -373,3 +373,14 @@ def test_resume_with_a_checkpoint_of_another_shape(finished_run, capsys, tmp_pat
     assert _error(capsys, "run", "--resume", str(copy), "schedule.steps=5", "--quiet") == (
         f"{ckpt}: checkpoint does not match this run (tensor 'model.norm.weight' has shape [48], expected [32])"
     )
+
+
+def test_preset_teacher_is_refused(tmp_path, capsys):
+    # A preset gives shapes for `kdistill plan`; a run needs the teacher's weights and tokenizer.
+    message = (
+        "teacher.path 'qwen2.5-0.5b' is not a model directory: a run needs the teacher's weights and "
+        "tokenizer.json (presets only describe shapes, for `kdistill plan`)"
+    )
+    _fails_clean(
+        capsys, tmp_path, ["run", str(_cfg(tmp_path, **{"teacher.path": "qwen2.5-0.5b"})), "--quiet"], message
+    )
