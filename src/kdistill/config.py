@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -140,7 +141,11 @@ class RuntimeConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     kernels: str = "auto"  # auto (Triton on GPU) | triton | reference
-    strict_kernels: bool = False  # a compile after the seal, or a kernel failure, is an error
+    # A compile after the seal, or a kernel failure, is an error. Default: off, or KDISTILL_STRICT_KERNELS=1
+    # (the test suite sets it, so tests run strict unless they say otherwise).
+    strict_kernels: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("KDISTILL_STRICT_KERNELS", "") not in ("", "0")
+    )
     arch: str = "auto"  # GPU arch for kernel keys when no GPU is present, e.g. sm_90
     on_nonfinite: str = "skip"  # skip | stop
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
