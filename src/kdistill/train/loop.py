@@ -33,6 +33,7 @@ from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder, build_decoder
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.train import checkpoint as ckpt
+from kdistill.train import distributed as dist
 from kdistill.train.evidence import (
     MetricsWriter,
     make_manifest,
@@ -311,6 +312,12 @@ def train(
 
     t_start = time.time()
     device, dtype = resolve_device(cfg)
+    multi = dist.active()  # torchrun with several processes: FSDP2, a slice of each batch per process
+    if multi:
+        rows = dist.batch_slice(cfg.schedule.batch_size)
+        if dist.info().device is not None:
+            device = dist.info().device
+        quiet = quiet or not dist.is_main()
     amp: Any = (
         torch.autocast("cuda", dtype=dtype)
         if device.type == "cuda" and dtype != torch.float32
@@ -360,7 +367,11 @@ def train(
         cfg.data, train=expand_data_paths(cfg.data.train), heldout=expand_data_paths(cfg.data.heldout)
     )
     # The held-out split does not depend on the training seed, so runs stay comparable.
-    data = prepare_data(data_cfg, tok, seed=0)
+    if multi:
+        with dist.main_first():  # rank 0 fills the token cache, the others read it
+            data = prepare_data(data_cfg, tok, seed=0)
+    else:
+        data = prepare_data(data_cfg, tok, seed=0)
     stage(f"data: {len(data.train)} train and {len(data.heldout)} held-out sequences of {cfg.data.seq_len}")
 
     # -- kernels: compiled and sealed before any weight is on the GPU -----------------------------
@@ -383,6 +394,11 @@ def train(
             init_from_teacher_layers(student, teacher)
     student.train()
     stage(f"loaded teacher ({teacher_spec.name}) and student ({init}) on {device}")
+    if multi:
+        dist.shard_student(student)
+        if os.environ.get("KDISTILL_REPLICATE_TEACHER") != "1":
+            dist.shard_teacher(teacher)
+        stage(f"FSDP2 over {dist.info().world} processes: student and teacher sharded")
     opt = make_optimizer(student, cfg.optim)
     batcher = Batcher(data.train, cfg.schedule.batch_size, seed)
     held = heldout_batches(data.heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)
@@ -393,7 +409,10 @@ def train(
         {"nonfinite_skipped": 0, "degenerate_batches": 0, "tokens_seen": 0, "train_seconds": 0.0},
     )
     if resume:
-        ckpt.clean_partial(run_dir)
+        if multi:
+            dist.run_on_main(lambda: ckpt.clean_partial(run_dir))
+        else:
+            ckpt.clean_partial(run_dir)
         found = ckpt.latest_loadable(run_dir)
         if found is not None:
             path, (weights, opt_tensors, state) = found
@@ -407,10 +426,15 @@ def train(
                         raise ValueError(
                             f"tensor {k!r} has shape {list(v.shape)}, expected {list(own[k].shape)}"
                         )
-                student.load_state_dict({k: v.to(device) for k, v in weights.items()})
-                ckpt.load_optimizer_tensors(
-                    opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
-                )
+                if multi:
+                    holder = dist.FullState({})
+                    ckpt.load_optimizer_tensors(holder, opt_tensors, state["optimizer"])  # type: ignore[arg-type]
+                    dist.load_full_state(student, opt, weights, holder.loaded)
+                else:
+                    student.load_state_dict({k: v.to(device) for k, v in weights.items()})
+                    ckpt.load_optimizer_tensors(
+                        opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
+                    )
                 batcher.load_state_dict(state["batcher"])
                 torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
                 start_step = state["step"]
@@ -421,9 +445,14 @@ def train(
                 # A damaged or foreign checkpoint: names, shapes or state that do not fit this run.
                 what = str(e).splitlines()[0][:200] if str(e) else e.__class__.__name__
                 raise UserError(f"{path}: checkpoint does not match this run ({what})") from None
-            print(f"resuming from {path} (step {start_step})", file=sys.stderr)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=start_step if resume else None)
-    eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=start_step if resume else None)
+            if dist.is_main():
+                print(f"resuming from {path} (step {start_step})", file=sys.stderr)
+    if multi and not dist.is_main():  # only rank 0 writes the run's files
+        metrics = eval_log = _NoWriter()
+    else:
+        metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=start_step if resume else None)
+        eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=start_step if resume else None)
+    dist.barrier()
 
     teacher_heldout: float | None = None
     steps = cfg.schedule.steps
@@ -449,6 +478,19 @@ def train(
             "counters": counters,
             "config": cfg.to_dict(),
         }
+        if multi:  # gather full tensors (collective), rank 0 writes them with the same atomic writer
+            weights, opt_state = dist.full_model_state(student), dist.full_optimizer_state(student, opt)
+            if dist.is_main():
+                ckpt.save_checkpoint(
+                    run_dir,
+                    step,
+                    dist.FullState(weights),  # type: ignore[arg-type]
+                    dist.FullState(opt_state),  # type: ignore[arg-type]
+                    state,
+                    cfg.output.keep_checkpoints,
+                )
+            dist.barrier()
+            return
         ckpt.save_checkpoint(run_dir, step, student, opt, state, cfg.output.keep_checkpoints)
 
     def run_eval(step: int) -> dict[str, float]:
@@ -485,24 +527,42 @@ def train(
                         degenerate = True
                         counters["degenerate_batches"] += 1
                         log.warning("step %d: degenerate batch (%s)", step + 1, reason)
+                    if multi:
+                        input_ids, labels = input_ids[rows], labels[rows]
                     input_ids, labels = input_ids.to(device), labels.to(device)
                     r = compute_loss(student, teacher, input_ids, labels, cfg, amp)
                     loss_value = float(r.loss.detach())
                     if os.environ.get(_NAN_ENV) and str(step + 1) in os.environ[_NAN_ENV].split(","):
                         loss_value = float("nan")
+                    weight, ce_value, kd_value, tokens = 1.0, float(r.ce), float(r.kd), int(r.tokens)
+                    if multi:  # token-weighted means over all processes (the same on every one)
+                        weight, _ = dist.loss_weight(tokens)
+                        sums = dist.all_reduce_sum(
+                            [loss_value * tokens, ce_value * tokens, kd_value * tokens, tokens]
+                        )
+                        n = max(sums[3], 1.0)
+                        loss_value, ce_value, kd_value = sums[0] / n, sums[1] / n, sums[2] / n
+                        tokens = int(sums[3])
                     if not math.isfinite(loss_value):
                         bad_cause = f"loss is {loss_value}"
                         break
-                    (r.loss / cfg.schedule.grad_accum).backward()
+                    if multi:
+                        (r.loss * (weight / cfg.schedule.grad_accum)).backward()
+                        dist.reshard(teacher)  # after backward: the KD head's backward reads its lm_head
+                    else:
+                        (r.loss / cfg.schedule.grad_accum).backward()
                     loss_sum += loss_value
-                    ce_sum += float(r.ce)
-                    kd_sum += float(r.kd)
-                    step_tokens += int(r.tokens)
+                    ce_sum += ce_value
+                    kd_sum += kd_value
+                    step_tokens += tokens
                     _test_hook(f"{step + 1}.{micro + 1}")
                 grad_norm = None
                 if bad_cause is None:
                     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), clip))
+                    norm = torch.nn.utils.clip_grad_norm_(student.parameters(), clip)
+                    if multi and hasattr(norm, "full_tensor"):  # a DTensor: the norm over every shard
+                        norm = norm.full_tensor()
+                    grad_norm = float(norm)
                     if not math.isfinite(grad_norm):
                         bad_cause = f"gradient norm is {grad_norm}"
                 if bad_cause is not None:
@@ -571,6 +631,8 @@ def train(
                     save(step)
                     saved = True
                     _test_hook(f"{step}.saved")
+                if multi and dist.any_rank(guard.requested is not None) and guard.requested is None:
+                    guard.requested = "SIGTERM"  # another process got the signal: stop at the same step
                 if guard.requested and step < steps:
                     if not saved:  # re-saving the same step would delete it before replacing it
                         save(step)
@@ -586,7 +648,13 @@ def train(
 
     # -- finish -----------------------------------------------------------------------------------
     if status == "completed":
-        save_model(student, run_dir / "student", source_dir=Path(cfg.teacher.path))
+        if multi:
+            plain = dist.unsharded_copy(student)  # collective; rank 0 gets the full student
+            if plain is not None:
+                save_model(plain, run_dir / "student", source_dir=Path(cfg.teacher.path))
+            dist.barrier()
+        else:
+            save_model(student, run_dir / "student", source_dir=Path(cfg.teacher.path))
     rows = read_metrics(run_dir / "metrics.jsonl")
     initial, final, smoke = smoke_contract(rows)
     summary = {
@@ -616,9 +684,26 @@ def train(
         summary["planned_memory_gib"] = estimate_memory(teacher_spec, student_spec, cfg)["total"] / GIB
     summary["heldout"]["student"] = summary["heldout"].get("student_loss")
     summary["heldout"]["teacher"] = summary["heldout"].get("teacher_loss")
+    if multi:
+        summary["world_size"] = dist.info().world
+        if dist.is_main():
+            write_json(run_dir / "summary.json", summary)
+            plot_losses(run_dir, title=label)
+        dist.barrier()
+        return summary
     write_json(run_dir / "summary.json", summary)
     plot_losses(run_dir, title=label)
     return summary
+
+
+class _NoWriter:
+    """metrics/eval writer of the processes other than rank 0: writes nothing."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -706,6 +791,8 @@ def _device_name(device: str) -> str:
 def run_command(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="kdistill: %(message)s")
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return _run_distributed(args)
     if args.resume:
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
@@ -738,6 +825,58 @@ def run_command(args: argparse.Namespace) -> int:
         _discard_unstarted(run_dir, fresh)
         raise
     _print_summary(summary, args.json)
+    return 0
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """`torchrun --nproc_per_node=N -m kdistill run CONFIG`: every process trains its slice of each batch;
+    rank 0 alone prepares the output folder, writes the run's files and prints the summary."""
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg_path = run_dir / "config.yaml"
+        if not cfg_path.is_file():
+            raise UserError(f"--resume {run_dir}: no config.yaml there (not a kdistill run directory)")
+        cfg = load_config(cfg_path, [*([args.config] if args.config else []), *args.overrides]).validate()
+        if not ckpt.list_checkpoints(run_dir):
+            raise UserError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    else:
+        config_path, overrides = args.config, list(args.overrides)
+        if config_path is not None and "=" in config_path and not Path(config_path).exists():
+            overrides.insert(0, config_path)
+            config_path = None
+        if config_path is None and not any(o.startswith("teacher.path=") for o in overrides):
+            raise UserError("the embedded demo runs in one process: give torchrun a run config (CONFIG)")
+        cfg = load_config(config_path, overrides).validate()
+        run_dir = Path(cfg.output.dir)
+    device, _ = resolve_device(cfg)
+    info = dist.init_from_env(device.type)
+    if info.device is not None:
+        device = info.device
+    try:
+        dist.batch_slice(cfg.schedule.batch_size)  # a one-line error before anything is written
+    except UserError:
+        dist.destroy()
+        raise
+    fresh = not run_dir.exists()
+    try:
+        if not args.resume:
+
+            def start() -> None:
+                prepare_output(run_dir, args.overwrite)
+                _print_config(cfg, args.quiet)
+                _start_run_dir(cfg, run_dir, str(device))
+
+            dist.run_on_main(start)
+        try:
+            summary = train(cfg, run_dir, resume=bool(args.resume), quiet=args.quiet)
+        except BaseException:
+            if not args.resume and dist.is_main():
+                _discard_unstarted(run_dir, fresh)
+            raise
+        if dist.is_main():
+            _print_summary(summary, args.json)
+    finally:
+        dist.destroy()
     return 0
 
 

@@ -1,0 +1,336 @@
+"""Data-parallel training over several processes (torchrun) with FSDP2.
+
+    torchrun --nproc_per_node=8 -m kdistill run run.yaml
+
+`init_from_env` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): NCCL on CUDA (one GPU per
+process, chosen by LOCAL_RANK), gloo on the CPU. Without WORLD_SIZE (or with WORLD_SIZE=1) nothing is
+initialised and every helper here is a no-op, so a single process runs exactly the code it always ran.
+
+What is sharded (FSDP2, `fully_shard`): the student's attention and MLP of every decoder layer (the
+decoder's forward calls those two modules, not the layer itself, so they are the units whose hooks fire),
+then the root, which holds the embeddings, the norms and the lm_head. The teacher is sharded the same way
+(frozen, resharded after forward) or, with `shard_teacher=False`, replicated whole on every process.
+
+Gradients: each process takes its slice of every global batch and computes the loss as a mean over its own
+tokens; FSDP's reduce-scatter averages gradients over the processes. `loss_weight` scales each process's
+loss by its share of the batch's tokens (n_rank * world / n_total), so the averaged gradient equals the
+gradient of the single-process loss over the whole batch (up to float rounding); with equal token counts
+the weight is exactly 1.
+
+Checkpoints hold full (unsharded) tensors in the single-process format: `full_model_state` and
+`full_optimizer_state` gather them (collectives: every process calls them; rank 0 gets the tensors, on the
+CPU) and rank 0 writes them with the usual atomic writer; `load_full_state` puts them back into the sharded
+model and optimizer. A checkpoint written by N processes resumes on M processes, or on one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kdistill.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device | None  # the device of this process (cuda:LOCAL_RANK on CUDA); None: unchanged
+
+
+_INFO = DistInfo(0, 1, 0, None)
+
+
+def info() -> DistInfo:
+    """This process's place (rank 0 of 1 when not distributed)."""
+    return _INFO
+
+
+def active() -> bool:
+    return _INFO.world > 1
+
+
+def is_main() -> bool:
+    return _INFO.rank == 0
+
+
+def init_from_env(device_type: str) -> DistInfo:
+    """Initialise the process group from torchrun's environment; world 1 (no-op) when WORLD_SIZE is unset."""
+    global _INFO
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        _INFO = DistInfo(0, 1, 0, None)
+        return _INFO
+    if dist.is_initialized():
+        return _INFO
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # host rule: NVLink multicast stays off
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = None
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("runtime.device is cuda, but no CUDA GPU is available (use runtime.device=cpu)")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
+    if device is not None:
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    _INFO = DistInfo(rank, world, local_rank, device)
+    return _INFO
+
+
+def destroy() -> None:
+    global _INFO
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _INFO = DistInfo(0, 1, 0, None)
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    return _INFO.device if _INFO.device is not None else torch.device("cpu")
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sum over processes of a few floats (float64); unchanged when not distributed."""
+    if not active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_mean(x: torch.Tensor | float) -> torch.Tensor | float:
+    """Mean over processes of a tensor (a new tensor) or a float; unchanged when not distributed."""
+    if not active():
+        return x
+    if isinstance(x, torch.Tensor):
+        t = x.detach().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t / _INFO.world
+    return all_reduce_sum([float(x)])[0] / _INFO.world
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every process when it is true on any one."""
+    if not active():
+        return flag
+    return all_reduce_sum([1.0 if flag else 0.0])[0] > 0
+
+
+def run_on_main(fn: Callable[[], Any]) -> Any:
+    """Run fn on rank 0 only; a UserError there is raised on every process (so none waits forever)."""
+    if not active():
+        return fn()
+    result, error = None, None
+    if is_main():
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+        except BaseException as e:
+            error = f"rank 0 failed: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            raise
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise UserError(box[0])
+    return result
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. to fill a cache), then the others; errors reach every process."""
+    if not active():
+        yield
+        return
+    if is_main():
+        error = None
+        try:
+            yield
+        except UserError as e:
+            error = str(e)
+            raise
+        except BaseException as e:
+            error = f"rank 0 failed: {e.__class__.__name__}"
+            raise
+        finally:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+    else:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise UserError(box[0])
+        yield
+
+
+def batch_slice(batch_size: int) -> slice:
+    """The rows of a global batch that this process trains on."""
+    world, rank = _INFO.world, _INFO.rank
+    if batch_size % world:
+        raise UserError(
+            f"schedule.batch_size {batch_size} is not divisible by the {world} processes (torchrun nproc)"
+        )
+    per = batch_size // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+def loss_weight(tokens: int) -> tuple[float, int]:
+    """(scale for this process's mean loss, tokens over all processes): see the module docstring."""
+    total = int(all_reduce_sum([float(tokens)])[0])
+    if total == 0:
+        return 1.0, 0
+    return tokens * _INFO.world / total, total
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding
+# ----------------------------------------------------------------------------------------------
+def _shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules called by the decoder's forward, one attention and one MLP per layer."""
+    units = []
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        units.extend([layer.self_attn, layer.mlp])
+    return units
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(_comm_device().type, (_INFO.world,))
+
+
+def shard_student(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: every layer's attention and MLP, then the root (embeddings, norms, lm_head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh()
+    for unit in _shard_units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def shard_teacher(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 for the frozen teacher: the same units, each resharded right after its forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh()
+    for unit in _shard_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    # The root keeps its gathered parameters after forward: the KD head reads the teacher's lm_head after
+    # the forward and again in its backward; the loop calls `reshard` once the backward is done.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered root parameters a forward left behind (FSDP2 keeps the root's after forward)."""
+    fn = getattr(model, "reshard", None)
+    if fn is not None:
+        fn()
+
+
+# ----------------------------------------------------------------------------------------------
+# Full state dicts (checkpoints, export)
+# ----------------------------------------------------------------------------------------------
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _param_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in its own order (the integer ids of opt.state_dict())."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full state dict on the CPU on rank 0 (empty elsewhere). Every process must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options())
+
+
+def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's full state in opt.state_dict()'s own format (integer parameter ids), rank 0 only."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt, options=_options())
+    if not is_main():
+        return {}
+    index = {n: i for i, n in enumerate(_param_names(model, opt))}
+    state = {index[name]: dict(st) for name, st in osd["state"].items()}
+    groups = []
+    for g in osd["param_groups"]:
+        groups.append({**g, "params": [index[n] for n in g["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
+class FullState:
+    """A stand-in with `state_dict()` for the checkpoint writer (which calls module/optimizer.state_dict())."""
+
+    def __init__(self, sd: dict[str, Any]) -> None:
+        self._sd = sd
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:  # receives what the checkpoint reader builds
+        self.loaded = sd
+
+
+def load_full_state(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    opt_state: dict[str, Any],
+) -> None:
+    """Load full tensors (every process holds them) into the sharded model and optimizer.
+
+    opt_state is in opt.state_dict()'s format (integer ids), as a single process writes it.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, weights, options=_options())
+    names = _param_names(model, opt)
+    osd = {
+        "state": {names[int(i)]: st for i, st in opt_state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[int(i)] for i in g["params"]]} for g in opt_state["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, opt, osd, options=_options())
+
+
+def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A plain CPU Decoder with the sharded model's full weights on rank 0 (None elsewhere); collective."""
+    from kdistill.models.decoder import build_decoder
+
+    sd = full_model_state(model)
+    if not is_main():
+        return None
+    dtype = next(iter(sd.values())).dtype
+    plain = build_decoder(model.spec, device="cpu", dtype=dtype, seed=None)  # type: ignore[arg-type]
+    plain.load_state_dict(sd)
+    return plain
