@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/kd_e2e")
     ap.add_argument("--out", required=True)
     ap.add_argument("--extra", nargs="*", default=[])
+    ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) under torchrun; 1: plain python")
     a = ap.parse_args()
     from tests.tiny import make_tokenizer
 
@@ -71,10 +72,12 @@ def main() -> None:
     results = []
     for i in range(a.runs):
         run_dir = work / f"run{i}"
+        launcher = [sys.executable, "-m", "kdistill"]
+        if a.nproc > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={a.nproc}", "-m", "kdistill"]  # fmt: skip
         cmd = [
-            sys.executable,
-            "-m",
-            "kdistill",
+            *launcher,
             "run",
             "--overwrite",
             "--quiet",
