@@ -788,29 +788,50 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def run_command(args: argparse.Namespace) -> int:
+def _resume_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    """The config of the run in --resume RUN_DIR (its saved config.yaml plus any overrides)."""
+    run_dir = Path(args.resume)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise UserError(f"--resume {run_dir}: no config.yaml there (not a kdistill run directory)")
+    cfg = load_config(cfg_path, [*([args.config] if args.config else []), *args.overrides]).validate()
+    if not ckpt.list_checkpoints(run_dir):
+        raise UserError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    saved = load_config(cfg_path)
+    if saved.schedule.steps != cfg.schedule.steps and not args.quiet and os.environ.get("RANK", "0") == "0":
+        print(
+            f"schedule.steps {saved.schedule.steps} -> {cfg.schedule.steps}: the learning-rate schedule follows "
+            "the new total from here on",
+            file=sys.stderr,
+        )
+    return cfg, run_dir
 
+
+def _new_run_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """(config path, overrides): `kdistill run key=value ...` has no config file."""
+    config_path, overrides = args.config, list(args.overrides)
+    if config_path is not None and "=" in config_path and not Path(config_path).exists():
+        overrides.insert(0, config_path)
+        config_path = None
+    return config_path, overrides
+
+
+def _is_demo(config_path: str | None, overrides: list[str]) -> bool:
+    """No config and no teacher: the embedded demo (overrides apply to it)."""
+    return config_path is None and not any(o.startswith("teacher.path=") for o in overrides)
+
+
+def run_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="kdistill: %(message)s")
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return _run_distributed(args)
     if args.resume:
-        run_dir = Path(args.resume)
-        cfg_path = run_dir / "config.yaml"
-        if not cfg_path.is_file():
-            raise UserError(f"--resume {run_dir}: no config.yaml there (not a kdistill run directory)")
-        cfg = load_config(cfg_path, [*([args.config] if args.config else []), *args.overrides]).validate()
-        if not ckpt.list_checkpoints(run_dir):
-            raise UserError(f"--resume {run_dir}: no complete checkpoint to resume from")
+        cfg, run_dir = _resume_config(args)
         summary = train(cfg, run_dir, resume=True, quiet=args.quiet)
         _print_summary(summary, args.json)
         return 0
-    config_path = args.config
-    overrides = list(args.overrides)
-    if config_path is not None and "=" in config_path and not Path(config_path).exists():
-        overrides.insert(0, config_path)  # `kdistill run key=value ...`: no config file
-        config_path = None
-    if config_path is None and not any(o.startswith("teacher.path=") for o in overrides):
-        # No config and no teacher: the embedded demo (overrides apply to it).
+    config_path, overrides = _new_run_args(args)
+    if _is_demo(config_path, overrides):
         return run_demo(overrides, quiet=args.quiet, as_json=args.json)
     cfg = load_config(config_path, overrides).validate()
     run_dir = Path(cfg.output.dir)
@@ -832,19 +853,10 @@ def _run_distributed(args: argparse.Namespace) -> int:
     """`torchrun --nproc_per_node=N -m kdistill run CONFIG`: every process trains its slice of each batch;
     rank 0 alone prepares the output folder, writes the run's files and prints the summary."""
     if args.resume:
-        run_dir = Path(args.resume)
-        cfg_path = run_dir / "config.yaml"
-        if not cfg_path.is_file():
-            raise UserError(f"--resume {run_dir}: no config.yaml there (not a kdistill run directory)")
-        cfg = load_config(cfg_path, [*([args.config] if args.config else []), *args.overrides]).validate()
-        if not ckpt.list_checkpoints(run_dir):
-            raise UserError(f"--resume {run_dir}: no complete checkpoint to resume from")
+        cfg, run_dir = _resume_config(args)
     else:
-        config_path, overrides = args.config, list(args.overrides)
-        if config_path is not None and "=" in config_path and not Path(config_path).exists():
-            overrides.insert(0, config_path)
-            config_path = None
-        if config_path is None and not any(o.startswith("teacher.path=") for o in overrides):
+        config_path, overrides = _new_run_args(args)
+        if _is_demo(config_path, overrides):
             raise UserError("the embedded demo runs in one process: give torchrun a run config (CONFIG)")
         cfg = load_config(config_path, overrides).validate()
         run_dir = Path(cfg.output.dir)
