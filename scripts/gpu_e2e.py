@@ -24,7 +24,7 @@ import torch
 
 
 def make_model_dir(preset: str, out: Path, tok_dir: Path, seed: int) -> Path:
-    from kdistill.models.checkpoint import save_model
+    from kdistill.models.hf_io import save_model
     from kdistill.models.decoder import build_decoder
     from kdistill.models.spec import load_spec
 

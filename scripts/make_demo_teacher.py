@@ -105,7 +105,7 @@ def train_teacher(
 ) -> None:
     from tokenizers import Tokenizer
 
-    from kdistill.models.checkpoint import save_model
+    from kdistill.models.hf_io import save_model
     from kdistill.models.decoder import build_decoder
     from kdistill.models.spec import spec_from_hf_config
 

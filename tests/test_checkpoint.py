@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from kdistill.errors import UserError
-from kdistill.models.checkpoint import TOKENIZER_FILES, has_weights, load_model, save_model
 from kdistill.models.decoder import build_decoder
+from kdistill.models.hf_io import TOKENIZER_FILES, has_weights, load_model, save_model
 from kdistill.models.spec import load_spec
 from tests.tiny import load_hf, make_tiny_model, sample_ids
 
@@ -167,7 +167,7 @@ def test_failed_save_leaves_previous_model_intact(tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    monkeypatch.setattr("kdistill.models.hf_io.save_file", full_disk)
     with pytest.raises(UserError, match="cannot write the model .*No space left on device"):
         save_model(build_decoder(m.spec, seed=5), out)
     assert (out / "model.safetensors").read_bytes() == before

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kdistill.errors import UserError
-from kdistill.models.checkpoint import load_model, read_safetensors_header, sniff_format
+from kdistill.models.hf_io import load_model, read_safetensors_header, sniff_format
 from tests.tiny import make_tiny_model
 
 

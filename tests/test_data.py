@@ -1,4 +1,4 @@
-"""kdistill.train.data: readers, packing with EOS, the held-out split, the token cache, batches.
+"""kdistill.data: readers, packing with EOS, the held-out split, the token cache, batches.
 
 Bad inputs (each a one-line UserError) are in tests/test_data_errors.py; fuzzing in test_fuzz_data.py.
 """
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from kdistill import data as D
 from kdistill.config import DataConfig
+from kdistill.data import binfmt, sources
 from kdistill.errors import UserError
 from kdistill.models.tokenizer import load_tokenizer
-from kdistill.train import data as D
 from tests.tiny import corpus_text, make_tokenizer
 
 
@@ -54,7 +55,7 @@ def test_text_file_is_one_document(tok, tmp_path):
 
 
 def test_text_blocks_cut_at_newlines_and_multibyte(tok, monkeypatch):
-    monkeypatch.setattr(D, "TEXT_BLOCK_BYTES", 7)  # cuts inside multi-byte characters
+    monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", 7)  # cuts inside multi-byte characters
     text = "héllo 東京\nwörld 🙂 café\n" * 20 + "no newline at end " * 5
     docs = D.read_text(io.BytesIO(text.encode()), "x.txt", tok)
     assert tok.decode(docs.doc(0).tolist()) == text
@@ -116,7 +117,7 @@ def test_bin_layouts(tok, tmp_path, layout):
         p = D.write_bin(tmp_path / "s.bin", toks, width=width)
     elif layout.startswith("llmc"):
         header = np.zeros(256, dtype="<i4")
-        header[:3] = [D.LLMC_MAGIC, 1 if width == 2 else 2, len(toks)]
+        header[:3] = [binfmt.LLMC_MAGIC, 1 if width == 2 else 2, len(toks)]
         p = tmp_path / "s.bin"
         p.write_bytes(header.tobytes() + payload)
     else:

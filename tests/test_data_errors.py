@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from kdistill import data as D
 from kdistill.cli import main
 from kdistill.config import DataConfig
+from kdistill.data import binfmt, sources
 from kdistill.errors import UserError
 from kdistill.models.tokenizer import load_tokenizer
-from kdistill.train import data as D
 from tests.tiny import make_tiny_model
 
 
@@ -117,7 +118,7 @@ CASES = {
     ),
     "bin_llmc_count": (
         "l.bin",
-        np.array([D.LLMC_MAGIC, 1, 99] + [0] * 253, "<i4").tobytes() + _u16([1, 2]),
+        np.array([binfmt.LLMC_MAGIC, 1, 99] + [0] * 253, "<i4").tobytes() + _u16([1, 2]),
         ["l.bin: llm.c header says 99 tokens"],
     ),
     "glob_no_match": ("nothing/*.txt", None, ["pattern", "matches no files"]),
@@ -160,14 +161,14 @@ def test_bad_input_cli(model_dir, tmp_path, capsys, case):
 
 
 def test_line_too_long(tok, tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "MAX_LINE_BYTES", 64)
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 64)
     p = _write(tmp_path / "long.jsonl", '{"text": "short"}\n' + json.dumps({"text": "x" * 200}) + "\n")
     with pytest.raises(UserError, match="long.jsonl line 2: longer than"):
         D.prepare_data(DataConfig(train=[str(p)], seq_len=4), tok)
 
 
 def test_non_utf8_offset_across_blocks(tok, tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "TEXT_BLOCK_BYTES", 5)
+    monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", 5)
     raw = "héllo wörld ".encode() * 3 + b"\xc3(" + b" tail"
     p = _write(tmp_path / "x.txt", raw)
     bad_at = raw.index(b"\xc3(")

@@ -12,7 +12,7 @@ import torch
 
 from kdistill.cli import main
 from kdistill.evaluate import evaluate
-from kdistill.models.checkpoint import load_model
+from kdistill.models.hf_io import load_model
 from kdistill.models.tokenizer import load_tokenizer
 from tests.tiny import corpus_text, load_hf, make_tiny_model
 
@@ -170,7 +170,7 @@ def test_model_without_tokenizer_reads_token_ids(model_dir, hf, tmp_path, capsys
 
 
 def test_multiple_data_paths_and_bin(model_dir, hf, tmp_path, capsys):
-    from kdistill.train.data import write_bin
+    from kdistill.data import write_bin
 
     a, b = list(range(1, 12)), list(range(100, 130))
     write_bin(tmp_path / "s.bin", a)
@@ -194,7 +194,7 @@ def test_default_seq_len_fits_the_model_and_progress_bar_on_tty(model_dir, tmp_p
     import argparse
     import sys
 
-    from kdistill.evaluate import eval_command
+    from kdistill.commands.eval import eval_command
 
     (tmp_path / "t.txt").write_text(corpus_text(400))
     args = argparse.Namespace(

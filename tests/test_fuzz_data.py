@@ -16,9 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kdistill import data as D
+from kdistill.data import binfmt, sources
 from kdistill.errors import UserError
 from kdistill.models.tokenizer import load_tokenizer
-from kdistill.train import data as D
 from tests.tiny import make_tokenizer
 
 N = 10_000
@@ -116,7 +117,7 @@ _text_bytes = st.one_of(
 
 
 def test_fuzz_text_reader(tok, monkeypatch):
-    monkeypatch.setattr(D, "TEXT_BLOCK_BYTES", 7)  # many block cuts, inside multi-byte characters too
+    monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", 7)  # many block cuts, inside multi-byte characters too
     count = [0]
 
     @FUZZ
@@ -148,15 +149,17 @@ _payload = st.binary(max_size=64)
 _bin = st.one_of(
     _payload,
     st.tuples(st.integers(0, 3), st.integers(0, 6), _payload).map(
-        lambda t: D.BIN_MAGIC + struct.pack("<II", t[0], t[1]) + t[2]
+        lambda t: binfmt.BIN_MAGIC + struct.pack("<II", t[0], t[1]) + t[2]
     ),
     st.tuples(st.integers(0, 3), st.integers(-5, 40), _payload).map(
-        lambda t: struct.pack("<iii", D.LLMC_MAGIC, t[0], t[1]) + b"\x00" * (D.LLMC_HEADER - 12) + t[2]
+        lambda t: (
+            struct.pack("<iii", binfmt.LLMC_MAGIC, t[0], t[1]) + b"\x00" * (binfmt.LLMC_HEADER - 12) + t[2]
+        )
     ),
     st.lists(st.integers(0, 299), max_size=20).map(
-        lambda ids: D.BIN_MAGIC + struct.pack("<II", 1, 2) + np.asarray(ids, "<u2").tobytes()
+        lambda ids: binfmt.BIN_MAGIC + struct.pack("<II", 1, 2) + np.asarray(ids, "<u2").tobytes()
     ),
-    st.binary(max_size=10).map(lambda b: D.BIN_MAGIC[: len(b) % 9] + b),
+    st.binary(max_size=10).map(lambda b: binfmt.BIN_MAGIC[: len(b) % 9] + b),
 )
 
 
@@ -200,9 +203,11 @@ def test_readers_allocate_memory_bounded_by_input(tok, tmp_path):
         ("text", b"a" * 300_000),
         (
             "bin",
-            struct.pack("<iii", D.LLMC_MAGIC, 2, 2**31 - 1) + b"\x00" * (D.LLMC_HEADER - 12) + b"\x01\x00",
+            struct.pack("<iii", binfmt.LLMC_MAGIC, 2, 2**31 - 1)
+            + b"\x00" * (binfmt.LLMC_HEADER - 12)
+            + b"\x01\x00",
         ),
-        ("bin", D.BIN_MAGIC + struct.pack("<II", 1, 4) + b"\x01\x00\x00\x00" * 50_000),
+        ("bin", binfmt.BIN_MAGIC + struct.pack("<II", 1, 4) + b"\x01\x00\x00\x00" * 50_000),
     ]
     for kind, data in cases:
         tracemalloc.start()

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdistill.errors import UserError
-from kdistill.models.checkpoint import read_safetensors_header, sniff_format
+from kdistill.models.hf_io import read_safetensors_header, sniff_format
 
 DTYPES = ["F32", "F16", "BF16", "I8", "F64", "U8", "BOOL", "", "f32", 3, None]
 ALLOC_BOUND = 1 << 20  # bytes of Python allocations any single fuzz input may cause (seen: ~7 KB)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdistill.models.checkpoint import load_model
+from kdistill.models.hf_io import load_model
 from tests.tiny import load_hf, make_tiny_model, sample_ids
 
 CASES = [

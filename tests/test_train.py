@@ -55,7 +55,7 @@ def test_tiny_run_beats_initial_weights_and_leaves_evidence(tmp_path, capsys, st
     else:
         cfg["student"] = {"path": str(a.student_config), "init": "random"}
         # The random init the run starts from (seed 0), exported so transformers scores it.
-        from kdistill.models.checkpoint import save_model
+        from kdistill.models.hf_io import save_model
         from kdistill.models.decoder import build_decoder
         from kdistill.models.spec import load_spec
 
@@ -131,7 +131,7 @@ def deep_teacher(tmp_path_factory):
 
 
 def test_student_init_from_teacher_layers(tmp_path, capsys, deep_teacher):
-    from kdistill.models.checkpoint import load_model
+    from kdistill.models.hf_io import load_model
     from kdistill.models.decoder import build_decoder
     from kdistill.models.spec import load_spec
     from kdistill.train.loop import init_from_teacher_layers

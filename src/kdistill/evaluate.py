@@ -1,8 +1,7 @@
-"""Held-out cross-entropy and perplexity of a model: the `kdistill eval` command.
-
-    kdistill eval --model DIR --data FILE [FILE ...] [--seq-len 512] [--no-pack] [--json]
+"""Held-out cross-entropy and perplexity of a model (the library part of `kdistill eval`).
 
     result = evaluate(model, sequences, batch_size=8, device="cpu")   # {"loss", "perplexity", "tokens"}
+    seqs = eval_sequences(files, eos_id, seq_len=512, packed=True)   # what `kdistill eval` scores
 
 `loss` is the mean next-token cross-entropy in nats over every scored token (token-weighted across
 sequences), from an fp32 log-softmax. Packed (default): the documents are joined with EOS and cut into
@@ -17,13 +16,14 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
+from kdistill.data import LoadedFile, stream_tokens
 from kdistill.errors import UserError
 
 LOGITS_BUDGET = 1 << 24  # fp32 logits per chunk (64 MiB): no (tokens x vocab) tensor for the whole batch
@@ -72,8 +72,6 @@ def evaluate(
             batches.append([i])
     if progress is None:
         progress = sys.stderr.isatty()
-    from tqdm import tqdm
-
     weight = model.lm_head_weight  # (V, H)
     vocab = weight.shape[0]
     chunk = max(1, LOGITS_BUDGET // vocab)
@@ -105,6 +103,25 @@ def _ppl(loss: float) -> float:
         return float("inf")
 
 
+def eval_sequences(
+    files: Sequence[LoadedFile], eos_id: int | None, seq_len: int, packed: bool = True, max_tokens: int = 0
+) -> list[np.ndarray]:
+    """The sequences `kdistill eval` scores: packed windows or one per document, capped at max_tokens.
+
+    Packed: the documents joined with EOS, cut into windows of seq_len + 1 (stride seq_len, the last one
+    possibly shorter). Not packed: each document truncated to seq_len tokens. max_tokens > 0 keeps
+    sequences until that many targets are scored.
+    """
+    if packed:
+        stream = stream_tokens([(f.docs, np.arange(f.docs.num_docs)) for f in files], eos_id)
+        seqs = _windows(stream, seq_len)
+    else:
+        seqs = [f.docs.doc(i)[:seq_len] for f in files for i in range(f.docs.num_docs)]
+    if max_tokens:
+        seqs = _cap(seqs, max_tokens)
+    return seqs
+
+
 def _windows(stream: np.ndarray, seq_len: int) -> list[np.ndarray]:
     """Windows of seq_len + 1 with stride seq_len, the last one possibly shorter (>= 2 tokens)."""
     out = []
@@ -126,95 +143,3 @@ def _cap(seqs: list[np.ndarray], max_tokens: int) -> list[np.ndarray]:
             out.append(take)
             left -= len(take) - 1
     return out
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not (name in ("cpu", "cuda") or name.startswith("cuda:")):
-        raise UserError(f"--device is '{name}', expected auto, cpu, cuda or cuda:N")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device is '{name}' but no CUDA GPU is available (use --device cpu)")
-    return torch.device(name)
-
-
-def eval_command(args: Any) -> int:
-    """`kdistill eval`: load --model and its tokenizer, read --data, score, print a table or JSON."""
-    from kdistill.models.checkpoint import load_model
-    from kdistill.models.spec import load_spec
-    from kdistill.models.tokenizer import IdsOnlyTokenizer, load_tokenizer
-    from kdistill.train.data import TokenCache, cache_dir, load_files, stream_tokens
-
-    seq_len = None if getattr(args, "seq_len", None) is None else int(args.seq_len)
-    batch_size = int(args.batch_size)
-    if seq_len is not None and seq_len < 1:
-        raise UserError(f"--seq-len is {seq_len}, expected a positive integer")
-    if batch_size < 1:
-        raise UserError(f"--batch-size is {batch_size}, expected a positive integer")
-    max_tokens = getattr(args, "max_tokens", None)
-    if max_tokens is not None and max_tokens < 1:
-        raise UserError(f"--max-tokens is {max_tokens}, expected a positive integer")
-    device = _device(getattr(args, "device", "auto") or "auto")
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        load_model(model_dir)  # raises the loader's one-line error (missing, pickle, GGUF, ...)
-    spec = load_spec(model_dir)
-    if seq_len is None:  # no --seq-len: 512 or the model's context, whichever is shorter
-        seq_len = min(512, spec.max_position_embeddings)
-    if seq_len > spec.max_position_embeddings:
-        raise UserError(
-            f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
-            f"({spec.max_position_embeddings}) in {model_dir / 'config.json'}"
-        )
-    if (model_dir / "tokenizer.json").exists():
-        tok: Any = load_tokenizer(model_dir)
-        if tok.vocab_size > spec.vocab_size:
-            raise UserError(
-                f"{model_dir}: tokenizer has {tok.vocab_size} tokens but the model only "
-                f"{spec.vocab_size} embedding rows"
-            )
-    else:
-        tok = IdsOnlyTokenizer(spec.vocab_size, str(model_dir))
-
-    files, _ = load_files(list(args.data), tok, TokenCache(cache_dir()), field="--data")
-    if args.no_pack:
-        seqs = [f.docs.doc(i)[:seq_len] for f in files for i in range(f.docs.num_docs)]
-    else:
-        stream = stream_tokens([(f.docs, np.arange(f.docs.num_docs)) for f in files], tok.eos_id)
-        seqs = _windows(stream, seq_len)
-    if max_tokens:
-        seqs = _cap(seqs, max_tokens)
-
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = load_model(model_dir, device=device, dtype=dtype)
-    model.eval()
-    result = evaluate(model, seqs, batch_size, device)
-    out = {
-        "loss": result["loss"],
-        "perplexity": result["perplexity"],
-        "tokens": result["tokens"],
-        "sequences": len(seqs),
-        "packed": not args.no_pack,
-        "seq_len": seq_len,
-        "model": str(model_dir),
-        "data": [str(d) for d in args.data],
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-    if args.json:
-        from kdistill.cli import print_json
-
-        print_json(out)
-    else:
-        mode = f"packed, seq_len {seq_len}" if out["packed"] else f"one per document, truncated to {seq_len}"
-        rows = [
-            ("model", out["model"]),
-            ("data", ", ".join(out["data"])),
-            ("sequences", f"{out['sequences']} ({mode})"),
-            ("tokens", f"{out['tokens']:,}"),
-            ("loss", f"{out['loss']:.4f} nats/token"),
-            ("perplexity", f"{out['perplexity']:.3f}"),
-        ]
-        for k, v in rows:
-            print(f"{k:<11} {v}")
-    return 0

@@ -1,7 +1,7 @@
-"""`kdistill inspect DIR|PRESET`: what a model is, from its files, without loading any weights.
+"""What a model is, from its files, without loading any weights (the library part of `kdistill inspect`).
 
-    kdistill inspect path/to/hf_dir            # readable table
-    kdistill inspect qwen2.5-0.5b --json       # a preset: architecture and parameter counts only
+    info = inspect_model("path/to/hf_dir")     # JSON-ready dict
+    info = inspect_model("qwen2.5-0.5b")       # a preset: architecture and parameter counts only
 
 For a directory: architecture (from config.json), parameter counts (from the spec), the dtype(s) the
 weights are stored in and the embedding rows (from the safetensors headers alone), and the tokenizer's
@@ -10,13 +10,16 @@ vocabulary size and identity (sha256 of its vocabulary, merges and added tokens,
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
-from kdistill.models.checkpoint import DTYPE_NAMES, checkpoint_index
-from kdistill.models.spec import PRESETS, ModelSpec, load_spec
+from kdistill.dtypes import SAFETENSORS, long_name
+from kdistill.models.hf_io import checkpoint_index
+from kdistill.models.presets import PRESETS
+from kdistill.models.spec import ModelSpec, load_spec
+from kdistill.models.tokenizer import load_tokenizer
 
 
 def _architecture(spec: ModelSpec) -> dict[str, Any]:
@@ -63,80 +66,22 @@ def inspect_model(path_or_preset: str | Path) -> dict[str, Any]:
         return info
     model_dir = Path(ref) if Path(ref).is_dir() else Path(ref).parent
     entries = checkpoint_index(model_dir)
-    dtypes = sorted({DTYPE_NAMES.get(e.dtype, e.dtype) for e in entries.values()})
+    dtypes = sorted({long_name(SAFETENSORS[e.dtype]) for e in entries.values()})
     embed = entries.get("model.embed_tokens.weight")
     info.update(
         weights_dtype=",".join(dtypes),
         weight_files=sorted({e.file.name for e in entries.values()}),
         tensors=len(entries),
-        stored_params=sum(_numel(e.shape) for e in entries.values()),
+        stored_params=sum(math.prod(e.shape) for e in entries.values()),
         embedding_rows=embed.shape[0] if embed is not None and embed.shape else None,
         tokenizer_vocab_size=None,
         tokenizer_identity=None,
         vocab_padding=None,
     )
     if (model_dir / "tokenizer.json").is_file():
-        from kdistill.models.tokenizer import load_tokenizer
-
         tok = load_tokenizer(model_dir)
         info["tokenizer_vocab_size"] = tok.vocab_size
         info["tokenizer_identity"] = tok.identity
         if info["embedding_rows"] is not None:
             info["vocab_padding"] = info["embedding_rows"] - tok.vocab_size
     return info
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _table(info: dict[str, Any]) -> str:
-    rows: list[tuple[str, Any]] = [("model", info["name"]), ("source", info["source"])]
-    a = info["architecture"]
-    rows += [
-        ("architecture", a["arch"]),
-        ("layers", a["num_layers"]),
-        ("hidden / intermediate", f"{a['hidden_size']} / {a['intermediate_size']}"),
-        ("heads (q / kv) x head_dim", f"{a['num_heads']} / {a['num_kv_heads']} x {a['head_dim']}"),
-        ("rope theta", f"{a['rope_theta']:g}" + (" (llama3 scaling)" if a["rope_scaling"] else "")),
-        ("rms eps", f"{a['rms_eps']:g}"),
-        ("tied embeddings", a["tie_word_embeddings"]),
-        ("q/k/v bias, qk-norm", f"{a['attention_bias']}, {a['qk_norm']}"),
-        ("vocab (config)", a["vocab_size"]),
-    ]
-    p = info["params"]
-    rows += [
-        ("params total", f"{p['total']:,}"),
-        ("params non-embedding", f"{p['non_embedding']:,}"),
-        ("params embedding / lm_head", f"{p['embedding']:,} / {p['lm_head']:,}"),
-    ]
-    if info["source"] == "directory":
-        rows += [
-            ("weights dtype", info["weights_dtype"]),
-            ("weight files", ", ".join(info["weight_files"])),
-            ("tensors / stored params", f"{info['tensors']} / {info['stored_params']:,}"),
-            ("embedding rows", info["embedding_rows"]),
-            (
-                "tokenizer vocab",
-                info["tokenizer_vocab_size"] if info["tokenizer_vocab_size"] is not None else "none",
-            ),
-            ("vocab padding", info["vocab_padding"] if info["vocab_padding"] is not None else "-"),
-            ("tokenizer identity", info["tokenizer_identity"] or "none (no tokenizer.json)"),
-        ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def inspect_command(args: argparse.Namespace) -> int:
-    """`kdistill inspect DIR [--json]`: print inspect_model() as a table or as one JSON object."""
-    info = inspect_model(args.model)
-    if getattr(args, "json", False):
-        from kdistill.cli import print_json
-
-        print_json(info)
-    else:
-        print(_table(info))
-    return 0

@@ -1,7 +1,8 @@
 """ModelSpec: the architecture of a decoder, read from a Hugging Face config.json alone.
 
 A spec holds shapes and numerics only (no weights, no run options). The planner, the kernel keys and
-the decoder all read the same spec. Presets give real model shapes by name, without any file:
+the decoder all read the same spec. Presets (kdistill.models.presets) give real model shapes by name,
+without any file:
 
     spec = load_spec("qwen2.5-0.5b")          # preset
     spec = load_spec("path/to/model_dir")     # reads path/to/model_dir/config.json
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kdistill.errors import UserError
+from kdistill.models.presets import PRESETS
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -235,90 +237,6 @@ def spec_from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> Mode
         torch_dtype=str(dtype),
         name=where,
     )
-
-
-def _qwen2(v, h, i, n, heads, kv, tied, max_pos=32768):
-    return {
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
-        "vocab_size": v,
-        "hidden_size": h,
-        "intermediate_size": i,
-        "num_hidden_layers": n,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": max_pos,
-        "tie_word_embeddings": tied,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 151643,
-        "eos_token_id": 151643,
-    }
-
-
-def _qwen3(h, i, n, heads, kv, tied):
-    return {
-        "model_type": "qwen3",
-        "architectures": ["Qwen3ForCausalLM"],
-        "vocab_size": 151936,
-        "hidden_size": h,
-        "intermediate_size": i,
-        "num_hidden_layers": n,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": tied,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-    }
-
-
-def _llama3(h, i, n, heads, kv, head_dim, tied, factor):
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 128256,
-        "hidden_size": h,
-        "intermediate_size": i,
-        "num_hidden_layers": n,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": head_dim,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": tied,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-    }
-
-
-# Real shapes of public models, as their config.json files give them.
-PRESETS: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": _qwen2(151936, 896, 4864, 24, 14, 2, True),
-    "qwen2.5-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, True),
-    "qwen2.5-3b": _qwen2(151936, 2048, 11008, 36, 16, 2, True),
-    "qwen2.5-7b": _qwen2(152064, 3584, 18944, 28, 28, 4, False, 131072),
-    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
-    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
-    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
-    "llama-3.2-1b": _llama3(2048, 8192, 16, 32, 8, 64, True, 32.0),
-    "llama-3.2-3b": _llama3(3072, 8192, 28, 24, 8, 128, True, 32.0),
-    "llama-3.1-8b": _llama3(4096, 14336, 32, 32, 8, 128, False, 8.0),
-}
 
 
 def read_config_json(path: Path) -> dict[str, Any]:

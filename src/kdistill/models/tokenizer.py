@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer as Backend
+
 from kdistill.errors import UserError
 
 # Looked up, in this order, when neither tokenizer_config.json nor config.json names the EOS token.
@@ -97,8 +99,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     Raises:
         UserError: the path or tokenizer.json is missing, unreadable or not a valid tokenizer.
     """
-    from tokenizers import Tokenizer as Backend
-
     p = Path(path)
     if p.is_dir():
         file, folder = p / "tokenizer.json", p

@@ -1,4 +1,4 @@
-"""Checkpoint I/O: Hugging Face model directories in and out, safetensors only.
+"""Hugging Face model I/O: model directories in and out, safetensors only, formats told by their bytes.
 
     fmt = sniff_format(path)                          # "safetensors" | "gguf" | "apr" | "pickle" | ...
     header, data_offset = read_safetensors_header(path)
@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
+from kdistill.dtypes import SAFETENSORS, long_name, torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import fsync_dir, write_json_durable
 from kdistill.models.decoder import Decoder
@@ -36,14 +38,8 @@ from kdistill.models.spec import read_config_json, spec_from_hf_config
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-# safetensors dtype name -> (torch dtype, bytes per element). Only these are loaded.
-SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-}
-_TORCH_TO_SAFETENSORS = {v[0]: k for k, v in SAFETENSORS_DTYPES.items()}
-DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# The dtypes we load and save: safetensors header name -> torch dtype (from the one dtype table).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {k: torch_dtype(v) for k, v in SAFETENSORS.items()}
 
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -209,7 +205,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]
                 f"{where}: header field 'data_offsets' is {str(offsets)[:80]}, expected [begin, end] integers"
             )
         begin, end = offsets
-        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype][1]
+        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
         if not 0 <= begin <= end:
             raise UserError(f"{where}: bad data_offsets [{begin}, {end}] (expected 0 <= begin <= end)")
         if end - begin != nbytes:
@@ -336,7 +332,8 @@ class _Mapped:
 
     def tensor(self, e: TensorEntry) -> torch.Tensor:
         """A CPU tensor over the file's bytes (no copy when aligned)."""
-        dtype, itemsize = SAFETENSORS_DTYPES[e.dtype]
+        dtype = SAFETENSORS_DTYPES[e.dtype]
+        itemsize = dtype.itemsize
         if e.end == e.start:
             return torch.empty(e.shape, dtype=dtype)
         mm = self._maps.get(e.file)
@@ -486,8 +483,6 @@ def save_model(
         UserError: out_dir is a file, or a non-empty directory that is not a model directory (no
         config.json), or cannot be written.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory (expected a model output directory)")
@@ -497,7 +492,7 @@ def save_model(
         )
     if dtype is None:
         dtype = next(model.parameters()).dtype
-    if dtype not in _TORCH_TO_SAFETENSORS:
+    if dtype not in SAFETENSORS_DTYPES.values():
         raise UserError(f"save dtype {dtype} is not supported (expected float32, bfloat16 or float16)")
 
     parent = out_dir.resolve().parent
@@ -507,9 +502,8 @@ def save_model(
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        dtype_name = str(dtype).removeprefix("torch.")
         cfg = model.spec.to_hf_config()
-        cfg["torch_dtype"] = cfg["dtype"] = dtype_name
+        cfg["torch_dtype"] = cfg["dtype"] = long_name(dtype)
         write_json_durable(tmp / "config.json", cfg)
 
         tensors: dict[str, torch.Tensor] = {}

@@ -1,0 +1,103 @@
+"""`kdistill eval`: held-out cross-entropy and perplexity of a model directory on data files.
+
+    kdistill eval --model DIR --data FILE [FILE ...] [--seq-len 512] [--no-pack] [--json]
+
+Loads the model and its tokenizer (or, without tokenizer.json, reads token-id data only), reads the data
+through the token cache, scores it with kdistill.evaluate and prints a table or one JSON object.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdistill.console import print_json
+from kdistill.data import TokenCache, cache_dir, load_files
+from kdistill.dtypes import long_name
+from kdistill.errors import UserError
+from kdistill.evaluate import eval_sequences, evaluate
+from kdistill.models.hf_io import load_model
+from kdistill.models.spec import load_spec
+from kdistill.models.tokenizer import IdsOnlyTokenizer, load_tokenizer
+
+
+def _device(name: str) -> torch.device:
+    """--device: auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not (name in ("cpu", "cuda") or name.startswith("cuda:")):
+        raise UserError(f"--device is '{name}', expected auto, cpu, cuda or cuda:N")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device is '{name}' but no CUDA GPU is available (use --device cpu)")
+    return torch.device(name)
+
+
+def eval_command(args: Any) -> int:
+    """`kdistill eval`: load --model and its tokenizer, read --data, score, print a table or JSON."""
+    seq_len = None if getattr(args, "seq_len", None) is None else int(args.seq_len)
+    batch_size = int(args.batch_size)
+    if seq_len is not None and seq_len < 1:
+        raise UserError(f"--seq-len is {seq_len}, expected a positive integer")
+    if batch_size < 1:
+        raise UserError(f"--batch-size is {batch_size}, expected a positive integer")
+    max_tokens = getattr(args, "max_tokens", None)
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"--max-tokens is {max_tokens}, expected a positive integer")
+    device = _device(getattr(args, "device", "auto") or "auto")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        load_model(model_dir)  # raises the loader's one-line error (missing, pickle, GGUF, ...)
+    spec = load_spec(model_dir)
+    if seq_len is None:  # no --seq-len: 512 or the model's context, whichever is shorter
+        seq_len = min(512, spec.max_position_embeddings)
+    if seq_len > spec.max_position_embeddings:
+        raise UserError(
+            f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
+            f"({spec.max_position_embeddings}) in {model_dir / 'config.json'}"
+        )
+    if (model_dir / "tokenizer.json").exists():
+        tok: Any = load_tokenizer(model_dir)
+        if tok.vocab_size > spec.vocab_size:
+            raise UserError(
+                f"{model_dir}: tokenizer has {tok.vocab_size} tokens but the model only "
+                f"{spec.vocab_size} embedding rows"
+            )
+    else:
+        tok = IdsOnlyTokenizer(spec.vocab_size, str(model_dir))
+
+    files, _ = load_files(list(args.data), tok, TokenCache(cache_dir()), field="--data")
+    seqs = eval_sequences(files, tok.eos_id, seq_len, packed=not args.no_pack, max_tokens=max_tokens or 0)
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = load_model(model_dir, device=device, dtype=dtype)
+    model.eval()
+    result = evaluate(model, seqs, batch_size, device)
+    out = {
+        "loss": result["loss"],
+        "perplexity": result["perplexity"],
+        "tokens": result["tokens"],
+        "sequences": len(seqs),
+        "packed": not args.no_pack,
+        "seq_len": seq_len,
+        "model": str(model_dir),
+        "data": [str(d) for d in args.data],
+        "device": str(device),
+        "dtype": long_name(dtype),
+    }
+    if args.json:
+        print_json(out)
+    else:
+        mode = f"packed, seq_len {seq_len}" if out["packed"] else f"one per document, truncated to {seq_len}"
+        rows = [
+            ("model", out["model"]),
+            ("data", ", ".join(out["data"])),
+            ("sequences", f"{out['sequences']} ({mode})"),
+            ("tokens", f"{out['tokens']:,}"),
+            ("loss", f"{out['loss']:.4f} nats/token"),
+            ("perplexity", f"{out['perplexity']:.3f}"),
+        ]
+        for k, v in rows:
+            print(f"{k:<11} {v}")
+    return 0
