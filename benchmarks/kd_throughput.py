@@ -23,13 +23,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kdistill.commands.plan import make_plan
 from kdistill.config import load_config
-from kdistill.kernels import runtime, session
+from kdistill.kernels import runtime, seal
 from kdistill.models.decoder import build_decoder
 from kdistill.models.spec import load_spec
-from kdistill.plan import make_plan
-from kdistill.train.loop import compute_loss
 from kdistill.train.optim import make_optimizer
+from kdistill.train.step import compute_loss
 
 PEAK_BF16_TFLOPS = {"H100": 790.0, "H200": 790.0}  # measured here: ~780-800 TFLOP/s (8192^3 bf16 GEMM)
 
@@ -53,7 +53,7 @@ def bench(provider: str, cfg, t_spec, s_spec, batches, steps: int, profile: bool
     kernels = "reference" if provider in ("reference", "dense") else "triton"
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels))
     t0 = time.time()
-    sess = session.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
+    sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
     prewarm_s = time.time() - t0
     teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
     student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)

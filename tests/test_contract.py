@@ -17,11 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdistill.config import DIVERGENCES, RunConfig
-from kdistill.kernels import cache, contract, keys, runtime
+from kdistill.kernels import contract, keys, runtime
 from kdistill.kernels import plan as plan_mod
+from kdistill.kernels import seal as cache
 from kdistill.models.decoder import build_decoder
 from kdistill.models.spec import spec_from_hf_config
-from kdistill.train.loop import compute_loss, heldout_eval
+from kdistill.train.step import compute_loss, heldout_eval
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -205,7 +206,7 @@ def _drop(fn, param):
     "fn_name,param,field,a,b",
     [
         ("rmsnorm_fwd_key", "EPS", "rms_eps", 1e-5, 1e-6),
-        ("rope_fwd_key", "THETA", "rope_theta", 1e4, 5e5),
+        ("rope_fwd_key", "HQ", "num_heads", 6, 8),
         ("swiglu_fwd_key", "I", "intermediate_size", 40, 56),
     ],
 )

@@ -10,10 +10,10 @@ import warnings
 import pytest
 import torch
 
+from kdistill.commands.kernels import build_command, prewarm_command
 from kdistill.errors import KernelCacheMiss, KernelError, UserError
-from kdistill.kernels import cache, keys, runtime
-from kdistill.kernels.build import build_command
-from kdistill.kernels.cache import prewarm_command
+from kdistill.kernels import keys, runtime
+from kdistill.kernels import seal as cache
 from kdistill.ops.rmsnorm import rmsnorm, rmsnorm_reference
 from kdistill.ops.swiglu import swiglu, swiglu_reference
 
@@ -64,12 +64,11 @@ def test_every_parameter_changes_the_key(change):
     assert keys.rmsnorm_fwd_key(arch, **{**base, **change}) != keys.rmsnorm_fwd_key("sm_90", **base)
 
 
-def test_rope_key_holds_theta_bits_and_block_sizes():
-    a = keys.rope_fwd_key("sm_90", head_dim=128, q_heads=12, kv_heads=2, theta=1e6, dtype="bf16")
-    b = keys.rope_fwd_key("sm_90", head_dim=128, q_heads=12, kv_heads=2, theta=5e5, dtype="bf16")
-    assert a != b and a["THETA"] == keys.f64_bits(1e6)
+def test_rope_key_holds_block_sizes_and_not_theta():
+    """The cos/sin tables are runtime inputs: every rope theta shares one binary."""
+    a = keys.rope_fwd_key("sm_90", head_dim=128, q_heads=12, kv_heads=2, dtype="bf16")
     assert (a["BLOCK_D"], a["BLOCK_HQ"], a["BLOCK_HKV"]) == (64, 16, 2)
-    assert keys.source_spec(a)["constexprs"]["THETA"] == 1e6
+    assert a.get("THETA") is None and "THETA" not in keys.source_spec(a)["constexprs"]
 
 
 def test_source_spec_marks_aligned_pointers_and_unspecialized_ints():
@@ -180,7 +179,7 @@ def test_compile_after_seal_is_counted_and_logged(sealed_state, capsys):
 
 def test_compile_after_seal_raises_in_strict_mode_naming_the_key(sealed_state):
     cache.seal(strict=True)
-    key = keys.rope_bwd_key("sm_90", head_dim=64, q_heads=14, kv_heads=2, theta=1e6, dtype="bf16")
+    key = keys.rope_bwd_key("sm_90", head_dim=64, q_heads=14, kv_heads=2, dtype="bf16")
     token = runtime.LAUNCHING.set(key)
     try:
         with pytest.raises(KernelCacheMiss, match="rope_bwd"):

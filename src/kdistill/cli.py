@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from kdistill import __version__
 from kdistill.errors import UserError
+from kdistill.kernels.keys import ARCHS
 
 
 def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = ksub.add_parser("build", help="compile the kernel plan for GPU archs without a GPU")
     b.add_argument(
         "--arch",
-        default="sm_80,sm_89,sm_90,sm_100,sm_120",
+        default=",".join(ARCHS),
         help="comma-separated archs (default: %(default)s)",
     )
     b.add_argument("--json", action="store_true", help="print JSON")
@@ -112,13 +113,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return plan_command(args)
     if cmd == "prewarm":
-        from kdistill.kernels.cache import prewarm_command
+        from kdistill.commands.kernels import prewarm_command
 
         return prewarm_command(args)
     if cmd == "kernels":
         if args.kernels_command != "build":
             raise UserError("kernels: expected a subcommand: build")
-        from kdistill.kernels.build import build_command
+        from kdistill.commands.kernels import build_command
 
         return build_command(args)
     if cmd == "eval":

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kdistill.config import RunConfig
-from kdistill.kernels import cache, runtime, session
+from kdistill.kernels import runtime, seal
 from kdistill.models.decoder import build_decoder
 from kdistill.models.spec import spec_from_hf_config
-from kdistill.train.loop import compute_loss
 from kdistill.train.optim import make_optimizer
+from kdistill.train.step import compute_loss
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,7 +47,7 @@ def _train(mode: str, teacher_spec, student_spec, batches, divergence: str, dtyp
     run.schedule.batch_size, run.data.seq_len = batches[0][0].shape
     dev = torch.device("cuda")
     tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    sess = session.start(run, teacher_spec, student_spec, dev, tdt, quiet=True)
+    sess = seal.start(run, teacher_spec, student_spec, dev, tdt, quiet=True)
     teacher = build_decoder(teacher_spec, device=dev, dtype=tdt, seed=1).eval().requires_grad_(False)
     student = build_decoder(student_spec, device=dev, dtype=torch.float32, seed=2)
     run.optim.lr, run.optim.warmup_steps = 3e-3, 0
@@ -61,7 +61,7 @@ def _train(mode: str, teacher_spec, student_spec, batches, divergence: str, dtyp
         opt.step()
         losses.append(float(loss.detach()))
     assert sess.jit_after_prewarm() == 0
-    cache.unseal()
+    seal.unseal()
     runtime.configure(run, device="cpu")
     return losses
 

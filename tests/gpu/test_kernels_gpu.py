@@ -63,7 +63,7 @@ def test_strict_prewarm_seal_train_step_compiles_nothing(pair, tmp_path, monkeyp
     """Real shapes (2 layers), bf16 autocast, strict: every launch after the seal hits the cache."""
     from test_contract import make_run
 
-    from kdistill.kernels import cache, runtime, session
+    from kdistill.kernels import runtime, seal
     from kdistill.kernels.kd import kd_chunk
     from kdistill.models.decoder import build_decoder
     from kdistill.ops.kd_loss import kd_loss
@@ -74,7 +74,7 @@ def test_strict_prewarm_seal_train_step_compiles_nothing(pair, tmp_path, monkeyp
     run = make_run(dtype="auto", batch=2, seq=256, divergence="jsd", alpha=0.5, chunk=256)
     run.runtime.kernels, run.runtime.strict_kernels = "triton", True
     dev = torch.device("cuda")
-    s = session.start(run, teacher_spec, student_spec, dev, BF16, quiet=False)
+    s = seal.start(run, teacher_spec, student_spec, dev, BF16, quiet=False)
     try:
         assert s.report is not None and not s.report.failed, s.report.failed
         teacher = build_decoder(teacher_spec, device=dev, dtype=BF16).eval().requires_grad_(False)
@@ -117,9 +117,9 @@ def test_strict_prewarm_seal_train_step_compiles_nothing(pair, tmp_path, monkeyp
         torch.cuda.synchronize()
         assert torch.isfinite(r.loss)
         assert not runtime.current().warned, runtime.current().warned  # no reference fallback happened
-        assert s.jit_after_prewarm() == 0, cache.cache_misses()
+        assert s.jit_after_prewarm() == 0, seal.cache_misses()
     finally:
-        cache.unseal()
+        seal.unseal()
         runtime.configure(kernels="reference")
 
 

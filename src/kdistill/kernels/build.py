@@ -11,16 +11,11 @@ prewarm would use (Triton's binder on CPU tensors), so build, prewarm and runtim
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import time
 from typing import Any
 
-from kdistill.errors import UserError
 from kdistill.kernels import keys as K
-
-DEFAULT_ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120")
 
 
 @dataclasses.dataclass
@@ -68,8 +63,8 @@ def check_against_launch(key: K.KernelKey) -> None:
     """Raise if the key's compiled specialization differs from the tiny launch prewarm uses."""
     if key.op == "kd_loss":
         return
-    from kdistill.kernels.cache import launch_for_key
     from kdistill.kernels.contract import triton_specialization
+    from kdistill.kernels.seal import launch_for_key
 
     kernel, _grid, args, kwargs, _ = launch_for_key(key, "cpu")
     got = triton_specialization(kernel, args, kwargs, key.arch)
@@ -95,8 +90,8 @@ def compile_key(key: K.KernelKey) -> BuildResult:
 
 def build_plan(teacher, student, run, archs: list[str]) -> list[BuildResult]:
     """Compile the Triton keys of required_kernels(teacher, student, run, arch) for every arch."""
-    from kdistill.kernels.cache import setup_cache_dir
     from kdistill.kernels.plan import required_kernels, triton_keys
+    from kdistill.kernels.seal import setup_cache_dir
 
     setup_cache_dir()
     results = []
@@ -104,60 +99,3 @@ def build_plan(teacher, student, run, archs: list[str]) -> list[BuildResult]:
         for key in triton_keys(required_kernels(teacher, student, run, arch)):
             results.append(compile_key(key))
     return results
-
-
-def parse_archs(text: str) -> list[str]:
-    out = []
-    for part in str(text).split(","):
-        if not part.strip():
-            continue
-        try:
-            arch = K.normalize_arch(part)
-        except ValueError:
-            raise UserError(f"--arch: '{part}' is not a GPU arch (expected e.g. sm_80,sm_90)") from None
-        if K.arch_capability(arch) < 75:
-            raise UserError(f"--arch: {arch} is older than sm_75, which Triton does not target")
-        out.append(arch)
-    if not out:
-        raise UserError("--arch is empty, expected e.g. sm_80,sm_90")
-    return out
-
-
-def build_command(args: argparse.Namespace) -> int:
-    """`kdistill kernels build`: compile the plan per arch; print a table (or JSON); non-zero on failure."""
-    from kdistill.kernels.cache import resolve_config
-
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise UserError("kernels build needs Triton (pip install 'kdistill[kernels]')") from None
-    archs = parse_archs(getattr(args, "arch", None) or ",".join(DEFAULT_ARCHS))
-    cfg, teacher, student = resolve_config(args.config, getattr(args, "overrides", []) or [])
-    t0 = time.perf_counter()
-    results = build_plan(teacher, student, cfg, archs)
-    total = time.perf_counter() - t0
-    failed = [r for r in results if not r.ok]
-    if getattr(args, "json", False):
-        print(
-            json.dumps(
-                {
-                    "archs": archs,
-                    "kernels": [dataclasses.asdict(r) for r in results],
-                    "ok": not failed,
-                    "failed": len(failed),
-                    "seconds": round(total, 2),
-                },
-                indent=1,
-            )
-        )
-    else:
-        print(f"{'arch':7} {'kernel':12} {'status':6} {'seconds':>7}  key")
-        for r in results:
-            status = "ok" if r.ok else "FAILED"
-            print(f"{r.arch:7} {r.op:12} {status:6} {r.seconds:7.2f}  {r.key}")
-            if not r.ok:
-                print(f"        error: {r.error}")
-        print(
-            f"{len(results) - len(failed)}/{len(results)} kernels built for {', '.join(archs)} in {total:.1f} s"
-        )
-    return 1 if failed else 0

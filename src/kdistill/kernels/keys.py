@@ -29,7 +29,7 @@ from typing import Any
 Param = str | int | bool | None
 
 DTYPES = ("fp32", "bf16", "fp16")
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120")  # what `kdistill kernels build` targets by default
 DEFAULT_ARCH = "sm_90"  # keys are computed for this arch when there is no GPU and runtime.arch is auto
 
 # Kernel signatures, in argument order: (name, kind). kind is "*<dtype param>" or "*fp32" for a
@@ -84,7 +84,6 @@ SIGNATURES: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("BLOCK_D", "constexpr", ""),
         ("BLOCK_HQ", "constexpr", ""),
         ("BLOCK_HKV", "constexpr", ""),
-        ("THETA", "constexpr", ""),
     ),
     "swiglu_fwd": (
         ("G", "*dtype", "in"),
@@ -340,7 +339,6 @@ def _rope_key(
     head_dim: int,
     q_heads: int,
     kv_heads: int,
-    theta: float,
     dtype: str,
     aligned: Sequence[bool] | None,
 ) -> KernelKey:
@@ -350,7 +348,6 @@ def _rope_key(
         D=int(head_dim),
         HQ=int(q_heads),
         HKV=int(kv_heads),
-        THETA=f64_bits(theta),
         dtype=dtype_name(dtype),
         align=_align(op, aligned),
         **rope_config(head_dim, q_heads, kv_heads),
@@ -363,12 +360,11 @@ def rope_fwd_key(
     head_dim: int,
     q_heads: int,
     kv_heads: int,
-    theta: float,
     dtype: str,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """Rotation of q and k with cos/sin tables. THETA identifies the tables. aligned: Q, K, COS, SIN."""
-    return _rope_key("rope_fwd", arch, head_dim, q_heads, kv_heads, theta, dtype, aligned)
+    return _rope_key("rope_fwd", arch, head_dim, q_heads, kv_heads, dtype, aligned)
 
 
 def rope_bwd_key(
@@ -377,12 +373,11 @@ def rope_bwd_key(
     head_dim: int,
     q_heads: int,
     kv_heads: int,
-    theta: float,
     dtype: str,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """The inverse rotation of dq and dk. aligned: DQ, DK, COS, SIN."""
-    return _rope_key("rope_bwd", arch, head_dim, q_heads, kv_heads, theta, dtype, aligned)
+    return _rope_key("rope_bwd", arch, head_dim, q_heads, kv_heads, dtype, aligned)
 
 
 def swiglu_fwd_key(arch: str, *, inter: int, dtype: str, aligned: Sequence[bool] | None = None) -> KernelKey:

@@ -88,7 +88,6 @@ def model_kernels(
                 head_dim=spec.head_dim,
                 q_heads=spec.num_heads,
                 kv_heads=spec.num_kv_heads,
-                theta=spec.rope_theta,
                 dtype=q,
             )
         )
@@ -99,7 +98,6 @@ def model_kernels(
                     head_dim=spec.head_dim,
                     q_heads=spec.num_heads,
                     kv_heads=spec.num_kv_heads,
-                    theta=spec.rope_theta,
                     dtype=q,
                 )
             )
@@ -190,12 +188,15 @@ def kd_kernels(
     return out
 
 
-def required_kernels(teacher_spec: ModelSpec, student_spec: ModelSpec, run, arch: str) -> set[keys.KernelKey]:
+def required_kernels(
+    teacher_spec: ModelSpec, student_spec: ModelSpec, run, arch: str, *, batch: int | None = None
+) -> set[keys.KernelKey]:
     """Every kernel key (Triton and library) the run launches: teacher forward without grad, student
-    forward with and without grad and its backward, the KD loss head; for `arch` (e.g. 'sm_90')."""
+    forward with and without grad and its backward, the KD loss head; for `arch` (e.g. 'sm_90').
+    batch: the per-process batch (under torchrun batch_size / world); default run.schedule.batch_size."""
     arch = arch if arch == "cpu" else keys.normalize_arch(arch)
     prec = precision(run, arch)
-    b, t = run.schedule.batch_size, run.data.seq_len
+    b, t = batch or run.schedule.batch_size, run.data.seq_len
     out = model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, batch=b, seq=t)
     out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=False, batch=b, seq=t)
     out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, batch=b, seq=t)

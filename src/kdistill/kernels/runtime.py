@@ -230,7 +230,7 @@ def configure(
     arch = arch or (rt_cfg.arch if rt_cfg else "auto")
     if device is None and rt_cfg is not None and rt_cfg.device != "auto":
         device = rt_cfg.device
-    from kdistill.kernels.cache import setup_cache_dir
+    from kdistill.kernels.seal import setup_cache_dir
 
     setup_cache_dir()
     _STATE = KernelRuntime(
@@ -240,7 +240,7 @@ def configure(
         recorder=_STATE.recorder,
     )
     if _STATE.mode == "triton":
-        from kdistill.kernels.cache import install_hooks
+        from kdistill.kernels.seal import install_hooks
 
         install_hooks()
     return _STATE

@@ -7,7 +7,16 @@ so the checkpoint weight map is the identity and an exported student loads in tr
     hidden = model(input_ids)               # (B, T, H): final-normed hidden states, no logits
     logits = model.logits(input_ids)        # (B, T, V): only for eval/tests; the KD loss never needs them
 
-Every op goes through kdistill.ops, which dispatches to a Triton kernel or to the PyTorch reference.
+Every op goes through kdistill.dispatch, which picks a Triton kernel or the PyTorch reference.
+
+The residual add before each norm is fused into the norm (`add_rmsnorm`). A `Block` is self-contained
+(FSDP can wrap it whole): it starts with the fused add + input norm of the residual stream and returns
+its MLP output unadded, so the next block (or the final norm) fuses that add into its own norm:
+
+    block 0:   h = rmsnorm(emb)                              residual = emb
+    block i:   h, residual = add_rmsnorm(delta, residual)    (delta: block i-1's MLP output)
+               a = attn(h);  x, residual = add_rmsnorm(a, residual);  delta = mlp(x)
+    final:     out = add_rmsnorm(delta, residual, model.norm)
 """
 
 from __future__ import annotations
@@ -15,15 +24,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdistill.models.spec import ModelSpec
-from kdistill.ops.attention import attention
-from kdistill.ops.rmsnorm import add_rmsnorm, rmsnorm
-from kdistill.ops.rope import apply_rope, rope_tables
-from kdistill.ops.swiglu import swiglu
+from kdistill.dispatch import add_rmsnorm, apply_rope, attention, rmsnorm, swiglu
+from kdistill.models.spec import ModelSpec, rope_inv_freq
+
+
+def rope_tables(
+    spec: ModelSpec, seq_len: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (T, D) in fp32 for positions 0..T-1, llama3 scaling included."""
+    inv = torch.tensor(rope_inv_freq(spec), dtype=torch.float32, device=device)  # (D/2,)
+    pos = torch.arange(seq_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(pos, inv)  # (T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
+    return emb.cos(), emb.sin()
 
 
 class RMSNorm(nn.Module):
-    """Holds the weight; the math lives in kdistill.ops.rmsnorm."""
+    """Holds the weight; the math lives in kdistill.ops.rmsnorm (dispatched by kdistill.dispatch)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -56,7 +73,7 @@ class Attention(nn.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        q, k = apply_rope(q, k, cos, sin, theta=s.rope_theta)
+        q, k = apply_rope(q, k, cos, sin)
         o = attention(q, k, v)  # (B, Hq, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.q_size))
 
@@ -72,13 +89,30 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-class Layer(nn.Module):
+class Block(nn.Module):
+    """One decoder layer (`model.layers.N`): input norm, attention, post-attention norm, MLP."""
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
+        self.eps = spec.rms_eps
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
         self.mlp = MLP(spec)
+
+    def forward(
+        self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta (B, T, H): the previous block's MLP output, or the embeddings when residual is None
+        (block 0). Returns (this block's MLP output (B, T, H), the residual stream before it)."""
+        if residual is None:
+            residual = delta
+            h = rmsnorm(delta, self.input_layernorm.weight, self.eps)
+        else:
+            h, residual = add_rmsnorm(delta, residual, self.input_layernorm.weight, self.eps)
+        a = self.self_attn(h, cos, sin)
+        x, residual = add_rmsnorm(a, residual, self.post_attention_layernorm.weight, self.eps)
+        return self.mlp(x), residual
 
 
 class Body(nn.Module):
@@ -87,7 +121,7 @@ class Body(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Layer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_eps)
 
 
@@ -117,20 +151,15 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, T) -> final-normed hidden states (B, T, H)."""
-        s = self.spec
-        cos, sin = self.rope(input_ids.shape[1], input_ids.device)
-        residual = self.model.embed_tokens(input_ids)  # (B, T, H)
-        layers = self.model.layers
-        x = rmsnorm(residual, layers[0].input_layernorm.weight, s.rms_eps) if len(layers) else residual
-        for i, layer in enumerate(layers):
-            a = layer.self_attn(x, cos, sin)
-            x, residual = add_rmsnorm(a, residual, layer.post_attention_layernorm.weight, s.rms_eps)
-            m = layer.mlp(x)
-            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
-            x, residual = add_rmsnorm(m, residual, nxt, s.rms_eps)
-        if not len(layers):
-            x = rmsnorm(residual, self.model.norm.weight, s.rms_eps)
-        return x
+        eps = self.spec.rms_eps
+        cos, sin = self.rope(input_ids.shape[1], input_ids.device)  # (T, D) each
+        delta = self.model.embed_tokens(input_ids)  # (B, T, H)
+        residual = None
+        for block in self.model.layers:
+            delta, residual = block(delta, residual, cos, sin)
+        if residual is None:  # no layers
+            return rmsnorm(delta, self.model.norm.weight, eps)
+        return add_rmsnorm(delta, residual, self.model.norm.weight, eps)[0]
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits (B, T, V). For evaluation and tests only."""

@@ -14,18 +14,6 @@ from __future__ import annotations
 import torch
 
 from kdistill.kernels import keys, runtime
-from kdistill.models.spec import ModelSpec, rope_inv_freq
-
-
-def rope_tables(
-    spec: ModelSpec, seq_len: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (T, D) in fp32 for positions 0..T-1, llama3 scaling included."""
-    inv = torch.tensor(rope_inv_freq(spec), dtype=torch.float32, device=device)
-    pos = torch.arange(seq_len, dtype=torch.float32, device=device)
-    freqs = torch.outer(pos, inv)  # (T, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
-    return emb.cos(), emb.sin()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +46,6 @@ def rope_key(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    theta: float,
     backward: bool,
 ) -> keys.KernelKey:
     fn = keys.rope_bwd_key if backward else keys.rope_fwd_key
@@ -67,7 +54,6 @@ def rope_key(
         head_dim=q.shape[-1],
         q_heads=q.shape[1],
         kv_heads=k.shape[1],
-        theta=theta,
         dtype=q.dtype,
         aligned=runtime.aligned(_heads(q), _heads(k), _table(cos), _table(sin)),
     )
@@ -81,29 +67,30 @@ def _triton():
 
 
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, theta: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q (B, Hq, T, D) and k (B, Hkv, T, D). `theta` identifies the tables (kernel key)."""
     rt = runtime.current()
-    key = rope_key(rt.arch, q, k, cos, sin, theta, backward=False)
+    key = rope_key(rt.arch, q, k, cos, sin, backward=False)
 
     def bwd_key_fn(dq, dk, c, s):
-        kb = rope_key(rt.arch, dq, dk, c, s, theta, backward=True)
-        rt.record(kb, "bwd", lambda: _triton().launch(kb, dq, dk, c, s, theta, inverse=True))
+        kb = rope_key(rt.arch, dq, dk, c, s, backward=True)
+        rt.record(kb, "bwd", lambda: _triton().launch(kb, dq, dk, c, s, inverse=True))
         return kb
 
     if rt.use_kernel(key, q, k):
         try:
             return rt.launch(
                 key,
-                lambda: _triton().RopeFunction.apply(
-                    q, k, cos, sin, theta, key, bwd_key_fn, rt.kernel_failed
-                ),
-                lambda: _triton().launch(key, q, k, cos, sin, theta, inverse=False),
+                lambda: _triton().RopeFunction.apply(q, k, cos, sin, key, bwd_key_fn, rt.kernel_failed),
+                lambda: _triton().launch(key, q, k, cos, sin, inverse=False),
             )
         except Exception as e:
             rt.kernel_failed(key, e)
-    rt.record(key, "fwd", lambda: _triton().launch(key, q, k, cos, sin, theta, inverse=False))
+    rt.record(key, "fwd", lambda: _triton().launch(key, q, k, cos, sin, inverse=False))
     qo, ko = rope_reference(q, k, cos, sin)
 
     def record_bwd(grads):

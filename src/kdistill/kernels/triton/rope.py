@@ -80,7 +80,6 @@ def rope_fwd_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
-    THETA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
@@ -110,7 +109,6 @@ def rope_bwd_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
-    THETA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
@@ -140,7 +138,6 @@ def launch(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    theta: float,
     inverse: bool,
 ):
     """(kernel, grid, args, kwargs, (q_out, k_out)). q (B, Hq, T, D), k (B, Hkv, T, D), any dense strides."""
@@ -162,7 +159,6 @@ def launch(
         BLOCK_D=key["BLOCK_D"],
         BLOCK_HQ=key["BLOCK_HQ"],
         BLOCK_HKV=key["BLOCK_HKV"],
-        THETA=float(theta),
         **launch_options(key),
     )
     kernel = rope_bwd_kernel if inverse else rope_fwd_kernel
@@ -180,10 +176,10 @@ class RopeFunction(torch.autograd.Function):
     key; `on_bwd_failure(key, exc)` warns once (raises in strict mode) before the reference backward."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, theta, fwd_key, bwd_key_fn, on_bwd_failure):
-        qo, ko = _run(launch(fwd_key, q, k, cos, sin, theta, inverse=False))
+    def forward(ctx, q, k, cos, sin, fwd_key, bwd_key_fn, on_bwd_failure):
+        qo, ko = _run(launch(fwd_key, q, k, cos, sin, inverse=False))
         ctx.save_for_backward(cos, sin)
-        ctx.theta, ctx.bwd_key_fn, ctx.on_bwd_failure = theta, bwd_key_fn, on_bwd_failure
+        ctx.bwd_key_fn, ctx.on_bwd_failure = bwd_key_fn, on_bwd_failure
         ctx.set_materialize_grads(True)
         return qo, ko
 
@@ -192,11 +188,11 @@ class RopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         key = ctx.bwd_key_fn(dq, dk, cos, sin)
         try:
-            gq, gk = _run(launch(key, dq, dk, cos, sin, ctx.theta, inverse=True))
+            gq, gk = _run(launch(key, dq, dk, cos, sin, inverse=True))
         except Exception as e:  # a kernel problem never kills a run: reference backward
             ctx.on_bwd_failure(key, e)
             gq, gk = reference_backward(dq, dk, cos, sin)
-        return gq, gk, None, None, None, None, None, None
+        return gq, gk, None, None, None, None, None
 
 
 def reference_backward(dq, dk, cos, sin):

@@ -12,12 +12,18 @@ Compiles are seen through Triton's hooks (`knobs.runtime.jit_cache_hook` before 
 is logged as `kernel cache miss after prewarm: <key>` and counted. KDISTILL_LOG_KERNELS=1 logs every
 compile and disk-cache hit with its key and time.
 
-`kdistill prewarm CONFIG` runs only this for a config (`prewarm_command`).
+The training loop starts all of it with one call, before any weight is on the device:
+
+    session = start(cfg, teacher_spec, student_spec, device, dtype, batch=per_rank_batch)
+    ... train ...
+    session.jit_after_prewarm()   # 0 in a healthy run; in summary.json and metrics.jsonl
+    session.summary()             # mode, arch, strict, plan size, prewarm counts and time, misses
+
+`kdistill prewarm CONFIG` (commands/kernels.py) runs only the prewarm for a config.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -30,9 +36,10 @@ from typing import Any
 
 import torch
 
-from kdistill.errors import KernelCacheMiss, UserError
+from kdistill.errors import KernelCacheMiss
 from kdistill.kernels import runtime
 from kdistill.kernels.keys import KernelKey, f64_value
+from kdistill.kernels.plan import required_kernels
 
 log = logging.getLogger("kdistill.kernels")
 
@@ -251,7 +258,7 @@ def launch_for_key(key: KernelKey, device: Any) -> tuple:
         q = _tensor((1, key["HQ"], 2, d), key["dtype"], device, al[0])
         kk = _tensor((1, key["HKV"], 2, d), key["dtype"], device, al[1])
         cos, sin = _tensor((2, d), "fp32", device, al[2]), _tensor((2, d), "fp32", device, al[3])
-        return k.launch(key, q, kk, cos, sin, f64_value(key["THETA"]), inverse=key.op == "rope_bwd")
+        return k.launch(key, q, kk, cos, sin, inverse=key.op == "rope_bwd")
     if key.op in ("swiglu_fwd", "swiglu_bwd"):
         from kdistill.kernels.triton import swiglu as k
 
@@ -378,39 +385,63 @@ def prewarm(keys: Iterable[KernelKey], device: Any = "cuda", *, dry: bool = Fals
     return report
 
 
-# -- the command ----------------------------------------------------------------------------------
-def resolve_config(config: str | None, overrides: list[str] | tuple[str, ...] = ()):
-    """(RunConfig, teacher_spec, student_spec) from a YAML path or a 'TEACHER:STUDENT' pair of presets
-    or model directories."""
-    from kdistill.config import load_config
-    from kdistill.models.spec import load_spec
+# -- the session the training loop starts ----------------------------------------------------------
+@dataclasses.dataclass
+class KernelSession:
+    mode: str
+    arch: str
+    strict: bool
+    planned: int = 0
+    report: PrewarmReport | None = None
 
-    if not config:
-        raise UserError("expected CONFIG: a YAML run config or a preset pair like qwen2.5-1.5b:qwen2.5-0.5b")
-    if Path(config).is_file() or config.endswith((".yaml", ".yml")) or ":" not in config:
-        cfg = load_config(config, list(overrides))
-    else:
-        teacher, student = config.split(":", 1)
-        cfg = load_config(None, [f"teacher.path={teacher}", f"student.path={student}", *overrides])
-    cfg.validate()
-    return cfg, load_spec(cfg.teacher.path), load_spec(cfg.student.path)
+    def jit_after_prewarm(self) -> int:
+        return jit_after_prewarm()
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "arch": self.arch,
+            "strict": self.strict,
+            "planned": self.planned,
+            "jit_after_prewarm": self.jit_after_prewarm(),
+            "misses": cache_misses()[:20],
+            "fallbacks": sorted(str(k) for k in runtime.current().warned)[:20],
+        }
+        if self.report is not None:
+            r = self.report
+            out["prewarm"] = {
+                "compiled": r.compiled,
+                "from_cache": r.from_cache,
+                "library": r.library,
+                "failed": r.failed,
+                "seconds": round(r.seconds, 3),
+                "cache_dir": r.cache_dir,
+            }
+        return out
 
 
-def prewarm_command(args: argparse.Namespace) -> int:
-    """`kdistill prewarm CONFIG`: compile the run's kernel plan on this GPU and report count and time."""
-    from kdistill.kernels.plan import required_kernels
-
-    cfg, teacher, student = resolve_config(args.config, getattr(args, "overrides", []) or [])
-    if not torch.cuda.is_available():
-        raise UserError(
-            "prewarm: no CUDA GPU on this machine (prewarm compiles for the GPU it runs on); to check that the "
-            f"plan compiles without a GPU run: kdistill kernels build --arch sm_90 {args.config}"
-        )
-    device = cfg.runtime.device if cfg.runtime.device.startswith("cuda") else "cuda"
-    rt = runtime.configure(cfg, kernels="triton", device=device)
-    plan = required_kernels(teacher, student, cfg, rt.arch)
-    report = prewarm(plan, device)
-    print(report.line())
-    for failure in report.failed:
-        print(f"  failed: {failure}")
-    return 1 if report.failed else 0
+def start(
+    cfg,
+    teacher,
+    student,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    *,
+    quiet: bool = False,
+    batch: int | None = None,
+) -> KernelSession:
+    """Configure the dispatcher from cfg.runtime; on a GPU in triton mode compile the whole plan and
+    seal the cache (before any weight is on the device). `dtype` is the compute dtype the loop chose
+    (the plan derives the same from cfg.runtime.dtype). batch: the per-process batch (under torchrun
+    batch_size / world); default cfg.schedule.batch_size."""
+    rt = runtime.configure(cfg, device=device)
+    session = KernelSession(rt.mode, rt.arch, rt.strict)
+    if rt.mode == "triton" and torch.device(device).type == "cuda":
+        plan = required_kernels(teacher, student, cfg, rt.arch, batch=batch)
+        session.planned = len(plan)
+        session.report = prewarm(plan, device)
+        if not quiet:
+            print(session.report.line())
+        unseal()
+        seal(strict=rt.strict)
+    return session

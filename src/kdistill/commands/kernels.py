@@ -1,0 +1,96 @@
+"""`kdistill prewarm CONFIG` and `kdistill kernels build --arch ... CONFIG`: the kernel commands.
+
+kdistill prewarm run.yaml                                  # compile the plan on this GPU
+kdistill kernels build --arch sm_80,sm_90 qwen2.5-1.5b:qwen2.5-0.5b [--json]   # no GPU needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+from kdistill.commands.common import resolve_run
+from kdistill.errors import UserError
+from kdistill.kernels import runtime
+from kdistill.kernels.build import build_plan
+from kdistill.kernels.keys import ARCHS, arch_capability, normalize_arch
+from kdistill.kernels.plan import required_kernels
+from kdistill.kernels.seal import prewarm
+
+
+def prewarm_command(args: argparse.Namespace) -> int:
+    """`kdistill prewarm CONFIG`: compile the run's kernel plan on this GPU and report count and time."""
+    cfg, teacher, student = resolve_run(args.config, getattr(args, "overrides", []) or [])
+    if not torch.cuda.is_available():
+        raise UserError(
+            "prewarm: no CUDA GPU on this machine (prewarm compiles for the GPU it runs on); to check that the "
+            f"plan compiles without a GPU run: kdistill kernels build --arch sm_90 {args.config}"
+        )
+    device = cfg.runtime.device if cfg.runtime.device.startswith("cuda") else "cuda"
+    rt = runtime.configure(cfg, kernels="triton", device=device)
+    plan = required_kernels(teacher, student, cfg, rt.arch)
+    report = prewarm(plan, device)
+    print(report.line())
+    for failure in report.failed:
+        print(f"  failed: {failure}")
+    return 1 if report.failed else 0
+
+
+def parse_archs(text: str) -> list[str]:
+    """'sm_80,sm_90' -> ['sm_80', 'sm_90']; a UserError for anything Triton cannot target."""
+    out = []
+    for part in str(text).split(","):
+        if not part.strip():
+            continue
+        try:
+            arch = normalize_arch(part)
+        except ValueError:
+            raise UserError(f"--arch: '{part}' is not a GPU arch (expected e.g. sm_80,sm_90)") from None
+        if arch_capability(arch) < 75:
+            raise UserError(f"--arch: {arch} is older than sm_75, which Triton does not target")
+        out.append(arch)
+    if not out:
+        raise UserError("--arch is empty, expected e.g. sm_80,sm_90")
+    return out
+
+
+def build_command(args: argparse.Namespace) -> int:
+    """`kdistill kernels build`: compile the plan per arch; print a table (or JSON); non-zero on failure."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise UserError("kernels build needs Triton (pip install 'kdistill[kernels]')") from None
+    archs = parse_archs(getattr(args, "arch", None) or ",".join(ARCHS))
+    cfg, teacher, student = resolve_run(args.config, getattr(args, "overrides", []) or [])
+    t0 = time.perf_counter()
+    results = build_plan(teacher, student, cfg, archs)
+    total = time.perf_counter() - t0
+    failed = [r for r in results if not r.ok]
+    if getattr(args, "json", False):
+        print(
+            json.dumps(
+                {
+                    "archs": archs,
+                    "kernels": [dataclasses.asdict(r) for r in results],
+                    "ok": not failed,
+                    "failed": len(failed),
+                    "seconds": round(total, 2),
+                },
+                indent=1,
+            )
+        )
+    else:
+        print(f"{'arch':7} {'kernel':12} {'status':6} {'seconds':>7}  key")
+        for r in results:
+            status = "ok" if r.ok else "FAILED"
+            print(f"{r.arch:7} {r.op:12} {status:6} {r.seconds:7.2f}  {r.key}")
+            if not r.ok:
+                print(f"        error: {r.error}")
+        print(
+            f"{len(results) - len(failed)}/{len(results)} kernels built for {', '.join(archs)} in {total:.1f} s"
+        )
+    return 1 if failed else 0
