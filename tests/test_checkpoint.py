@@ -1,5 +1,5 @@
-"""Checkpoint I/O round trips: HF -> ours -> HF with identical logits, dtypes, shards, vocab trimming,
-atomic saves."""
+"""Hugging Face model I/O (kdistill.models.hf_io) round trips: HF -> ours -> HF with identical logits, dtypes,
+shards, vocab trimming, atomic saves."""
 
 from __future__ import annotations
 

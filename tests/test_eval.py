@@ -1,4 +1,5 @@
-"""kdistill.evaluate and `kdistill eval`: cross-entropy equals transformers' loss with labels=input_ids."""
+"""kdistill.evaluate and `kdistill eval` (kdistill.commands.eval): cross-entropy equals transformers' loss with
+labels=input_ids."""
 
 from __future__ import annotations
 

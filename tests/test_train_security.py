@@ -1,4 +1,4 @@
-"""Security of a run (issue 5, item 8), in process via kdistill.cli.main.
+"""Security of a run, in process via kdistill.cli.main.
 
 - A file or tensor name from a model or checkpoint cannot write (or read) outside the directories of the
   run: a shard index naming '../evil.safetensors' is refused; a checkpoint whose tensors are named
