@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,8 +25,8 @@ import torch
 
 
 def make_model_dir(preset: str, out: Path, tok_dir: Path, seed: int) -> Path:
-    from kdistill.models.hf_io import save_model
     from kdistill.models.decoder import build_decoder
+    from kdistill.models.hf_io import save_model
     from kdistill.models.spec import load_spec
 
     spec = load_spec(preset)
@@ -96,10 +97,12 @@ def main() -> None:
             f"output.dir={run_dir}",
             *a.extra,
         ]
+        # The GPU hosts this check runs on keep NVLink multicast (NVLS) off; NCCL would otherwise try it.
+        env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
         t0 = time.time()
         log_path = out / f"run{i}.log"
         with open(log_path, "w") as log:  # streamed, so a killed call still leaves the log
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         wall = time.time() - t0
         text = log_path.read_text()
         print(f"run {i}: exit {proc.returncode} in {wall:.0f} s", flush=True)

@@ -3,7 +3,7 @@
     python scripts/make_demo_teacher.py tokenizer     # CPU, seconds: trains tokenizer.json
     python scripts/make_demo_teacher.py teacher       # GPU, minutes: trains the teacher on the stdlib
 
-Both stages read the train split of the Python standard library (kdistill.demo.corpus) and write into
+Both stages read the train split of the Python standard library (kdistill.train.corpus) and write into
 src/kdistill/demo/assets/teacher/, which is committed (kept under 10 MB: bf16 weights).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdistill.demo.corpus import stdlib_split
+from kdistill.train.corpus import stdlib_split
 
 ASSETS = Path(__file__).resolve().parents[1] / "src" / "kdistill" / "demo" / "assets" / "teacher"
 VOCAB = 4096
@@ -105,8 +105,8 @@ def train_teacher(
 ) -> None:
     from tokenizers import Tokenizer
 
-    from kdistill.models.hf_io import save_model
     from kdistill.models.decoder import build_decoder
+    from kdistill.models.hf_io import save_model
     from kdistill.models.spec import spec_from_hf_config
 
     torch.manual_seed(0)

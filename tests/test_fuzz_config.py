@@ -1,4 +1,4 @@
-"""Fuzzing the config reader (issue 5, item 7): load_config + validate on random YAML text, on random
+"""Fuzzing the config reader: load_config + validate on random YAML text, on random
 structured configs built from the real keys, and on random command-line overrides; 10,000+ inputs each
 kind, only kdistill's UserError escapes (with a one-line message).
 

@@ -1,4 +1,4 @@
-"""Exact resume (issue 5, item 1): a `python -m kdistill run` killed with SIGKILL at a chosen point and
+"""Exact resume: a `python -m kdistill run` killed with SIGKILL at a chosen point and
 resumed with `--resume` ends with the same student weights, bit for bit, as the run that was not killed.
 
 The children kill themselves at a named point through the loop's test hook (KDISTILL_TEST_KILL_AT), so the
@@ -144,7 +144,7 @@ def test_checkpoint_holds_everything_resume_needs(runs):
 
 
 def test_kill_inside_a_checkpoint_write_resumes_from_the_newest_complete_one(runs):
-    """Atomic checkpoints (issue 5, item 2): SIGKILL between the weight and optimizer files of step 4."""
+    """Atomic checkpoints: SIGKILL between the weight and optimizer files of step 4."""
     root, _, paused = runs
     assert paused["first"][0] == -signal.SIGKILL, paused["first"][1]
     assert paused["stage"] == "between-files"

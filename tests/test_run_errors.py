@@ -1,4 +1,4 @@
-"""Bad inputs through `kdistill run` (issue 5, item 6), in process via kdistill.cli.main.
+"""Bad inputs through `kdistill run`, in process via kdistill.cli.main.
 
 Each case: exit 2, exactly one line on stderr, `kdistill: error: <message>` with the exact message listed
 in docs/errors.md, no traceback, nothing half-written in the output directory (a fresh run that fails

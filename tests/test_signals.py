@@ -1,4 +1,4 @@
-"""Signals (issue 5, item 3): SIGTERM or SIGINT from outside finishes the current step, saves a checkpoint,
+"""Signals: SIGTERM or SIGINT from outside finishes the current step, saves a checkpoint,
 writes summary.json with status "interrupted" and exits 0 within a bounded time; a second signal exits at
 once with a non-zero code (here: while the first signal's checkpoint write is paused by the test hook).
 

@@ -1,4 +1,4 @@
-"""Non-finite losses and gradients (issue 5, item 4), in process via kdistill.cli.main.
+"""Non-finite losses and gradients, in process via kdistill.cli.main.
 
 The loop's test hook KDISTILL_TEST_NAN_STEPS makes the loss of chosen steps NaN (exactly where we want
 it); a huge learning rate makes real ones. `runtime.on_nonfinite=skip` skips and counts such steps and

@@ -8,17 +8,24 @@
     kdistill inspect DIR                            architecture, sizes, tokenizer identity
     kdistill report RUN_DIR                         summary of a finished or interrupted run
 
-Errors a user can cause print one line and exit 2; `--debug` shows the traceback.
+Errors a user can cause print one line and exit 2; `--debug` shows the traceback. This module is the
+argument parser and the command table; each command lives in kdistill.commands.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kdistill import __version__
+from kdistill.commands.eval import eval_command
+from kdistill.commands.inspect import inspect_command
+from kdistill.commands.kernels import build_command, prewarm_command
+from kdistill.commands.plan import plan_command
+from kdistill.commands.report import report_command
+from kdistill.commands.run import run_command
 from kdistill.errors import UserError
 from kdistill.kernels.keys import ARCHS
 
@@ -98,43 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": run_command,
+    "plan": plan_command,
+    "prewarm": prewarm_command,
+    "kernels": build_command,  # its one subcommand, checked in _dispatch
+    "eval": eval_command,
+    "inspect": inspect_command,
+    "report": report_command,
+}
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.log_kernels:
-        import os
-
         os.environ["KDISTILL_LOG_KERNELS"] = "1"
     cmd = args.command
-    if cmd == "run":
-        from kdistill.train.loop import run_command
-
-        return run_command(args)
-    if cmd == "plan":
-        from kdistill.plan import plan_command
-
-        return plan_command(args)
-    if cmd == "prewarm":
-        from kdistill.commands.kernels import prewarm_command
-
-        return prewarm_command(args)
-    if cmd == "kernels":
-        if args.kernels_command != "build":
-            raise UserError("kernels: expected a subcommand: build")
-        from kdistill.commands.kernels import build_command
-
-        return build_command(args)
-    if cmd == "eval":
-        from kdistill.evaluate import eval_command
-
-        return eval_command(args)
-    if cmd == "inspect":
-        from kdistill.models.inspect import inspect_command
-
-        return inspect_command(args)
-    if cmd == "report":
-        from kdistill.train.evidence import report_command
-
-        return report_command(args)
-    raise UserError("expected a command: run, plan, prewarm, kernels, eval, inspect, report (see --help)")
+    if cmd == "kernels" and args.kernels_command != "build":
+        raise UserError("kernels: expected a subcommand: build")
+    if cmd not in COMMANDS:
+        raise UserError("expected a command: run, plan, prewarm, kernels, eval, inspect, report (see --help)")
+    return COMMANDS[cmd](args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,11 +147,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kdistill: interrupted", file=sys.stderr)
         return 130
-
-
-def print_json(obj: object) -> None:
-    """Print one JSON object on stdout."""
-    print(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
 if __name__ == "__main__":

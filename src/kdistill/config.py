@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from kdistill.dtypes import LONG_NAMES
 from kdistill.errors import UserError
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
@@ -149,13 +150,15 @@ class RuntimeConfig:
     arch: str = "auto"  # GPU arch for kernel keys when no GPU is present, e.g. sm_90
     on_nonfinite: str = "skip"  # skip | stop
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
-    auto_fit: bool = False  # cap batch size / seq_len to fit memory instead of refusing
+    # When the memory plan does not fit the GPU: lower schedule.batch_size to the largest that fits
+    # instead of refusing. seq_len is never changed (the refusal names the largest seq_len that fits).
+    auto_fit: bool = False
     gpu_memory_gib: float = 0.0  # 0: read the device; else plan against this much memory
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise UserError(f"runtime.device is '{self.device}', expected auto, cpu, cuda or cuda:N")
-        _choice("runtime.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _choice("runtime.dtype", self.dtype, ("auto", *LONG_NAMES))
         _choice("runtime.kernels", self.kernels, ("auto", "triton", "reference"))
         _choice("runtime.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _positive("runtime.max_nonfinite", self.max_nonfinite)

@@ -23,19 +23,9 @@ from safetensors.torch import load_file, save_file
 
 from kdistill.errors import UserError
 from kdistill.fileio import fsync_dir, write_json_durable
+from kdistill.train import faults
 
 _PREFIX = "step-"
-# Tests set this to pause between files and kill the process inside a checkpoint write.
-_PAUSE_ENV = "KDISTILL_TEST_CKPT_PAUSE"
-
-
-def _pause_hook(stage: str) -> None:
-    flag = os.environ.get(_PAUSE_ENV)
-    if flag:
-        Path(flag).write_text(stage)
-        import time
-
-        time.sleep(3600)
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -50,6 +40,7 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tenso
 
 
 def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Put the tensors of `optimizer_tensors` (and its hyper-parameters) back into an optimizer."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         idx, name = key.split(".", 1)
@@ -76,7 +67,7 @@ def save_checkpoint(
     try:
         weights = {k: v.detach().to("cpu").contiguous() for k, v in student.state_dict().items()}
         save_file(weights, str(tmp / "student.safetensors"))
-        _pause_hook("between-files")
+        faults.checkpoint_pause("between-files")
         opt_t, opt_meta = optimizer_tensors(opt)
         save_file(opt_t, str(tmp / "optimizer.safetensors"))
         write_json_durable(tmp / "state.json", {"step": step, "optimizer": opt_meta, **state})

@@ -6,10 +6,10 @@
 process, chosen by LOCAL_RANK), gloo on the CPU. Without WORLD_SIZE (or with WORLD_SIZE=1) nothing is
 initialised and every helper here is a no-op, so a single process runs exactly the code it always ran.
 
-What is sharded (FSDP2, `fully_shard`): the student's attention and MLP of every decoder layer (the
-decoder's forward calls those two modules, not the layer itself, so they are the units whose hooks fire),
-then the root, which holds the embeddings, the norms and the lm_head. The teacher is sharded the same way
-(frozen, resharded after forward) or, with `shard_teacher=False`, replicated whole on every process.
+What is sharded (FSDP2, `fully_shard`): every decoder block of the student (`model.model.layers[i]`, a
+self-contained `Block` whose forward the decoder calls), then the root, which holds the embeddings, the
+final norm and the lm_head. The teacher is sharded the same way (frozen, resharded after forward) or, with
+KDISTILL_REPLICATE_TEACHER=1, replicated whole on every process.
 
 Gradients: each process takes its slice of every global batch and computes the loss as a mean over its own
 tokens; FSDP's reduce-scatter averages gradients over the processes. `loss_weight` scales each process's
@@ -34,8 +34,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from kdistill.errors import UserError
+from kdistill.models.decoder import build_decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +81,6 @@ def init_from_env(device_type: str) -> DistInfo:
         return _INFO
     if dist.is_initialized():
         return _INFO
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # host rule: NVLink multicast stays off
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = None
@@ -114,17 +123,6 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
-
-
-def all_reduce_mean(x: torch.Tensor | float) -> torch.Tensor | float:
-    """Mean over processes of a tensor (a new tensor) or a float; unchanged when not distributed."""
-    if not active():
-        return x
-    if isinstance(x, torch.Tensor):
-        t = x.detach().clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t / _INFO.world
-    return all_reduce_sum([float(x)])[0] / _INFO.world
 
 
 def any_rank(flag: bool) -> bool:
@@ -206,23 +204,16 @@ def loss_weight(tokens: int) -> tuple[float, int]:
 # Sharding
 # ----------------------------------------------------------------------------------------------
 def _shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules called by the decoder's forward, one attention and one MLP per layer."""
-    units = []
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        units.extend([layer.self_attn, layer.mlp])
-    return units
+    """The FSDP units below the root: the decoder blocks, in order."""
+    return list(model.model.layers)  # type: ignore[union-attr]
 
 
-def _mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _mesh() -> DeviceMesh:
     return init_device_mesh(_comm_device().type, (_INFO.world,))
 
 
 def shard_student(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: every layer's attention and MLP, then the root (embeddings, norms, lm_head)."""
-    from torch.distributed.fsdp import fully_shard
-
+    """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head)."""
     mesh = _mesh()
     for unit in _shard_units(model):
         fully_shard(unit, mesh=mesh)
@@ -232,8 +223,6 @@ def shard_student(model: torch.nn.Module) -> torch.nn.Module:
 
 def shard_teacher(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 for the frozen teacher: the same units, each resharded right after its forward."""
-    from torch.distributed.fsdp import fully_shard
-
     mesh = _mesh()
     for unit in _shard_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
@@ -253,9 +242,7 @@ def reshard(model: torch.nn.Module) -> None:
 # ----------------------------------------------------------------------------------------------
 # Full state dicts (checkpoints, export)
 # ----------------------------------------------------------------------------------------------
-def _options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
+def _options() -> StateDictOptions:
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -267,15 +254,11 @@ def _param_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's full state dict on the CPU on rank 0 (empty elsewhere). Every process must call it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     return get_model_state_dict(model, options=_options())
 
 
 def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's full state in opt.state_dict()'s own format (integer parameter ids), rank 0 only."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     osd = get_optimizer_state_dict(model, opt, options=_options())
     if not is_main():
         return {}
@@ -310,8 +293,6 @@ def load_full_state(
 
     opt_state is in opt.state_dict()'s format (integer ids), as a single process writes it.
     """
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
     set_model_state_dict(model, weights, options=_options())
     names = _param_names(model, opt)
     osd = {
@@ -325,8 +306,6 @@ def load_full_state(
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
     """A plain CPU Decoder with the sharded model's full weights on rank 0 (None elsewhere); collective."""
-    from kdistill.models.decoder import build_decoder
-
     sd = full_model_state(model)
     if not is_main():
         return None

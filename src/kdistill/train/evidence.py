@@ -1,49 +1,23 @@
-"""Run evidence: manifest.json, metrics.jsonl, loss.png, summary.json, and `kdistill report`.
+"""Run evidence: manifest.json, metrics.jsonl and eval.jsonl, loss.png and comparison.png.
 
-kdistill report runs/demo          # readable summary of a finished or interrupted run
+write manifest:  atomic_write_json(run_dir / "manifest.json", make_manifest(cfg.to_dict(), ...))
+metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=resumed_step)
+initial, final, passed = smoke_contract(read_metrics(run_dir / "metrics.jsonl"))
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kdistill import __version__
-from kdistill.errors import UserError
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write text to a temp file in the same folder, fsync, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+from kdistill.fileio import atomic_write_text, file_sha256
 
 
 def model_hashes(model_dir: str) -> dict[str, str]:
@@ -56,6 +30,7 @@ def model_hashes(model_dir: str) -> dict[str, str]:
 
 
 def git_commit() -> str | None:
+    """The commit of the source tree kdistill runs from, or None outside a git checkout."""
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(
@@ -67,8 +42,7 @@ def git_commit() -> str | None:
 
 
 def make_manifest(cfg_dict: dict[str, Any], device: str, device_name: str) -> dict[str, Any]:
-    import torch
-
+    """Versions, commit, device and the sha256 of the model files: what a run's numbers came from."""
     try:
         import triton
 
@@ -109,6 +83,7 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a .jsonl file (none if it is missing); a line cut by a kill is skipped."""
     rows = []
     if not path.exists():
         return rows
@@ -172,54 +147,6 @@ def smoke_contract(rows: list[dict[str, Any]]) -> tuple[float | None, float | No
     return good[0], final, final < good[0]
 
 
-def report_command(args: argparse.Namespace) -> int:
-    from kdistill.cli import print_json
-
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "manifest.json").is_file():
-        raise UserError(f"{run_dir}: not a kdistill run directory (no manifest.json)")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    evals = read_metrics(run_dir / "eval.jsonl")
-    from kdistill.train.checkpoint import list_checkpoints
-
-    ckpts = [p.name for p in list_checkpoints(run_dir)]
-    initial, final, ok = smoke_contract(rows)
-    report = {
-        "run_dir": str(run_dir),
-        "status": summary.get("status", "running or killed (no summary.json)"),
-        "steps_done": rows[-1]["step"] if rows else 0,
-        "initial_loss": summary.get("initial_loss", initial),
-        "final_loss": summary.get("final_loss", final),
-        "smoke_passed": summary.get("smoke_passed", ok),
-        "heldout": summary.get("heldout", evals[-1] if evals else {}),
-        "tokens_per_s": summary.get("tokens_per_s"),
-        "jit_after_prewarm": summary.get("jit_after_prewarm"),
-        "checkpoints": ckpts,
-    }
-    if args.json:
-        print_json(report)
-        return 0
-    print(f"run         {run_dir}")
-    print(f"status      {report['status']}")
-    print(f"steps       {report['steps_done']}")
-    if report["initial_loss"] is not None:
-        print(
-            f"loss        {report['initial_loss']:.4f} -> {report['final_loss']:.4f} "
-            f"({'smoke passed' if report['smoke_passed'] else 'smoke NOT passed'})"
-        )
-    for k, v in (report["heldout"] or {}).items():
-        if isinstance(v, int | float) and k != "step":
-            print(f"heldout     {k:14s} {v:.4f}")
-    if report["tokens_per_s"]:
-        print(f"throughput  {report['tokens_per_s']:.0f} tokens/s")
-    if report["jit_after_prewarm"] is not None:
-        print(f"jit after prewarm  {report['jit_after_prewarm']}")
-    print(f"checkpoints {', '.join(ckpts) if ckpts else 'none'}")
-    return 0
-
-
 def plot_comparison(runs: dict[str, Path], out: Path, title: str) -> Path | None:
     """One figure of held-out student loss against the step for several runs, with the teacher's."""
     curves = {name: read_metrics(d / "eval.jsonl") for name, d in runs.items()}
@@ -249,3 +176,13 @@ def plot_comparison(runs: dict[str, Path], out: Path, title: str) -> Path | None
     plt.close(fig)
     os.replace(tmp, out)
     return out
+
+
+class NullWriter:
+    """The metrics/eval writer of processes other than rank 0 under torchrun: writes nothing."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

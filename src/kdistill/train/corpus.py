@@ -1,10 +1,12 @@
-"""The demo corpus: the Python standard library source of the interpreter running kdistill.
+"""Named corpora a data config may list: 'stdlib:train' and 'stdlib:heldout', the Python standard
+library source of the interpreter running kdistill (the embedded demo's corpus).
 
 It is always present offline. Files are split into train and held-out by a hash of their path
 relative to the stdlib root, so the split is deterministic and the same on every machine that has
 the same Python version (and nearly the same across versions: the hash is per file).
 
     train, heldout = stdlib_split()
+    paths = expand_data_paths(["stdlib:train", "more/data.jsonl"])   # files of the split, then the rest
 """
 
 from __future__ import annotations
@@ -60,3 +62,15 @@ def stdlib_split() -> tuple[list[Path], list[Path]]:
     for p in stdlib_files():
         (heldout if is_heldout(p.relative_to(root).as_posix()) else train).append(p)
     return train, heldout
+
+
+def expand_data_paths(paths: list[str]) -> list[str]:
+    """'stdlib:train' / 'stdlib:heldout' name the stdlib corpus's files; other entries pass through."""
+    out: list[str] = []
+    for p in paths:
+        if p in ("stdlib:train", "stdlib:heldout"):
+            train, heldout = stdlib_split()
+            out.extend(str(f) for f in (train if p.endswith("train") else heldout))
+        else:
+            out.append(p)
+    return out

@@ -1,0 +1,32 @@
+"""What several commands share: reading CONFIG as a YAML run config or a TEACHER:STUDENT pair.
+
+cfg, teacher_spec, student_spec = resolve_run("run.yaml", ["data.seq_len=2048"])
+cfg, teacher_spec, student_spec = resolve_run("qwen2.5-1.5b:qwen2.5-0.5b", [])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kdistill.config import RunConfig, load_config
+from kdistill.errors import UserError
+from kdistill.models.spec import ModelSpec, load_spec
+
+
+def resolve_run(config: str | None, overrides: Sequence[str] = ()) -> tuple[RunConfig, ModelSpec, ModelSpec]:
+    """(validated RunConfig, teacher spec, student spec) from CONFIG plus dotted overrides.
+
+    CONFIG is a YAML run config when it is an existing file, ends in .yaml/.yml or has no ':';
+    otherwise it is a 'TEACHER:STUDENT' pair of presets or model directories. The specs are read from
+    config.json alone (no weights).
+    """
+    if not config:
+        raise UserError("expected CONFIG: a YAML run config or a preset pair like qwen2.5-1.5b:qwen2.5-0.5b")
+    if Path(config).is_file() or config.endswith((".yaml", ".yml")) or ":" not in config:
+        cfg = load_config(config, list(overrides))
+    else:
+        teacher, student = config.split(":", 1)
+        cfg = load_config(None, [f"teacher.path={teacher}", f"student.path={student}", *overrides])
+    cfg.validate()
+    return cfg, load_spec(cfg.teacher.path), load_spec(cfg.student.path)

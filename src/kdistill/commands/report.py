@@ -1,0 +1,61 @@
+"""`kdistill report RUN_DIR`: a readable summary of a finished or interrupted run.
+
+kdistill report runs/demo          # summary.json when the run finished, metrics.jsonl otherwise
+kdistill report runs/demo --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kdistill.console import print_json
+from kdistill.errors import UserError
+from kdistill.train.checkpoint import list_checkpoints
+from kdistill.train.evidence import read_metrics, smoke_contract
+
+
+def report_command(args: argparse.Namespace) -> int:
+    """`kdistill report RUN_DIR [--json]`: status, steps, losses, held-out, throughput, checkpoints."""
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "manifest.json").is_file():
+        raise UserError(f"{run_dir}: not a kdistill run directory (no manifest.json)")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    evals = read_metrics(run_dir / "eval.jsonl")
+    ckpts = [p.name for p in list_checkpoints(run_dir)]
+    initial, final, ok = smoke_contract(rows)
+    report = {
+        "run_dir": str(run_dir),
+        "status": summary.get("status", "running or killed (no summary.json)"),
+        "steps_done": rows[-1]["step"] if rows else 0,
+        "initial_loss": summary.get("initial_loss", initial),
+        "final_loss": summary.get("final_loss", final),
+        "smoke_passed": summary.get("smoke_passed", ok),
+        "heldout": summary.get("heldout", evals[-1] if evals else {}),
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "jit_after_prewarm": summary.get("jit_after_prewarm"),
+        "checkpoints": ckpts,
+    }
+    if args.json:
+        print_json(report)
+        return 0
+    print(f"run         {run_dir}")
+    print(f"status      {report['status']}")
+    print(f"steps       {report['steps_done']}")
+    if report["initial_loss"] is not None:
+        print(
+            f"loss        {report['initial_loss']:.4f} -> {report['final_loss']:.4f} "
+            f"({'smoke passed' if report['smoke_passed'] else 'smoke NOT passed'})"
+        )
+    for k, v in (report["heldout"] or {}).items():
+        if isinstance(v, int | float) and k != "step":
+            print(f"heldout     {k:14s} {v:.4f}")
+    if report["tokens_per_s"]:
+        print(f"throughput  {report['tokens_per_s']:.0f} tokens/s")
+    if report["jit_after_prewarm"] is not None:
+        print(f"jit after prewarm  {report['jit_after_prewarm']}")
+    print(f"checkpoints {', '.join(ckpts) if ckpts else 'none'}")
+    return 0

@@ -1,0 +1,146 @@
+"""`kdistill run`: a new run, a resumed run, the embedded demo, or any of them under torchrun.
+
+    kdistill run                                   # the embedded demo (CPU, offline, < 3 minutes)
+    kdistill run run.yaml kd.temperature=2         # a config plus dotted overrides
+    kdistill run --resume runs/a                   # continue exactly where runs/a stopped
+    torchrun --nproc_per_node=8 -m kdistill run run.yaml
+
+The recipe itself is kdistill.train.recipe.train; this module turns arguments into its inputs,
+prepares the run folder and prints the summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kdistill.config import RunConfig, load_config
+from kdistill.console import print_json
+from kdistill.demo.run import run_demo
+from kdistill.errors import UserError
+from kdistill.train import checkpoint as ckpt
+from kdistill.train import distributed as dist
+from kdistill.train.recipe import resolve_device, train
+from kdistill.train.rundir import discard_unstarted, prepare_output, print_config, start_run_dir
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """One process: resume, the demo, or a new run from CONFIG; torchrun: `run_distributed`."""
+    logging.basicConfig(level=logging.WARNING, format="kdistill: %(message)s")
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return run_distributed(args)
+    if args.resume:
+        cfg, run_dir = resume_config(args)
+        summary = train(cfg, run_dir, resume=True, quiet=args.quiet)
+        print_summary(summary, args.json)
+        return 0
+    config_path, overrides = new_run_args(args)
+    if is_demo(config_path, overrides):
+        return run_demo(overrides, quiet=args.quiet, as_json=args.json)
+    cfg = load_config(config_path, overrides).validate()
+    run_dir = Path(cfg.output.dir)
+    fresh = not run_dir.exists()
+    prepare_output(run_dir, args.overwrite)
+    try:
+        print_config(cfg, args.quiet)
+        device, _ = resolve_device(cfg)
+        start_run_dir(cfg, run_dir, str(device))
+        summary = train(cfg, run_dir, quiet=args.quiet)
+    except BaseException:
+        discard_unstarted(run_dir, fresh)
+        raise
+    print_summary(summary, args.json)
+    return 0
+
+
+def run_distributed(args: argparse.Namespace) -> int:
+    """`torchrun --nproc_per_node=N -m kdistill run CONFIG`: every process trains its slice of each batch;
+    rank 0 alone prepares the output folder, writes the run's files and prints the summary."""
+    if args.resume:
+        cfg, run_dir = resume_config(args)
+    else:
+        config_path, overrides = new_run_args(args)
+        if is_demo(config_path, overrides):
+            raise UserError("the embedded demo runs in one process: give torchrun a run config (CONFIG)")
+        cfg = load_config(config_path, overrides).validate()
+        run_dir = Path(cfg.output.dir)
+    device, _ = resolve_device(cfg)
+    info = dist.init_from_env(device.type)
+    if info.device is not None:
+        device = info.device
+    try:
+        dist.batch_slice(cfg.schedule.batch_size)  # a one-line error before anything is written
+    except UserError:
+        dist.destroy()
+        raise
+    fresh = not run_dir.exists()
+    try:
+        if not args.resume:
+
+            def start() -> None:
+                prepare_output(run_dir, args.overwrite)
+                print_config(cfg, args.quiet)
+                start_run_dir(cfg, run_dir, str(device))
+
+            dist.run_on_main(start)
+        try:
+            summary = train(cfg, run_dir, resume=bool(args.resume), quiet=args.quiet)
+        except BaseException:
+            if not args.resume and dist.is_main():
+                discard_unstarted(run_dir, fresh)
+            raise
+        if dist.is_main():
+            print_summary(summary, args.json)
+    finally:
+        dist.destroy()
+    return 0
+
+
+def resume_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    """The config of the run in --resume RUN_DIR (its saved config.yaml plus any overrides)."""
+    run_dir = Path(args.resume)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise UserError(f"--resume {run_dir}: no config.yaml there (not a kdistill run directory)")
+    cfg = load_config(cfg_path, [*([args.config] if args.config else []), *args.overrides]).validate()
+    if not ckpt.list_checkpoints(run_dir):
+        raise UserError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    saved = load_config(cfg_path)
+    if saved.schedule.steps != cfg.schedule.steps and not args.quiet and os.environ.get("RANK", "0") == "0":
+        print(
+            f"schedule.steps {saved.schedule.steps} -> {cfg.schedule.steps}: the learning-rate schedule follows "
+            "the new total from here on",
+            file=sys.stderr,
+        )
+    return cfg, run_dir
+
+
+def new_run_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """(config path, overrides): `kdistill run key=value ...` has no config file."""
+    config_path, overrides = args.config, list(args.overrides)
+    if config_path is not None and "=" in config_path and not Path(config_path).exists():
+        overrides.insert(0, config_path)
+        config_path = None
+    return config_path, overrides
+
+
+def is_demo(config_path: str | None, overrides: list[str]) -> bool:
+    """No config and no teacher: the embedded demo (overrides apply to it)."""
+    return config_path is None and not any(o.startswith("teacher.path=") for o in overrides)
+
+
+def print_summary(summary: dict[str, Any], as_json: bool) -> None:
+    """The run's last line on stdout (or the whole summary as JSON)."""
+    if as_json:
+        print_json(summary)
+        return
+    h = summary["heldout"]
+    print(
+        f"status {summary['status']}: {summary['steps']} steps, loss {summary['initial_loss']:.4f} -> "
+        f"{summary['final_loss']:.4f}, held-out student {h.get('student_loss', float('nan')):.4f}, "
+        f"jit_after_prewarm {summary['jit_after_prewarm']}"
+    )

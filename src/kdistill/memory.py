@@ -1,0 +1,102 @@
+"""Peak GPU memory of a training step, from the model specs and the run config alone.
+
+    terms = estimate_memory(teacher_spec, student_spec, cfg)               # bytes by term, and "total"
+    terms = estimate_memory(teacher_spec, student_spec, cfg, batch=2)      # per process under torchrun
+    fit = fit_limits(teacher_spec, student_spec, cfg, budget_bytes)        # largest batch / seq_len
+
+The memory model (bytes on one device, GPU path: bf16 teacher, fp32 student master weights with bf16
+autocast, AdamW) is written term by term in `estimate_memory`; docs/memory.md compares it with
+`torch.cuda.max_memory_allocated` on an H100.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kdistill.config import RunConfig
+from kdistill.models.spec import ModelSpec
+
+GIB = 1024**3
+
+# Saved-for-backward bytes per token per layer, per unit of width, for the bf16-autocast student on
+# the kernel path. Counted from the decoder's ops: two fp32 residual sums kept by the fused norms (8H)
+# and five bf16 casts of normed inputs for the q/k/v/gate/up projections (10H); q, k, v saved by SDPA,
+# its output and o_proj's input (about 6 per unit of q + 2kv); gate, up and the SwiGLU output (6I).
+# Checked against torch.cuda.max_memory_allocated on an H200 (docs/memory.md).
+ACT_COEF_GPU = {"hidden": 18.0, "inter": 6.0, "qkv": 6.0}
+ACT_COEF_CPU = {"hidden": 28.0, "inter": 16.0, "qkv": 12.0}  # fp32 everywhere, reference ops
+
+
+def estimate_memory(
+    teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, device: str = "cuda", batch: int | None = None
+) -> dict[str, int]:
+    """Peak memory of one training step on one device, by term, in bytes.
+
+    `batch` is the number of sequences this device runs per micro-batch: cfg.schedule.batch_size in
+    one process, batch_size / world under torchrun (each process trains its slice of the batch).
+
+    The peak is at the end of the student's forward pass, when everything below is live at once:
+    weights, AdamW state and autocast's bf16 weight copies; the student's saved activations; the
+    teacher's final hidden states; the KD head's gradient buffers for the hidden states and the
+    lm_head; and two [chunk x vocab] fp32 logits buffers of the chunk being computed. (The teacher's
+    own forward runs before the student's activations exist, and the student's gradients replace its
+    activations during the backward pass, so neither adds to this peak unless it is larger:
+    `optimizer_phase` covers the end of the backward pass.)
+    """
+    gpu = device != "cpu"
+    rows = cfg.schedule.batch_size if batch is None else batch
+    n = rows * cfg.data.seq_len  # tokens per micro-batch on this device
+    ps = student.param_counts()["total"]
+    pt = teacher.param_counts()["total"]
+    act_bytes = 2 if gpu else 4
+    coef = ACT_COEF_GPU if gpu else ACT_COEF_CPU
+    per_tok_layer = (
+        coef["hidden"] * student.hidden_size
+        + coef["inter"] * student.intermediate_size
+        + coef["qkv"] * (student.q_size + 2 * student.kv_size)
+    )
+    vocab = student.vocab_size
+    chunk = min(cfg.kd.chunk_size, n)
+    fixed = {
+        "teacher_weights": pt * act_bytes,
+        "student_weights": ps * 4,
+        "optimizer_state": ps * 8,
+        "autocast_weight_copies": ps * 2 if gpu else 0,
+    }
+    forward_peak = {
+        "student_activations": int(n * student.num_layers * per_tok_layer) + n * student.hidden_size * 4,
+        "teacher_hidden": n * teacher.hidden_size * act_bytes,
+        "loss_gradients": n * student.hidden_size * 4 + vocab * student.hidden_size * 4,
+        "loss_chunk_logits": 2 * chunk * vocab * 4,
+    }
+    optimizer_phase = ps * 4 * 2  # gradients plus AdamW's foreach temporaries
+    terms = {**fixed, **forward_peak}
+    live_forward = sum(forward_peak.values())
+    if optimizer_phase > live_forward:
+        terms = {**fixed, "gradients_and_optimizer_temporaries": optimizer_phase}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def fit_limits(
+    teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, budget: int, batch: int | None = None
+) -> dict[str, int]:
+    """Largest batch (at the configured seq_len) and seq_len (at the configured batch) that fit in
+    `budget` bytes on one device. `batch` is the device's batch as in `estimate_memory` (default
+    cfg.schedule.batch_size); the batch returned is per device too."""
+    rows = cfg.schedule.batch_size if batch is None else batch
+
+    def peak(bs: int, sl: int) -> int:
+        c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=sl))
+        return estimate_memory(teacher, student, c, batch=bs)["total"]
+
+    best_bs = 0
+    for bs in range(1, rows + 1):
+        if peak(bs, cfg.data.seq_len) <= budget:
+            best_bs = bs
+    best_sl, sl = 0, 64
+    while sl <= cfg.data.seq_len:
+        if peak(rows, sl) <= budget:
+            best_sl = sl
+        sl *= 2
+    return {"batch_size": best_bs, "seq_len": best_sl}

@@ -1,0 +1,504 @@
+"""The distillation recipe, top to bottom: setup -> train loop -> finish.
+
+    summary = train(cfg, run_dir)                   # a new run (run_dir prepared by the caller)
+    summary = train(cfg, run_dir, resume=True)      # continue from its newest loadable checkpoint
+
+setup:  devices and dtypes; teacher and student specs from config.json alone, tokenizers and vocab
+        checked; the memory plan against free GPU memory (refuse or auto-fit the batch); data read,
+        tokenized (cached) and packed; kernels prewarmed and sealed (GPU) before any weight is on
+        the device; teacher (frozen) and student loaded; under torchrun both sharded with FSDP2;
+        optimizer, batches; a resumed run's checkpoint restored.
+loop:   `step.train_step` per step, a metrics.jsonl line, the progress bar, held-out evals, periodic
+        checkpoints; SIGTERM/SIGINT finish the step, checkpoint and stop.
+finish: a final eval and checkpoint; the student exported as a Hugging Face directory;
+        summary.json and loss.png.
+
+Under torchrun (`distributed.active()`) every process runs this recipe on its slice of each batch;
+rank 0 alone writes the run's files and prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdistill.config import RunConfig
+from kdistill.console import progress_bar
+from kdistill.data import Batcher, PreparedData, heldout_batches, prepare_data
+from kdistill.dtypes import torch_dtype
+from kdistill.errors import UserError
+from kdistill.fileio import atomic_write_json
+from kdistill.kernels import seal
+from kdistill.memory import GIB, estimate_memory, fit_limits
+from kdistill.models.decoder import Decoder, build_decoder
+from kdistill.models.hf_io import has_weights, load_model, save_model
+from kdistill.models.spec import ModelSpec, load_spec
+from kdistill.models.tokenizer import Tokenizer, load_tokenizer
+from kdistill.train import distributed as dist
+from kdistill.train import faults
+from kdistill.train.corpus import expand_data_paths
+from kdistill.train.evidence import MetricsWriter, NullWriter, plot_losses, read_metrics, smoke_contract
+from kdistill.train.optim import make_optimizer
+from kdistill.train.resume import new_counters, restore_state, save_state
+from kdistill.train.signals import SignalGuard
+from kdistill.train.step import NonFinitePolicy, StepContext, StepResult, heldout_eval, train_step
+
+log = logging.getLogger("kdistill")
+
+
+def train(
+    cfg: RunConfig, run_dir: Path, *, resume: bool = False, quiet: bool = False, label: str = "kdistill"
+) -> dict[str, Any]:
+    """Run (or resume) one distillation into run_dir and return its summary."""
+    run = setup(cfg, run_dir, resume=resume, quiet=quiet, label=label)
+    status, step, last_eval = train_loop(run)
+    return finish(run, status, step, last_eval)
+
+
+# ----------------------------------------------------------------------------------------------
+# setup
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Run:
+    """Everything the loop and finish work on, as setup leaves it."""
+
+    cfg: RunConfig
+    run_dir: Path
+    label: str
+    quiet: bool
+    t_start: float
+    device: torch.device
+    teacher_spec: ModelSpec
+    student_spec: ModelSpec
+    kernels: seal.KernelSession
+    ctx: StepContext  # student, teacher, optimizer, device, autocast, this process's rows
+    batcher: Batcher
+    held: Any  # the fixed held-out batches
+    counters: dict[str, Any]
+    start_step: int
+    metrics: MetricsWriter | NullWriter
+    eval_log: MetricsWriter | NullWriter
+
+    def stage(self, msg: str) -> None:
+        stage(self.t_start, self.quiet, msg)
+
+
+def stage(t_start: float, quiet: bool, msg: str) -> None:
+    """A timed set-up line on stderr: `[   6.2s] data: ...`."""
+    if not quiet:
+        print(f"[{time.time() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: str) -> Run:
+    """Plan, check, read the data, prewarm, load and (under torchrun) shard; restore a resumed run."""
+    t_start = time.time()
+    device, dtype = resolve_device(cfg)
+    multi = dist.active()  # torchrun with several processes: FSDP2, a slice of each batch per process
+    if multi:
+        if dist.info().device is not None:
+            device = dist.info().device
+        quiet = quiet or not dist.is_main()
+    amp: Any = (
+        torch.autocast("cuda", dtype=dtype)
+        if device.type == "cuda" and dtype != torch.float32
+        else contextlib.nullcontext()
+    )
+    torch.manual_seed(cfg.schedule.seed)
+
+    teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
+    if device.type == "cuda":
+        cfg = check_memory(cfg, teacher_spec, student_spec, device, quiet)
+    rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
+    per_process = cfg.schedule.batch_size // dist.info().world
+    data = load_data(cfg, tok)
+    stage(
+        t_start,
+        quiet,
+        f"data: {len(data.train)} train and {len(data.heldout)} held-out sequences of {cfg.data.seq_len}",
+    )
+
+    # Kernels are compiled and sealed before any weight is on the GPU, at this process's batch.
+    kernels = seal.start(cfg, teacher_spec, student_spec, device, dtype, quiet=quiet, batch=per_process)
+
+    teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows)
+    stage(t_start, quiet, f"loaded teacher ({teacher_spec.name}) and student ({init}) on {device}")
+    if multi:
+        dist.shard_student(student)
+        if os.environ.get("KDISTILL_REPLICATE_TEACHER") != "1":
+            dist.shard_teacher(teacher)
+        stage(t_start, quiet, f"FSDP2 over {dist.info().world} processes: student and teacher sharded")
+    opt = make_optimizer(student, cfg.optim)
+    batcher = Batcher(data.train, cfg.schedule.batch_size, cfg.schedule.seed)
+    held = heldout_batches(data.heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)
+
+    counters = new_counters()
+    start_step = restore_state(run_dir, student, opt, batcher, counters, cfg, device) if resume else 0
+    if multi and not dist.is_main():  # only rank 0 writes the run's files
+        metrics: MetricsWriter | NullWriter = NullWriter()
+        eval_log: MetricsWriter | NullWriter = NullWriter()
+    else:
+        keep = start_step if resume else None
+        metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=keep)
+        eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=keep)
+    dist.barrier()
+    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows)
+    return Run(
+        cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, ctx, batcher,
+        held, counters, start_step, metrics, eval_log,
+    )  # fmt: skip
+
+
+def resolve_device(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
+    """(device, compute dtype): bf16 on GPU and fp32 on CPU unless runtime.dtype says otherwise."""
+    want = cfg.runtime.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"runtime.device is '{want}', but no CUDA GPU is available (use runtime.device=cpu)")
+    device = torch.device(want)
+    if cfg.runtime.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = torch_dtype(cfg.runtime.dtype)
+    return device, dtype
+
+
+def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tokenizer, int | None]:
+    """(teacher spec, student spec, tokenizer, teacher rows to trim to or None), from config.json and
+    tokenizer.json alone: a teacher that is a model directory, one shared tokenizer, matching
+    vocabularies and a seq_len both models support."""
+    teacher_spec, student_spec = load_spec(cfg.teacher.path), load_spec(cfg.student.path)
+    if not Path(cfg.teacher.path).is_dir():
+        raise UserError(
+            f"teacher.path '{cfg.teacher.path}' is not a model directory: a run needs the teacher's weights "
+            "and tokenizer.json (presets only describe shapes, for `kdistill plan`)"
+        )
+    tok = load_tokenizer(cfg.teacher.path)
+    student_dir = Path(cfg.student.path)
+    if student_dir.is_dir() and (student_dir / "tokenizer.json").exists():
+        s_tok = load_tokenizer(student_dir)
+        if s_tok.identity != tok.identity:
+            raise UserError(
+                f"{student_dir / 'tokenizer.json'}: tokenizer differs from the teacher's "
+                f"({s_tok.identity[:12]} vs {tok.identity[:12]}): teacher and student must share a tokenizer"
+            )
+    trim_rows = check_vocab(tok.vocab_size, teacher_spec, student_spec)
+    if trim_rows is not None and cfg.kd.alpha > 0:
+        log.info("teacher vocab %d trimmed to %d rows (padding)", teacher_spec.vocab_size, trim_rows)
+        if not quiet:
+            print(
+                f"teacher embedding rows {teacher_spec.vocab_size} trimmed to {trim_rows} (padded vocabulary)"
+            )
+    if cfg.data.seq_len > student_spec.max_position_embeddings or (
+        cfg.kd.alpha > 0 and cfg.data.seq_len > teacher_spec.max_position_embeddings
+    ):
+        limit = min(student_spec.max_position_embeddings, teacher_spec.max_position_embeddings)
+        raise UserError(
+            f"data.seq_len {cfg.data.seq_len} exceeds the models' max_position_embeddings ({limit})"
+        )
+    return teacher_spec, student_spec, tok, trim_rows
+
+
+def check_vocab(tok_vocab: int, teacher: ModelSpec, student: ModelSpec) -> int | None:
+    """Rows to trim the teacher to (padded vocab), or None. Any other mismatch is an error."""
+    if student.vocab_size < tok_vocab:
+        raise UserError(
+            f"student vocab_size {student.vocab_size} is smaller than the tokenizer's vocabulary ({tok_vocab})"
+        )
+    if teacher.vocab_size < student.vocab_size:
+        raise UserError(
+            f"teacher vocab_size {teacher.vocab_size} is smaller than the student's {student.vocab_size}: "
+            "vocabularies must match (only teacher padding rows beyond the tokenizer are trimmed)"
+        )
+    if teacher.vocab_size > student.vocab_size:
+        if student.vocab_size != tok_vocab and teacher.vocab_size != student.vocab_size:
+            # Both padded, differently: the extra student rows would have no teacher target.
+            log.info("student has %d padding rows beyond the tokenizer", student.vocab_size - tok_vocab)
+        return student.vocab_size
+    return None
+
+
+def check_memory(
+    cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, device: torch.device, quiet: bool
+) -> RunConfig:
+    """Compare the plan with the device's free memory before loading anything; refuse, or with
+    runtime.auto_fit lower schedule.batch_size until it fits (seq_len is never changed: the error
+    names the largest seq_len that fits, for the user to choose). Under torchrun the plan is of one
+    process's batch (batch_size / world), and the batch it fits to is a multiple of world."""
+    world = dist.info().world
+    per_process = cfg.schedule.batch_size // world
+    if cfg.runtime.gpu_memory_gib > 0:
+        free = int(cfg.runtime.gpu_memory_gib * GIB)
+    else:
+        free, _ = torch.cuda.mem_get_info(device)
+    budget = int(free * 0.95)
+    need = estimate_memory(teacher, student, cfg, batch=per_process)["total"]
+    if need <= budget:
+        return cfg
+    fit = fit_limits(teacher, student, cfg, budget, batch=per_process)
+    fit_batch = fit["batch_size"] * world
+    if cfg.runtime.auto_fit and fit_batch > 0:
+        if not quiet:
+            print(
+                f"runtime.auto_fit: batch_size {cfg.schedule.batch_size} -> {fit_batch} "
+                f"(plan {need / GIB:.1f} GiB > free {free / GIB:.1f} GiB)"
+            )
+        return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, batch_size=fit_batch))
+    raise UserError(
+        f"the plan needs {need / GIB:.1f} GiB per device but {free / GIB:.1f} GiB is free: the largest that fit "
+        f"are schedule.batch_size={fit_batch} (at seq_len {cfg.data.seq_len}) or data.seq_len="
+        f"{fit['seq_len']} (at batch {cfg.schedule.batch_size}); or set runtime.auto_fit=true"
+    )
+
+
+def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
+    """Train and held-out sequences. The held-out split does not depend on the training seed, so runs
+    stay comparable; under torchrun rank 0 fills the token cache and the others read it."""
+    data_cfg = dataclasses.replace(
+        cfg.data, train=expand_data_paths(cfg.data.train), heldout=expand_data_paths(cfg.data.heldout)
+    )
+    with dist.main_first():
+        return prepare_data(data_cfg, tok, seed=0)
+
+
+def load_models(
+    cfg: RunConfig, student_spec: ModelSpec, device: torch.device, dtype: torch.dtype, trim_rows: int | None
+) -> tuple[Decoder, Decoder, str]:
+    """(frozen teacher in the compute dtype, fp32 student in train mode, how the student began).
+    The teacher is loaded even at alpha=0: held-out evals report its loss and the KL to it."""
+    teacher = load_model(cfg.teacher.path, device=device, dtype=dtype, vocab_rows=trim_rows)
+    teacher.eval().requires_grad_(False)
+    student_dir = Path(cfg.student.path) if Path(cfg.student.path).is_dir() else None
+    init = cfg.student.init
+    if init == "auto":
+        init = "pretrained" if student_dir is not None and has_weights(student_dir) else "random"
+    if init == "pretrained":
+        if student_dir is None or not has_weights(student_dir):
+            raise UserError(f"student.init=pretrained but '{cfg.student.path}' holds no weights")
+        student = load_model(student_dir, device=device, dtype=torch.float32)
+    else:
+        student = build_decoder(student_spec, device=device, dtype=torch.float32, seed=cfg.schedule.seed)
+        if init == "teacher_layers":
+            init_from_teacher_layers(student, teacher)
+    student.train()
+    return teacher, student, init
+
+
+def init_from_teacher_layers(student: Decoder, teacher: Decoder) -> None:
+    """Copy evenly spaced teacher layers (and embeddings, norm, head) into the student."""
+    s, t = student.spec, teacher.spec
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "attention_bias",
+        "qk_norm",
+    ):
+        if getattr(s, field) != getattr(t, field):
+            raise UserError(
+                f"student.init=teacher_layers needs equal {field} (student {getattr(s, field)}, "
+                f"teacher {getattr(t, field)})"
+            )
+    picks = [round(i * (t.num_layers - 1) / max(1, s.num_layers - 1)) for i in range(s.num_layers)]
+    with torch.no_grad():
+        rows = s.vocab_size
+        student.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight[:rows])
+        student.model.norm.weight.copy_(teacher.model.norm.weight)
+        if not s.tie_word_embeddings:
+            student.lm_head.weight.copy_(teacher.lm_head_weight[:rows])
+        for dst, src in zip(student.model.layers, picks):
+            dst.load_state_dict(teacher.model.layers[src].state_dict())
+    log.info("student initialised from teacher layers %s", picks)
+
+
+# ----------------------------------------------------------------------------------------------
+# train loop
+# ----------------------------------------------------------------------------------------------
+def train_loop(run: Run) -> tuple[str, int, dict[str, Any]]:
+    """Steps from run.start_step to schedule.steps: (status "completed" or "interrupted", the last
+    step done, the last held-out eval)."""
+    cfg, steps = run.cfg, run.cfg.schedule.steps
+    evaluator = Evaluator(run)
+    policy = NonFinitePolicy(cfg)
+    bar = progress_bar(total=steps, initial=run.start_step, desc=run.label, disable=run.quiet)
+    last_eval: dict[str, Any] = {}
+    status, step = "completed", run.start_step
+    try:
+        with SignalGuard() as guard:
+            while step < steps:
+                t0 = time.time()
+                out = train_step(run.ctx, run.batcher, step, run.counters, policy)
+                step += 1
+                if run.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.time() - t0
+                row = log_step(run, step, out, dt)
+                faults.at(str(step))
+                if out.skipped is None:
+                    bar.set_postfix(
+                        loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
+                    )
+                bar.update(1)
+                if cfg.schedule.eval_every and step % cfg.schedule.eval_every == 0 and step < steps:
+                    last_eval = evaluator(step)
+                    if not run.quiet:
+                        bar.write(eval_line(step, last_eval))
+                saved = False
+                if (
+                    cfg.schedule.checkpoint_every
+                    and step % cfg.schedule.checkpoint_every == 0
+                    and step < steps
+                ):
+                    save(run, step)
+                    saved = True
+                    faults.at(f"{step}.saved")
+                if dist.active() and dist.any_rank(guard.requested is not None) and guard.requested is None:
+                    guard.requested = "SIGTERM"  # another process got the signal: stop at the same step
+                if guard.requested and step < steps:
+                    if not saved:  # re-saving the same step would delete it before replacing it
+                        save(run, step)
+                    status = "interrupted"
+                    break
+    finally:
+        bar.close()
+        run.metrics.close()
+    if status == "completed":
+        last_eval = evaluator(step)
+        save(run, step)
+    run.eval_log.close()
+    return status, step, last_eval
+
+
+def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, Any]:
+    """Add the step to the counters and write its metrics.jsonl line (returned)."""
+    run.counters["train_seconds"] += seconds
+    run.counters["tokens_seen"] += out.tokens
+    row: dict[str, Any] = {
+        "step": step,
+        "loss": out.loss,
+        "ce": out.ce,
+        "kd": out.kd,
+        "lr": out.lr,
+        "grad_norm": out.grad_norm,
+        "tokens_per_s": out.tokens / seconds if seconds > 0 else None,
+        "jit_after_prewarm": run.kernels.jit_after_prewarm(),
+    }
+    if out.skipped is not None:
+        row["skipped"] = out.skipped
+    if out.degenerate:
+        row["degenerate"] = True
+    run.metrics.write(row)
+    return row
+
+
+def eval_line(step: int, res: dict[str, Any]) -> str:
+    """The line printed above the progress bar after a periodic eval."""
+    teacher = f", teacher {res['teacher_loss']:.4f}" if res.get("teacher_loss") else ""
+    return f"step {step}: held-out student {res['student_loss']:.4f}" + teacher
+
+
+class Evaluator:
+    """Held-out eval at a step, written to eval.jsonl. The teacher's loss does not change, so it is
+    computed once and repeated in every row."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.teacher_loss: float | None = None
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        run, ctx = self.run, self.run.ctx
+        ctx.student.eval()
+        res: dict[str, Any] = heldout_eval(
+            ctx.student, ctx.teacher, run.held, run.cfg, ctx.device, ctx.amp,
+            with_teacher_loss=self.teacher_loss is None,
+        )  # fmt: skip
+        ctx.student.train()
+        if "teacher_loss" in res:
+            self.teacher_loss = res["teacher_loss"]
+        res["teacher_loss"] = self.teacher_loss
+        res["step"] = step
+        run.eval_log.write(res)
+        return res
+
+
+def save(run: Run, step: int) -> None:
+    """Checkpoint the run at `step` (see resume.py for what is saved)."""
+    ctx = run.ctx
+    save_state(run.run_dir, step, ctx.student, ctx.opt, run.batcher, run.counters, run.cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# finish
+# ----------------------------------------------------------------------------------------------
+def finish(run: Run, status: str, step: int, last_eval: dict[str, Any]) -> dict[str, Any]:
+    """Export the student (a completed run), then write summary.json and loss.png; return the summary."""
+    run_dir = run.run_dir
+    if status == "completed":
+        export_student(run)
+    summary = make_summary(run, status, step, last_eval)
+    if dist.active():
+        summary["world_size"] = dist.info().world
+        if dist.is_main():
+            atomic_write_json(run_dir / "summary.json", summary)
+            plot_losses(run_dir, title=run.label)
+        dist.barrier()
+        return summary
+    atomic_write_json(run_dir / "summary.json", summary)
+    plot_losses(run_dir, title=run.label)
+    return summary
+
+
+def export_student(run: Run) -> None:
+    """The student as a Hugging Face directory in run_dir/student (rank 0 under torchrun)."""
+    out, source = run.run_dir / "student", Path(run.cfg.teacher.path)
+    if dist.active():
+        plain = dist.unsharded_copy(run.ctx.student)  # collective; rank 0 gets the full student
+        if plain is not None:
+            save_model(plain, out, source_dir=source)
+        dist.barrier()
+    else:
+        save_model(run.ctx.student, out, source_dir=source)
+
+
+def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) -> dict[str, Any]:
+    """summary.json: status, losses (smoke contract), held-out, throughput, counters, kernels, device."""
+    counters, device = run.counters, run.device
+    initial, final, smoke = smoke_contract(read_metrics(run.run_dir / "metrics.jsonl"))
+    summary: dict[str, Any] = {
+        "status": status,
+        "steps": step,
+        "initial_loss": initial,
+        "final_loss": final,
+        "smoke_passed": smoke,
+        "heldout": {
+            k: last_eval.get(k) for k in ("student_loss", "teacher_loss", "kl_to_teacher") if k in last_eval
+        },
+        "tokens_per_s": counters["tokens_seen"] / counters["train_seconds"]
+        if counters["train_seconds"]
+        else None,
+        "tokens_seen": counters["tokens_seen"],
+        "nonfinite_skipped": counters["nonfinite_skipped"],
+        "degenerate_batches": counters["degenerate_batches"],
+        "jit_after_prewarm": run.kernels.jit_after_prewarm(),
+        "kernels": run.kernels.summary(),
+        "device": str(device),
+        "wall_seconds": time.time() - run.t_start,
+    }
+    if device.type == "cuda":
+        per_process = run.cfg.schedule.batch_size // dist.info().world
+        planned = estimate_memory(run.teacher_spec, run.student_spec, run.cfg, batch=per_process)["total"]
+        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        summary["planned_memory_gib"] = planned / GIB
+    summary["heldout"]["student"] = summary["heldout"].get("student_loss")
+    summary["heldout"]["teacher"] = summary["heldout"].get("teacher_loss")
+    return summary

@@ -1,0 +1,119 @@
+"""What a checkpoint saves of a run, and how a resumed run puts it back.
+
+    counters = new_counters()
+    save_state(run_dir, step, student, opt, batcher, counters, cfg)              # every checkpoint
+    start_step = restore_state(run_dir, student, opt, batcher, counters, cfg, device)   # --resume
+
+Saved: the student's weights and the AdamW state (tensors, checkpoint.py), and state.json: the step,
+the data position (the batcher's shuffle state), the CPU RNG, the counters below and the config. So a
+resumed run draws the same batches, the same random numbers and continues the same schedule; its
+metrics.jsonl and eval.jsonl keep the lines up to the step resumed from.
+
+Under torchrun (`dist.active()`) the full tensors are gathered (collectives: every process calls
+`save_state`), rank 0 writes them in the single-process format, and `restore_state` loads full tensors into the
+sharded student and optimizer: a checkpoint of N processes resumes on M.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdistill.config import RunConfig
+from kdistill.data import Batcher
+from kdistill.errors import UserError
+from kdistill.train import checkpoint as ckpt
+from kdistill.train import distributed as dist
+
+
+def new_counters() -> dict[str, Any]:
+    """The run's totals, carried across a resume (state.json "counters") and reported in summary.json."""
+    return {"nonfinite_skipped": 0, "degenerate_batches": 0, "tokens_seen": 0, "train_seconds": 0.0}
+
+
+def save_state(
+    run_dir: Path,
+    step: int,
+    student: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batcher: Batcher,
+    counters: dict[str, Any],
+    cfg: RunConfig,
+) -> None:
+    """Checkpoint `step` (atomic, rotated to output.keep_checkpoints)."""
+    state = {
+        "batcher": batcher.state_dict(),
+        "rng_cpu": torch.get_rng_state().tolist(),
+        "counters": counters,
+        "config": cfg.to_dict(),
+    }
+    if dist.active():  # gather full tensors (collective), rank 0 writes them with the same atomic writer
+        weights, opt_state = dist.full_model_state(student), dist.full_optimizer_state(student, opt)
+        if dist.is_main():
+            ckpt.save_checkpoint(
+                run_dir,
+                step,
+                dist.FullState(weights),  # type: ignore[arg-type]
+                dist.FullState(opt_state),  # type: ignore[arg-type]
+                state,
+                cfg.output.keep_checkpoints,
+            )
+        dist.barrier()
+        return
+    ckpt.save_checkpoint(run_dir, step, student, opt, state, cfg.output.keep_checkpoints)
+
+
+def restore_state(
+    run_dir: Path,
+    student: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batcher: Batcher,
+    counters: dict[str, Any],
+    cfg: RunConfig,
+    device: torch.device,
+) -> int:
+    """Load the newest loadable checkpoint into student, opt, batcher, the RNG and `counters`; return
+    the step to continue from (0 when there is none). A checkpoint that does not fit this run is a
+    one-line UserError."""
+    multi = dist.active()
+    if multi:
+        dist.run_on_main(lambda: ckpt.clean_partial(run_dir))
+    else:
+        ckpt.clean_partial(run_dir)
+    found = ckpt.latest_loadable(run_dir)
+    if found is None:
+        return 0
+    path, (weights, opt_tensors, state) = found
+    try:
+        own = student.state_dict()
+        odd = sorted(set(own) ^ set(weights))
+        if odd:
+            raise ValueError(f"{'unexpected' if odd[0] in weights else 'missing'} tensor {odd[0]!r}")
+        for k, v in weights.items():
+            if v.shape != own[k].shape:
+                raise ValueError(f"tensor {k!r} has shape {list(v.shape)}, expected {list(own[k].shape)}")
+        if multi:
+            holder = dist.FullState({})
+            ckpt.load_optimizer_tensors(holder, opt_tensors, state["optimizer"])  # type: ignore[arg-type]
+            dist.load_full_state(student, opt, weights, holder.loaded)
+        else:
+            student.load_state_dict({k: v.to(device) for k, v in weights.items()})
+            ckpt.load_optimizer_tensors(
+                opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
+            )
+        batcher.load_state_dict(state["batcher"])
+        torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
+        start_step = state["step"]
+        if type(start_step) is not int or not 0 <= start_step <= cfg.schedule.steps:
+            raise ValueError(f"step {start_step!r}")
+        counters.update({k: type(v)(state["counters"][k]) for k, v in counters.items()})
+    except (RuntimeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        # A damaged or foreign checkpoint: names, shapes or state that do not fit this run.
+        what = str(e).splitlines()[0][:200] if str(e) else e.__class__.__name__
+        raise UserError(f"{path}: checkpoint does not match this run ({what})") from None
+    if dist.is_main():
+        print(f"resuming from {path} (step {start_step})", file=sys.stderr)
+    return start_step

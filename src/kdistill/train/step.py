@@ -1,0 +1,257 @@
+"""One training step and the held-out evaluation.
+
+    r = compute_loss(student, teacher, input_ids, labels, cfg, amp)     # KDLossResult (loss, ce, kd, tokens)
+    out = train_step(ctx, batcher, step, counters, policy)              # one optimizer step
+    res = heldout_eval(student, teacher, batches, cfg, device, amp, with_teacher_loss=True)
+
+A step: the learning rate of the schedule; grad_accum micro-batches (teacher forward without grad,
+student forward, chunked KD loss, backward of loss / grad_accum); under torchrun the logged values
+are token-weighted means over all processes; gradient clipping; then AdamW, unless the loss or the
+gradient norm is not finite, in which case the non-finite policy skips the batch or stops the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import torch
+
+from kdistill import dispatch
+from kdistill.config import RunConfig
+from kdistill.data import Batcher, check_batch
+from kdistill.errors import UserError
+from kdistill.models.decoder import Decoder
+from kdistill.train import distributed as dist
+from kdistill.train import faults
+from kdistill.train.optim import lr_at
+
+log = logging.getLogger("kdistill")
+
+
+def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KD head's GEMM operands: under autocast both go to the autocast dtype, as every other
+    linear of the model does (fp32 master weights would otherwise make the lm_head GEMMs fp32). The
+    head still accumulates logits and the lm_head gradient in fp32."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return hidden.to(dt), weight.to(dt)
+    return hidden, weight
+
+
+def compute_loss(
+    student: Decoder,
+    teacher: Decoder | None,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: RunConfig,
+    amp: contextlib.AbstractContextManager,
+) -> dispatch.KDLossResult:
+    """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult."""
+    kd = cfg.kd
+    t_hidden, t_weight = None, None
+    if teacher is not None and kd.alpha > 0:
+        with torch.no_grad(), amp:
+            t_hidden = teacher(input_ids).flatten(0, 1)  # (N, Ht)
+        t_weight = teacher.lm_head_weight
+    with amp:
+        s_hidden = student(input_ids).flatten(0, 1)  # (N, Hs)
+        s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
+        if t_hidden is not None:
+            t_hidden, t_weight = head_operands(t_hidden, t_weight)
+    return dispatch.kd_loss(
+        s_hidden,
+        s_weight,
+        t_hidden,
+        t_weight,
+        labels.flatten(),
+        alpha=kd.alpha,
+        temperature=kd.temperature,
+        divergence=kd.divergence,
+        beta=kd.beta,
+        ignore_index=kd.ignore_index,
+        chunk_size=kd.chunk_size,
+    )
+
+
+@torch.no_grad()
+def heldout_eval(
+    student: Decoder,
+    teacher: Decoder | None,
+    batches: list,
+    cfg: RunConfig,
+    device: torch.device,
+    amp: contextlib.AbstractContextManager,
+    with_teacher_loss: bool,
+) -> dict[str, float]:
+    """Token-weighted held-out CE of the student, KL(teacher || student) at T=1, and teacher CE."""
+    tot = {"student": 0.0, "kl": 0.0, "teacher": 0.0}
+    tokens = 0
+    for input_ids, labels in batches:
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        flat = labels.flatten()
+        with amp:
+            s_h, s_w = head_operands(student(input_ids).flatten(0, 1), student.lm_head_weight)
+            t_h, t_w = None, None
+            if teacher is not None:
+                t_h, t_w = head_operands(teacher(input_ids).flatten(0, 1), teacher.lm_head_weight)
+        common: dict[str, Any] = dict(
+            temperature=1.0,
+            divergence="forward_kl",
+            ignore_index=cfg.kd.ignore_index,
+            chunk_size=cfg.kd.chunk_size,
+        )
+        if t_h is not None:
+            r = dispatch.kd_loss(s_h, s_w, t_h, t_w, flat, alpha=0.5, **common)
+            tot["kl"] += float(r.kd) * r.tokens
+            if with_teacher_loss:
+                rt = dispatch.kd_loss(t_h, t_w, None, None, flat, alpha=0.0, **common)
+                tot["teacher"] += float(rt.ce) * rt.tokens
+        else:
+            r = dispatch.kd_loss(s_h, s_w, None, None, flat, alpha=0.0, **common)
+        tot["student"] += float(r.ce) * r.tokens
+        tokens += r.tokens
+    n = max(tokens, 1)
+    out = {"student_loss": tot["student"] / n, "tokens": tokens}
+    if teacher is not None:
+        out["kl_to_teacher"] = tot["kl"] / n
+        if with_teacher_loss:
+            out["teacher_loss"] = tot["teacher"] / n
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer step
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StepContext:
+    """What every step works on. `rows`: this process's slice of each batch under torchrun, else None."""
+
+    cfg: RunConfig
+    student: Decoder
+    teacher: Decoder
+    opt: torch.optim.Optimizer
+    device: torch.device
+    amp: contextlib.AbstractContextManager
+    rows: slice | None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One step's means over its micro-batches (None when skipped), and what the metrics line shows."""
+
+    lr: float
+    loss: float | None
+    ce: float | None
+    kd: float | None
+    grad_norm: float | None
+    tokens: int
+    skipped: str | None  # why the batch was skipped (a non-finite loss or gradient norm)
+    degenerate: bool  # a micro-batch had too few scored tokens (see data.check_batch)
+
+
+class NonFinitePolicy:
+    """runtime.on_nonfinite and runtime.max_nonfinite: skip a non-finite step with a warning, or stop."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.consecutive = 0
+
+    def good(self) -> None:
+        self.consecutive = 0
+
+    def bad(self, step: int, cause: str, counters: dict[str, Any]) -> None:
+        """Step `step` (1-based) had a non-finite value: count it, then warn or raise a UserError."""
+        counters["nonfinite_skipped"] += 1
+        self.consecutive += 1
+        rt = self.cfg.runtime
+        if rt.on_nonfinite == "stop":
+            raise UserError(
+                f"step {step}: non-finite value ({cause}); stopped "
+                "(runtime.on_nonfinite=stop); the last good checkpoint is kept"
+            )
+        if self.consecutive >= rt.max_nonfinite:
+            raise UserError(
+                f"step {step}: {self.consecutive} non-finite steps in a row "
+                f"({cause}); stopped (runtime.max_nonfinite={rt.max_nonfinite})"
+            )
+        log.warning("step %d: non-finite value (%s): batch skipped", step, cause)
+
+
+def train_step(
+    ctx: StepContext, batcher: Batcher, step: int, counters: dict[str, Any], policy: NonFinitePolicy
+) -> StepResult:
+    """Optimizer step `step` (0-based): accumulate grad_accum micro-batches, clip, then AdamW or skip."""
+    cfg, opt = ctx.cfg, ctx.opt
+    lr = lr_at(step, cfg.schedule.steps, cfg.optim)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    sums, tokens, degenerate, cause = _accumulate(ctx, batcher, step, counters)
+    grad_norm = None
+    if cause is None:
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(ctx.student.parameters(), clip)
+        if ctx.rows is not None and hasattr(norm, "full_tensor"):  # a DTensor: the norm over every shard
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            cause = f"gradient norm is {grad_norm}"
+    if cause is not None:
+        opt.zero_grad(set_to_none=True)
+        policy.bad(step + 1, cause, counters)
+    else:
+        opt.step()
+        policy.good()
+    acc = cfg.schedule.grad_accum
+    means = [None if cause is not None else s / acc for s in sums]
+    return StepResult(lr, means[0], means[1], means[2], grad_norm, tokens, cause, degenerate)
+
+
+def _accumulate(
+    ctx: StepContext, batcher: Batcher, step: int, counters: dict[str, Any]
+) -> tuple[list[float], int, bool, str | None]:
+    """The micro-batches of one step, forward and backward: ([loss, ce, kd] sums, tokens, degenerate,
+    why the step must be skipped or None). Stops at the first non-finite loss."""
+    cfg, multi = ctx.cfg, ctx.rows is not None
+    sums = [0.0, 0.0, 0.0]
+    step_tokens = 0
+    degenerate = False
+    for micro in range(cfg.schedule.grad_accum):
+        input_ids, labels = batcher.next()
+        reason = check_batch(labels, cfg.kd.ignore_index)
+        if reason:
+            degenerate = True
+            counters["degenerate_batches"] += 1
+            log.warning("step %d: degenerate batch (%s)", step + 1, reason)
+        if multi:
+            input_ids, labels = input_ids[ctx.rows], labels[ctx.rows]
+        input_ids, labels = input_ids.to(ctx.device), labels.to(ctx.device)
+        r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp)
+        loss_value = float(r.loss.detach())
+        if faults.nan_step(step + 1):
+            loss_value = float("nan")
+        weight, ce_value, kd_value, tokens = 1.0, float(r.ce), float(r.kd), int(r.tokens)
+        if multi:  # token-weighted means over all processes (the same on every one)
+            weight, _ = dist.loss_weight(tokens)
+            total = dist.all_reduce_sum([loss_value * tokens, ce_value * tokens, kd_value * tokens, tokens])
+            n = max(total[3], 1.0)
+            loss_value, ce_value, kd_value = total[0] / n, total[1] / n, total[2] / n
+            tokens = int(total[3])
+        if not math.isfinite(loss_value):
+            return sums, step_tokens, degenerate, f"loss is {loss_value}"
+        if multi:
+            (r.loss * (weight / cfg.schedule.grad_accum)).backward()
+            dist.reshard(ctx.teacher)  # after backward: the KD head's backward reads its lm_head
+        else:
+            (r.loss / cfg.schedule.grad_accum).backward()
+        sums[0] += loss_value
+        sums[1] += ce_value
+        sums[2] += kd_value
+        step_tokens += tokens
+        faults.at(f"{step + 1}.{micro + 1}")
+    return sums, step_tokens, degenerate, None
