@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    from kdistill.kernels.triton.kd_loss import kd_loss_chunk_triton
+    from kdistill.kernels.kd_loss import kd_loss_chunk_triton
 
     card = torch.cuda.get_device_name()
     print(f"# {card}, torch {torch.__version__}, N={args.tokens}, V={V}, chunk={args.chunk_size}, bf16")

@@ -9,7 +9,6 @@ target. See kdistill/kernels/contract.py for the four rules.
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdistill.config import DIVERGENCES, RunConfig
-from kdistill.kernels import contract, keys, runtime
+from kdistill.kernels import contract, keys, rope, runtime, swiglu
 from kdistill.kernels import plan as plan_mod
+from kdistill.kernels import rmsnorm as rms_kernel
 from kdistill.kernels import seal as cache
 from kdistill.models.decoder import build_decoder
 from kdistill.models.spec import spec_from_hf_config
@@ -181,7 +181,7 @@ def test_preset_pair_contract_on_a_shrunken_copy():
 
 
 def test_unaligned_pointer_is_part_of_the_key():
-    from kdistill.ops.rmsnorm import rmsnorm
+    from kdistill.dispatch import rmsnorm
 
     buf = torch.randn(3 * 16 + 1)
     x = buf[1:].view(3, 16)  # 4-byte offset: not 16-byte aligned
@@ -203,19 +203,20 @@ def _drop(fn, param):
 
 
 @pytest.mark.parametrize(
-    "fn_name,param,field,a,b",
+    "module,param,field,a,b",
     [
-        ("rmsnorm_fwd_key", "EPS", "rms_eps", 1e-5, 1e-6),
-        ("rope_fwd_key", "HQ", "num_heads", 6, 8),
-        ("swiglu_fwd_key", "I", "intermediate_size", 40, 56),
+        (rms_kernel, "EPS", "rms_eps", 1e-5, 1e-6),
+        (rope, "HQ", "num_heads", 6, 8),
+        (swiglu, "I", "intermediate_size", 40, 56),
     ],
 )
-def test_key_that_drops_a_parameter_is_detected(monkeypatch, fn_name, param, field, a, b):
+def test_key_that_drops_a_parameter_is_detected(monkeypatch, module, param, field, a, b):
+    """A kernel file's forward key function that forgets a parameter the binary depends on."""
     teacher = dataclasses.replace(make_spec(), **{field: a})
     student = dataclasses.replace(make_spec(), **{field: b})  # differs from the teacher only there
     run = make_run()
     assert contract_problems(teacher, student, run) == []
-    monkeypatch.setattr(keys, fn_name, _drop(getattr(keys, fn_name), param))
+    monkeypatch.setattr(module, "fwd_key", _drop(module.fwd_key, param))
     rec = run_step(teacher, student, run)
     plan = plan_mod.required_kernels(teacher, student, run, "sm_90")
     assert rec.keys() <= plan  # the subset check alone is fooled: both sides use the broken function
@@ -239,9 +240,12 @@ def test_kernel_missing_from_the_plan_is_detected(monkeypatch):
     """A planner that forgets the last layer's add_rmsnorm backward (no gradient reaches its sum)."""
     teacher, student, run = make_spec(), make_spec(hidden=24), make_run()
     assert contract_problems(teacher, student, run) == []
-    forgetful = types.SimpleNamespace(**{n: getattr(keys, n) for n in dir(keys) if not n.startswith("__")})
-    forgetful.rmsnorm_bwd_key = lambda *a, **k: keys.rmsnorm_bwd_key(*a, **{**k, "has_dres": True})
-    monkeypatch.setattr(plan_mod, "keys", forgetful)
+    registered = rms_kernel.SPEC.plan
+
+    def forgetful(*a, **k):
+        return {key for key in registered(*a, **k) if key.get("HAS_DRES") is not False}
+
+    monkeypatch.setattr(rms_kernel.SPEC, "plan", forgetful)
     problems = contract_problems(teacher, student, run)
     assert any("not in the plan" in p for p in problems), problems
     assert all("HAS_DRES=False" in p for p in problems), problems

@@ -23,7 +23,13 @@ import pytest
 import torch
 
 from kdistill.config import DIVERGENCES
+from kdistill.kernels import kd_loss as kd
 from kdistill.ops.kd_loss import chunk_divergence_reference, kd_loss
+
+
+def kd_loss_kernel_key(vocab_size, divergence, logits_dtype, arch, **kw):
+    return kd.key(arch, vocab_size=vocab_size, divergence=divergence, logits_dtype=logits_dtype, **kw)
+
 
 IGNORE = -100
 ROWS, V, BLOCK_V = 13, 1271, 256  # BLOCK_V does not divide V: 4 full blocks + a partial one
@@ -94,7 +100,7 @@ def _e2e(i, divergence, temperature, chunk_fn):
 def _worker(out_path: str) -> None:
     """Child process (TRITON_INTERPRET=1): run every case through the kernel, save the outputs."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from kdistill.kernels.triton.kd_loss import kd_loss_chunk_triton
+    from kdistill.kernels.kd_loss import kd_loss_chunk_triton
 
     results = {}
     for i, c in enumerate(CASES):
@@ -164,13 +170,11 @@ def test_kd_loss_with_kernel_chunk_fn_matches_reference(kernel_results, i):
 
 
 def test_key_names_every_specialization():
-    from kdistill.kernels.triton.kd_loss import kd_loss_kernel_key, kernel_params
-
     base = kd_loss_kernel_key(151936, "jsd", torch.bfloat16, "sm_90")
-    assert dict(base) == {
-        "op": "kd_loss", "vocab_size": 151936, "BLOCK_V": 4096, "num_warps": 8, "DIVERGENCE": 2,
-        "HAS_KD": True, "NEED_GRAD": True, "logits_dtype": "bfloat16", "grad_dtype": "bfloat16", "arch": "sm_90",
-    }  # fmt: skip
+    assert (base.op, base.arch, dict(base.params)) == ("kd_loss", "sm_90", {
+        "vocab_size": 151936, "BLOCK_V": 4096, "num_warps": 8, "DIVERGENCE": 2,
+        "HAS_KD": True, "NEED_GRAD": True, "logits_dtype": "bfloat16", "grad_dtype": "bfloat16",
+    })  # fmt: skip
     variants = [
         kd_loss_kernel_key(151936, "tvd", torch.bfloat16, "sm_90"),
         kd_loss_kernel_key(151936, "jsd", torch.float32, "sm_90"),
@@ -185,16 +189,14 @@ def test_key_names_every_specialization():
     # Without KD the divergence is not compiled in: one variant for every divergence name.
     assert len({kd_loss_kernel_key(1271, d, "float32", "sm_90", has_kd=False) for d in DIVERGENCES}) == 1
     # The key's constexprs are exactly what the launcher passes.
-    kp = kernel_params(151936, "jsd", True, True)
-    assert {k: dict(base)[k] for k in kp} == kp
+    kp = kd.tiles(151936, "jsd", True, True)
+    assert {k: base[k] for k in kp} == kp
 
 
 def test_kernel_compiles_for_gpus_without_a_gpu():
     """`build_source(key)` compiles to cubins with Triton's bundled ptxas, no GPU needed."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
-
-    from kdistill.kernels.triton.kd_loss import build_source, kd_loss_kernel_key
 
     for args, kw in [
         ((151936, "skew_reverse_kl", torch.float32, "sm_90"), dict(grad_dtype=torch.bfloat16)),
@@ -204,6 +206,11 @@ def test_kernel_compiles_for_gpus_without_a_gpu():
         src, options = build_source(kd_loss_kernel_key(*args, **kw))
         cc = triton.compile(src, target=GPUTarget("cuda", int(args[3][3:]), 32), options=options)
         assert len(cc.asm["cubin"]) > 1000
+
+
+def build_source(key):
+    """(ASTSource, options) the cross-arch build compiles for `key` (the registered Kernel's)."""
+    return kd.FWD.ast_source(key)
 
 
 def _spec_of_source(src, options) -> tuple:
@@ -241,8 +248,7 @@ def test_key_determines_triton_specialization():
     specializes the kernel exactly as build_source(key) says: the key names one binary, and a chunk
     of any size (the last, shorter one too) needs no other compile."""
     pytest.importorskip("triton")
-    from kdistill.kernels.contract import triton_specialization
-    from kdistill.kernels.triton.kd_loss import build_source, kd_loss_kernel_key, launch_args
+    from kdistill.kernels.spec import triton_specialization
 
     seen: dict[tuple, tuple] = {}
     for rows, v, off, dt, alpha, need_grad, gd, misalign in LAUNCHES:
@@ -251,7 +257,7 @@ def test_key_determines_triton_specialization():
         t = torch.zeros(rows, v, dtype=dt)
         y = torch.zeros(rows + off, dtype=torch.int64)[off:]
         for div in ("forward_kl", "skew_reverse_kl"):
-            kernel, _grid, args, kwargs, _ = launch_args(s, t, y, alpha=alpha, temperature=2.0, divergence=div,
+            kernel, _grid, args, kwargs, _ = kd.launch_args(s, t, y, alpha=alpha, temperature=2.0, divergence=div,
                                                          need_grad=need_grad, grad_dtype=gd)  # fmt: skip
             got = triton_specialization(kernel, args, kwargs, "sm_90")
             key = kd_loss_kernel_key(

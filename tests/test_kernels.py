@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from kdistill.commands.kernels import build_command, prewarm_command
+from kdistill.dispatch import add_rmsnorm, rmsnorm, swiglu
 from kdistill.errors import KernelCacheMiss, KernelError, UserError
-from kdistill.kernels import keys, runtime
+from kdistill.kernels import keys, rope, runtime
+from kdistill.kernels import rmsnorm as rms_kernel
 from kdistill.kernels import seal as cache
-from kdistill.ops.rmsnorm import rmsnorm, rmsnorm_reference
-from kdistill.ops.swiglu import swiglu, swiglu_reference
+from kdistill.kernels import swiglu as swiglu_kernel
+from kdistill.ops.rmsnorm import rmsnorm_reference
+from kdistill.ops.swiglu import swiglu_reference
 
 
 # -- keys ---------------------------------------------------------------------------------------------
@@ -26,7 +29,7 @@ def test_f64_bits_are_exact_and_distinguish_close_floats():
 
 
 def test_key_is_frozen_hashable_and_round_trips_through_its_string():
-    k = keys.rmsnorm_fwd_key(
+    k = rms_kernel.fwd_key(
         "sm90", hidden=896, eps=1e-6, dtype=torch.bfloat16, w_dtype="float32", residual=True, r_dtype="fp32"
     )
     assert k.arch == "sm_90" and k["EPS"] == "f64:3eb0c6f7a0b5ed8d"
@@ -34,7 +37,7 @@ def test_key_is_frozen_hashable_and_round_trips_through_its_string():
     with pytest.raises(dataclasses_frozen()):
         k.op = "x"
     assert str(k) == str(
-        keys.rmsnorm_fwd_key(
+        rms_kernel.fwd_key(
             "sm_90", hidden=896, eps=1e-6, dtype="bf16", w_dtype="fp32", residual=True, r_dtype="fp32"
         )
     )
@@ -61,23 +64,23 @@ def test_every_parameter_changes_the_key(change):
     base = dict(arch="sm_90", hidden=896, eps=1e-6, dtype="bf16", w_dtype="bf16", residual=True)
     arch = change.pop("arch", base.pop("arch"))
     base.pop("arch", None)
-    assert keys.rmsnorm_fwd_key(arch, **{**base, **change}) != keys.rmsnorm_fwd_key("sm_90", **base)
+    assert rms_kernel.fwd_key(arch, **{**base, **change}) != rms_kernel.fwd_key("sm_90", **base)
 
 
 def test_rope_key_holds_block_sizes_and_not_theta():
     """The cos/sin tables are runtime inputs: every rope theta shares one binary."""
-    a = keys.rope_fwd_key("sm_90", head_dim=128, q_heads=12, kv_heads=2, dtype="bf16")
+    a = rope.fwd_key("sm_90", head_dim=128, q_heads=12, kv_heads=2, dtype="bf16")
     assert (a["BLOCK_D"], a["BLOCK_HQ"], a["BLOCK_HKV"]) == (64, 16, 2)
-    assert a.get("THETA") is None and "THETA" not in keys.source_spec(a)["constexprs"]
+    assert a.get("THETA") is None and "THETA" not in rope.FWD.source(a)["constexprs"]
 
 
 def test_source_spec_marks_aligned_pointers_and_unspecialized_ints():
-    k = keys.swiglu_bwd_key("sm_90", inter=4864, dtype="bf16", aligned=(True, False, True))
-    spec = keys.source_spec(k)
+    k = swiglu_kernel.bwd_key("sm_90", inter=4864, dtype="bf16", aligned=(True, False, True))
+    spec = swiglu_kernel.BWD.source(k)
     assert spec["signature"]["DY"] == "*bf16" and spec["constexprs"]["I"] == 4864
     assert (0,) in spec["attrs"] and (1,) not in spec["attrs"] and (3,) in spec["attrs"]  # outputs aligned
-    r = keys.source_spec(
-        keys.rmsnorm_fwd_key("sm_90", hidden=64, eps=1e-6, dtype="fp32", w_dtype="fp32", residual=False)
+    r = rms_kernel.FWD.source(
+        rms_kernel.fwd_key("sm_90", hidden=64, eps=1e-6, dtype="fp32", w_dtype="fp32", residual=False)
     )
     assert r["signature"]["n_rows"] == "i32" and (6,) not in r["attrs"]
 
@@ -142,7 +145,6 @@ def test_reference_path_records_forward_and_backward_keys():
     x = torch.randn(2, 3, 8, requires_grad=True)
     r = torch.randn(2, 3, 8, requires_grad=True)
     w = torch.ones(8, requires_grad=True)
-    from kdistill.ops.rmsnorm import add_rmsnorm
 
     with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
         y, s = add_rmsnorm(x, r, w, 1e-5)
@@ -167,7 +169,7 @@ def test_compile_after_seal_is_counted_and_logged(sealed_state, capsys):
     cache._on_compile_start("before-seal")
     assert cache.jit_after_prewarm() == 0
     cache.seal(strict=False)
-    key = keys.swiglu_fwd_key("sm_90", inter=64, dtype="bf16")
+    key = swiglu_kernel.fwd_key("sm_90", inter=64, dtype="bf16")
     token = runtime.LAUNCHING.set(key)
     try:
         cache._on_compile_start("fallback-name")
@@ -179,7 +181,7 @@ def test_compile_after_seal_is_counted_and_logged(sealed_state, capsys):
 
 def test_compile_after_seal_raises_in_strict_mode_naming_the_key(sealed_state):
     cache.seal(strict=True)
-    key = keys.rope_bwd_key("sm_90", head_dim=64, q_heads=14, kv_heads=2, dtype="bf16")
+    key = rope.bwd_key("sm_90", head_dim=64, q_heads=14, kv_heads=2, dtype="bf16")
     token = runtime.LAUNCHING.set(key)
     try:
         with pytest.raises(KernelCacheMiss, match="rope_bwd"):

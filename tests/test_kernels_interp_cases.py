@@ -58,6 +58,7 @@ def case_rmsnorm(
     r_dtype=None,
     w_dtype=None,
 ):
+    from kdistill import dispatch
     from kdistill.ops import rmsnorm as op
 
     g = torch.Generator().manual_seed(hidden)
@@ -72,7 +73,7 @@ def case_rmsnorm(
     eps = 1e-6
 
     def kernel(*a):
-        return op.add_rmsnorm(a[0], a[1], a[2], eps) if residual else op.rmsnorm(a[0], a[1], eps)
+        return dispatch.add_rmsnorm(a[0], a[1], a[2], eps) if residual else dispatch.rmsnorm(a[0], a[1], eps)
 
     def ref(*a):
         return (
@@ -103,6 +104,7 @@ def case_rmsnorm(
 
 
 def case_rope(device="cpu", dtype=torch.float32, b=2, hq=3, hkv=1, t=5, d=24):
+    from kdistill import dispatch
     from kdistill.models.decoder import rope_tables
     from kdistill.models.spec import load_spec
     from kdistill.ops import rope as op
@@ -130,12 +132,13 @@ def case_rope(device="cpu", dtype=torch.float32, b=2, hq=3, hkv=1, t=5, d=24):
     dk = torch.randn((b, hkv, t, d), generator=g).to(device=device, dtype=dtype) * 1.5
     want_o, want_g = _grads(lambda a, c: op.rope_reference(a, c, cos, sin), [q, k], [dq, dk])
     with _kernel_mode():
-        got_o, got_g = _grads(lambda a, c: op.apply_rope(a, c, cos, sin), [q, k], [dq, dk])
+        got_o, got_g = _grads(lambda a, c: dispatch.apply_rope(a, c, cos, sin), [q, k], [dq, dk])
     for name, a, w in zip(("q", "k", "dq", "dk"), (*got_o, *got_g), (*want_o, *want_g)):
         _close(name, a, w, dtype, scale=2.0)
 
 
 def case_swiglu(device="cpu", dtype=torch.float32, rows=(3, 7), inter=37):
+    from kdistill import dispatch
     from kdistill.ops import swiglu as op
 
     g = torch.Generator().manual_seed(inter)
@@ -144,7 +147,7 @@ def case_swiglu(device="cpu", dtype=torch.float32, rows=(3, 7), inter=37):
     dy = torch.randn((*rows, inter), generator=g).to(device=device, dtype=dtype) * 0.6
     want_o, want_g = _grads(op.swiglu_reference, [gate, up], [dy])
     with _kernel_mode():
-        got_o, got_g = _grads(op.swiglu, [gate, up], [dy])
+        got_o, got_g = _grads(dispatch.swiglu, [gate, up], [dy])
     for name, a, w in zip(("y", "dgate", "dup"), (*got_o, *got_g), (*want_o, *want_g)):
         _close(name, a, w, dtype, scale=2.0)
 
@@ -189,8 +192,9 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
     """A backward kernel that raises: the reference backward runs, one warning, gradients still right."""
     import warnings
 
+    from kdistill import dispatch
     from kdistill.kernels import runtime
-    from kdistill.kernels.triton import swiglu as kernel
+    from kdistill.kernels import swiglu as kernel
     from kdistill.ops import swiglu as op
 
     g = torch.Generator().manual_seed(0)
@@ -207,7 +211,7 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
         with runtime.using(mode="triton", strict=False), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
-                got_o, got_g = _grads(op.swiglu, [gate, up], [dy])
+                got_o, got_g = _grads(dispatch.swiglu, [gate, up], [dy])
     finally:
         kernel.bwd_launch = saved
     fallbacks = [w for w in caught if issubclass(w.category, runtime.KernelFallbackWarning)]
@@ -218,7 +222,7 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
     try:
         with runtime.using(mode="triton", strict=True):
             try:
-                _grads(op.swiglu, [gate, up], [dy])
+                _grads(dispatch.swiglu, [gate, up], [dy])
             except Exception as e:  # KernelError from strict mode
                 assert "strict" in str(e), e
             else:

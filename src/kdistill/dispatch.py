@@ -1,25 +1,55 @@
 """The one place that chooses, per call, a Triton kernel or the PyTorch reference, and records keys.
 
     from kdistill import dispatch
-    y = dispatch.rmsnorm(x, w, eps)
+    y = dispatch.rmsnorm(x, w, eps)                         # x (..., H), w (H,)
+    y, s = dispatch.add_rmsnorm(x, residual, w, eps)        # s = x + residual
+    q, k = dispatch.apply_rope(q, k, cos, sin)              # (B, H, T, D), tables (T, D)
+    y = dispatch.swiglu(gate, up)                           # (..., I)
+    o = dispatch.attention(q, k, v)                         # SDPA (a library key is recorded)
     r = dispatch.kd_loss(h, W, ht, Wt, labels, alpha=0.5, temperature=2.0, divergence="jsd", chunk_size=1024)
 
-Callers outside kernels/ (the decoder, the training step) use only this module.
+Per call: compute the kernel key (the kernel file's key function), then
+- triton mode, CUDA tensors (or Triton's interpreter), key not failed before: launch the kernel's
+  autograd Function, recording the key; a failure warns once per key and runs the reference
+  (KernelError in strict mode);
+- otherwise run the reference from kdistill.ops and record the key it WOULD launch; when recording,
+  a gradient hook on the outputs records the backward key. The hook observes only: the reference's
+  graph and values are the same with and without a recorder.
+
+State (mode, arch, strict, recorder) lives in kernels/runtime.py; `configure`, `using`, `recording`,
+`current` and `aligned` are re-exported here for callers outside kernels/.
 """
 
 from __future__ import annotations
 
-from kdistill.kernels.kd import kd_chunk
-from kdistill.kernels.runtime import aligned, configure, current, recording, using
-from kdistill.ops.attention import attention
+import torch
+
+from kdistill.kernels import kd_loss as kd_kernel
+from kdistill.kernels import library
+from kdistill.kernels import rmsnorm as norm_kernel
+from kdistill.kernels import rope as rope_kernel
+from kdistill.kernels import swiglu as swiglu_kernel
+from kdistill.kernels.runtime import (
+    KernelFallbackWarning,
+    Recorder,
+    aligned,
+    current,
+    recording,
+    triton_available,
+    using,
+)
+from kdistill.kernels.seal import configure
+from kdistill.ops import kd_loss as kd_ops
+from kdistill.ops.attention import attention_reference
 from kdistill.ops.kd_loss import KDLossResult
-from kdistill.ops.kd_loss import kd_loss as _kd_loss
-from kdistill.ops.rmsnorm import add_rmsnorm, rmsnorm
-from kdistill.ops.rope import apply_rope
-from kdistill.ops.swiglu import swiglu
+from kdistill.ops.rmsnorm import add_rmsnorm_reference, rmsnorm_reference
+from kdistill.ops.rope import rope_reference
+from kdistill.ops.swiglu import swiglu_reference
 
 __all__ = [
     "KDLossResult",
+    "KernelFallbackWarning",
+    "Recorder",
     "add_rmsnorm",
     "aligned",
     "apply_rope",
@@ -30,16 +60,264 @@ __all__ = [
     "recording",
     "rmsnorm",
     "swiglu",
+    "triton_available",
     "using",
 ]
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The (rows, last) row-major tensor a kernel receives (a copy only when t is not row-major)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.is_contiguous() else t2.contiguous()
+
+
+# -- RMSNorm ------------------------------------------------------------------------------------------
+def _norm_fwd_key(arch, x2, r2, weight, eps):
+    return norm_kernel.fwd_key(
+        arch,
+        hidden=x2.shape[-1],
+        eps=eps,
+        dtype=x2.dtype,
+        w_dtype=weight.dtype,
+        residual=r2 is not None,
+        r_dtype=r2.dtype if r2 is not None else None,
+        aligned=aligned(x2, r2 if r2 is not None else x2, weight),
+    )
+
+
+def _norm_bwd_key(arch, dy2, x2, weight, rstd, ds2):
+    return norm_kernel.bwd_key(
+        arch,
+        hidden=x2.shape[-1],
+        dtype=x2.dtype,
+        w_dtype=weight.dtype,
+        has_dres=ds2 is not None,
+        aligned=aligned(dy2, x2, weight, rstd, ds2 if ds2 is not None else dy2),
+    )
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    rt = current()
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else None
+    key = _norm_fwd_key(rt.arch, x2, r2, weight, eps)
+
+    def bwd_key_fn(dy, normed, w, rstd, ds):
+        k = _norm_bwd_key(rt.arch, _rows(dy), _rows(normed), w, rstd, _rows(ds) if ds is not None else None)
+        rt.record(k, "bwd", lambda: norm_kernel.bwd_launch(k, dy, normed, w, rstd, ds))
+        return k
+
+    if rt.use_kernel(key, x, weight):
+        try:
+            return rt.launch(
+                key,
+                lambda: norm_kernel.RMSNormFunction.apply(
+                    x2.view(x.shape),
+                    r2.view(x.shape) if r2 is not None else None,
+                    weight,
+                    eps,
+                    key,
+                    bwd_key_fn,
+                    rt.kernel_failed,
+                ),
+                lambda: norm_kernel.fwd_launch(key, x2, r2, weight, eps),
+            )
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", lambda: norm_kernel.fwd_launch(key, x2, r2, weight, eps))
+    if residual is None:
+        y, s = rmsnorm_reference(x, weight, eps), None
+    else:
+        y, summed = add_rmsnorm_reference(x, residual, weight, eps)
+        # The returned sum is a view (same values, no copy) so that its later uses have their own
+        # graph edge: the gradient the hook below sees on it is exactly the kernel's DS input (None
+        # when nothing after this call uses it), not what flows back through the norm. The same graph
+        # with or without a recorder.
+        s = summed.view_as(summed)
+
+    def record_bwd(grads):
+        dy = grads[0] if grads[0] is not None else torch.zeros_like(y)
+        ds = grads[1] if len(grads) > 1 else None
+        normed = s if s is not None else x
+        rstd = torch.empty(normed.numel() // normed.shape[-1], dtype=torch.float32, device=normed.device)
+        bwd_key_fn(
+            dy.detach(), normed.detach(), weight.detach(), rstd, ds.detach() if ds is not None else None
+        )
+
+    rt.on_backward([y] if s is None else [y, s], record_bwd)
+    return y if residual is None else (y, s)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (..., H) with weight (H,)."""
+    return _norm(x, None, weight, eps)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual): the residual add fused into the norm."""
+    return _norm(x, residual, weight, eps)
+
+
+# -- RoPE ---------------------------------------------------------------------------------------------
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel receives for q/k (or their grads): any strides with a contiguous last dim."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _table(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.dtype == torch.float32 and t2.is_contiguous() else t2.float().contiguous()
+
+
+def _rope_key(arch, q, k, cos, sin, backward: bool):
+    fn = rope_kernel.bwd_key if backward else rope_kernel.fwd_key
+    return fn(
+        arch,
+        head_dim=q.shape[-1],
+        q_heads=q.shape[1],
+        kv_heads=k.shape[1],
+        dtype=q.dtype,
+        aligned=aligned(_heads(q), _heads(k), _table(cos), _table(sin)),
+    )
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q (B, Hq, T, D) and k (B, Hkv, T, D) with fp32 cos/sin tables (T, D)."""
+    rt = current()
+    key = _rope_key(rt.arch, q, k, cos, sin, backward=False)
+
+    def bwd_key_fn(dq, dk, c, s):
+        kb = _rope_key(rt.arch, dq, dk, c, s, backward=True)
+        rt.record(kb, "bwd", lambda: rope_kernel.launch(kb, dq, dk, c, s, inverse=True))
+        return kb
+
+    if rt.use_kernel(key, q, k):
+        try:
+            return rt.launch(
+                key,
+                lambda: rope_kernel.RopeFunction.apply(q, k, cos, sin, key, bwd_key_fn, rt.kernel_failed),
+                lambda: rope_kernel.launch(key, q, k, cos, sin, inverse=False),
+            )
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", lambda: rope_kernel.launch(key, q, k, cos, sin, inverse=False))
+    qo, ko = rope_reference(q, k, cos, sin)
+
+    def record_bwd(grads):
+        dq = grads[0] if grads[0] is not None else torch.zeros_like(qo)
+        dk = grads[1] if grads[1] is not None else torch.zeros_like(ko)
+        bwd_key_fn(dq.detach(), dk.detach(), cos, sin)
+
+    rt.on_backward([qo, ko], record_bwd)
+    return qo, ko
+
+
+# -- SwiGLU -------------------------------------------------------------------------------------------
+def _swiglu_key(arch, gate, up, dy=None):
+    if dy is None:
+        return swiglu_kernel.fwd_key(
+            arch, inter=gate.shape[-1], dtype=gate.dtype, aligned=aligned(_rows(gate), _rows(up))
+        )
+    return swiglu_kernel.bwd_key(
+        arch, inter=gate.shape[-1], dtype=gate.dtype, aligned=aligned(_rows(dy), _rows(gate), _rows(up))
+    )
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate and up (..., I)."""
+    rt = current()
+    key = _swiglu_key(rt.arch, gate, up)
+
+    def bwd_key_fn(dy, g, u):
+        kb = _swiglu_key(rt.arch, g, u, dy)
+        rt.record(kb, "bwd", lambda: swiglu_kernel.bwd_launch(kb, dy, g, u))
+        return kb
+
+    if rt.use_kernel(key, gate, up):
+        try:
+            return rt.launch(
+                key,
+                lambda: swiglu_kernel.SwiGLUFunction.apply(gate, up, key, bwd_key_fn, rt.kernel_failed),
+                lambda: swiglu_kernel.fwd_launch(key, gate, up),
+            )
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", lambda: swiglu_kernel.fwd_launch(key, gate, up))
+    y = swiglu_reference(gate, up)
+    rt.on_backward([y], lambda grads: bwd_key_fn(grads[0].detach(), gate.detach(), up.detach()))
+    return y
+
+
+# -- attention (a library call: recorded so that prewarm runs SDPA at this shape) ---------------------
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(D)) v; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D)."""
+    rt = current()
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    b, hq, t, d = q.shape
+    key = library.sdpa_key(
+        rt.arch, batch=b, q_heads=hq, kv_heads=k.shape[1], seq=t, head_dim=d, dtype=q.dtype, grad=grad
+    )
+    rt.record(key, "fwd")
+    return attention_reference(q, k, v)
+
+
+# -- the KD head --------------------------------------------------------------------------------------
+def _kd_chunk(
+    s_logits: torch.Tensor,
+    t_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    alpha: float,
+    temperature: float,
+    divergence: str,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    grad_scale: float = 1.0,
+    need_grad: bool = True,
+    grad_dtype: torch.dtype | None = None,
+):
+    """One chunk of the KD head on its kernel or its reference (same contract as
+    `kdistill.ops.kd_loss.chunk_divergence_reference`)."""
+    kw = dict(
+        alpha=alpha,
+        temperature=temperature,
+        divergence=divergence,
+        beta=beta,
+        ignore_index=ignore_index,
+        grad_scale=grad_scale,
+        need_grad=need_grad,
+        grad_dtype=grad_dtype,
+    )
+    rt = current()
+    key = kd_kernel.key(
+        rt.arch,
+        vocab_size=s_logits.shape[1],
+        divergence=divergence,
+        logits_dtype=s_logits.dtype,
+        has_kd=alpha > 0,
+        need_grad=need_grad,
+        grad_dtype=grad_dtype if need_grad else None,
+    )
+    if rt.use_kernel(key, s_logits):
+        try:
+            # the kernel may write the gradient over s_logits: the chunk loop drops them right after
+            return rt.launch(key, lambda: kd_kernel.kd_loss_chunk_triton(s_logits, t_logits, labels, **kw))
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", lambda: kd_kernel.launch_args(s_logits.detach().clone(), t_logits, labels, **kw))
+    return kd_ops.chunk_divergence_reference(s_logits, t_logits, labels, **kw)
+
+
 def kd_loss(
-    s_hidden,
-    s_weight,
-    t_hidden,
-    t_weight,
-    labels,
+    s_hidden: torch.Tensor,
+    s_weight: torch.Tensor,
+    t_hidden: torch.Tensor | None,
+    t_weight: torch.Tensor | None,
+    labels: torch.Tensor,
     *,
     alpha: float,
     temperature: float,
@@ -48,8 +326,9 @@ def kd_loss(
     ignore_index: int = -100,
     chunk_size: int,
 ) -> KDLossResult:
-    """The chunked KD head (kdistill.ops.kd_loss.kd_loss) with each chunk on the kernel or reference."""
-    return _kd_loss(
+    """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads (see
+    kdistill.ops.kd_loss), each chunk on the KD head kernel or its reference."""
+    return kd_ops.kd_loss(
         s_hidden,
         s_weight,
         t_hidden,
@@ -61,5 +340,5 @@ def kd_loss(
         beta=beta,
         ignore_index=ignore_index,
         chunk_size=chunk_size,
-        chunk_fn=kd_chunk,
+        chunk_fn=_kd_chunk,
     )

@@ -22,7 +22,7 @@ IGNORE = -100
 
 
 def _kernel():
-    from kdistill.kernels.triton.kd_loss import kd_loss_chunk_triton
+    from kdistill.kernels.kd_loss import kd_loss_chunk_triton
 
     return kd_loss_chunk_triton
 

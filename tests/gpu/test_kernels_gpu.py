@@ -63,10 +63,9 @@ def test_strict_prewarm_seal_train_step_compiles_nothing(pair, tmp_path, monkeyp
     """Real shapes (2 layers), bf16 autocast, strict: every launch after the seal hits the cache."""
     from test_contract import make_run
 
+    from kdistill.dispatch import kd_loss
     from kdistill.kernels import runtime, seal
-    from kdistill.kernels.kd import kd_chunk
     from kdistill.models.decoder import build_decoder
-    from kdistill.ops.kd_loss import kd_loss
 
     monkeypatch.setenv("KDISTILL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -97,7 +96,6 @@ def test_strict_prewarm_seal_train_step_compiles_nothing(pair, tmp_path, monkeyp
                 temperature=2.0,
                 divergence="jsd",
                 chunk_size=256,
-                chunk_fn=kd_chunk,
             )
             r.loss.backward()
             with torch.no_grad(), amp:
@@ -112,7 +110,6 @@ def test_strict_prewarm_seal_train_step_compiles_nothing(pair, tmp_path, monkeyp
                     temperature=1.0,
                     divergence="forward_kl",
                     chunk_size=256,
-                    chunk_fn=kd_chunk,
                 )
         torch.cuda.synchronize()
         assert torch.isfinite(r.loss)

@@ -7,7 +7,7 @@
 
 Four rules, each catching one class of bug:
 1. every launched key is in the plan                        (a kernel missing from the plan)
-2. specialization_of(key) == what Triton's binder derives from the launch's actual arguments
+2. Kernel.specialization(key) == what Triton's binder derives from the launch's actual arguments
                                                              (a key function that drops a parameter)
 3. one key, one launched specialization                      (two launches colliding under one key)
 4. every launched specialization was prewarmed               (a prewarm that stores under the wrong key)
@@ -19,42 +19,13 @@ catches a key that misjudges pointer alignment or integer specialization.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
-from kdistill.kernels.keys import KernelKey, arch_capability, specialization_of
+from kdistill.kernels import registry
+from kdistill.kernels.keys import KernelKey
 from kdistill.kernels.runtime import Launch
+from kdistill.kernels.spec import triton_specialization
 
-_BINDERS: dict[tuple[int, int], Any] = {}
-
-
-def triton_specialization(kernel: Any, args: tuple, kwargs: dict, arch: str = "sm_90") -> tuple:
-    """How Triton specializes `kernel[grid](*args, **kwargs)` for `arch`, in specialization_of's form.
-    Works on CPU tensors: only data pointers, dtypes and values are looked at."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    cap = arch_capability(arch)
-    ident = (id(kernel), cap)
-    if ident not in _BINDERS:
-        backend = make_backend(GPUTarget("cuda", cap, 32))
-        _BINDERS[ident] = create_function_from_signature(kernel.signature, kernel.params, backend)
-    _bound, spec, options = _BINDERS[ident](*args, **kwargs)
-    out = []
-    for param, (ty, attr) in zip(kernel.params, spec):
-        if ty == "constexpr":
-            out.append((param.name, "constexpr", attr))
-        elif ty.startswith("*"):
-            out.append((param.name, ty, attr or ""))
-        else:
-            out.append((param.name, ty, attr))
-    opts = options if isinstance(options, dict) else dict(getattr(options, "__dict__", {}))
-    op = kernel.fn.__name__.removesuffix("_kernel")
-    return (
-        op,
-        tuple(out),
-        tuple(sorted((k, v) for k, v in opts.items() if k in ("num_warps", "num_stages"))),
-    )
+__all__ = ["check", "triton_specialization"]
 
 
 def check(launches: Iterable[Launch], plan: set[KernelKey], warmed: set[tuple] | None = None) -> list[str]:
@@ -69,7 +40,7 @@ def check(launches: Iterable[Launch], plan: set[KernelKey], warmed: set[tuple] |
         if spec is None:
             continue
         try:
-            expected = kd_loss_specialization(key) if key.op == "kd_loss" else specialization_of(key)
+            expected = registry.kernel_of(key).specialization(key)
         except (KeyError, ValueError) as e:
             problems.append(f"key {key} does not determine its kernel: {e}")
             continue
@@ -90,27 +61,3 @@ def _diff(a: tuple, b: tuple) -> str:
     if a[2] != b[2]:
         parts.append(f"options {a[2]} vs {b[2]}")
     return "differently (" + "; ".join(parts) + ")"
-
-
-def kd_loss_specialization(key: KernelKey) -> tuple:
-    """specialization_of for the KD loss head, from its own build_source (kernels/triton/kd_loss.py)."""
-    from kdistill.kernels.keys import kd_loss_raw_key
-    from kdistill.kernels.triton.kd_loss import build_source
-
-    src, options = build_source(kd_loss_raw_key(key))
-    kernel = src.fn
-    out = []
-    for i, param in enumerate(kernel.params):
-        ty = src.signature[param.name]
-        aligned = (i,) in src.attrs and any(a[0] == "tt.divisibility" for a in src.attrs[(i,)])
-        if ty == "constexpr":
-            out.append((param.name, "constexpr", src.constants.get((i,), "<missing>")))
-        elif ty.startswith("*"):
-            out.append((param.name, ty, "D" if aligned else ""))
-        elif ty.startswith(("i", "u")) and not param.do_not_specialize:
-            out.append((param.name, ty, "D" if aligned else ""))
-        else:
-            out.append((param.name, ty, None))
-    op = kernel.fn.__name__.removesuffix("_kernel")
-    opts = tuple(sorted((k, v) for k, v in options.items() if k in ("num_warps", "num_stages")))
-    return (op, tuple(out), opts)

@@ -2,7 +2,7 @@
 
     keys = required_kernels(teacher_spec, student_spec, run, "sm_90")    # pure; no GPU, no weights
 
-It calls the same key functions as the dispatcher (kernels/keys.py), walking the decoder's op
+It calls the same key functions as the dispatcher (each kernel's registered plan function), walking the decoder's op
 sequence with the dtypes the training loop uses (`precision`): the teacher in the compute dtype
 without grad; the student with fp32 master weights under autocast (bf16 on a GPU), forward with and
 without grad (training and eval) and backward; the KD loss head for training and held-out eval.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kdistill.kernels import keys
+from kdistill.kernels import keys, library, registry
 from kdistill.models.spec import ModelSpec
 
 
@@ -45,64 +45,31 @@ def _linear_out(x: str, w: str, prec: Precision) -> str:
 def model_kernels(
     spec: ModelSpec, arch: str, prec: Precision, weights: str, *, grad: bool, batch: int, seq: int
 ) -> set[keys.KernelKey]:
-    """Keys of one decoder's forward (and backward if grad), following Decoder.forward op by op."""
+    """Keys of one decoder's forward (and backward if grad), following Decoder.forward op by op: each
+    call site asks its kernel's registered plan function for the keys it launches."""
     out: set[keys.KernelKey] = set()
-    h, eps = spec.hidden_size, spec.rms_eps
-    w = weights
-    emb = weights  # embedding output dtype (autocast leaves embeddings alone)
+    h, eps, w = spec.hidden_size, spec.rms_eps, weights
+
+    def call(name: str, **problem) -> None:
+        out.update(registry.by_name(name).plan(arch, grad=grad, **problem))
 
     def norm(x: str, residual: str | None, hidden: int) -> str:
         """Adds the rmsnorm keys of one call; returns y's dtype."""
-        out.add(
-            keys.rmsnorm_fwd_key(
-                arch,
-                hidden=hidden,
-                eps=eps,
-                dtype=x,
-                w_dtype=w,
-                residual=residual is not None,
-                r_dtype=residual,
-            )
-        )
-        s_dtype = keys.promote(x, residual) if residual is not None else x
-        if grad:
-            for has_dres in (False, True) if residual is not None else (False,):
-                out.add(
-                    keys.rmsnorm_bwd_key(arch, hidden=hidden, dtype=s_dtype, w_dtype=w, has_dres=has_dres)
-                )
-        return keys.promote(s_dtype, w)
+        call("rmsnorm", hidden=hidden, eps=eps, dtype=x, w_dtype=w, r_dtype=residual)
+        return keys.promote(keys.promote(x, residual) if residual is not None else x, w)
 
-    x = emb
+    x = residual = weights  # embedding output dtype (autocast leaves embeddings alone)
     if spec.num_layers == 0:
         norm(x, None, h)
         return out
-    residual = emb
     x = norm(x, None, h)
     for _ in range(min(spec.num_layers, 2)):  # dtypes are the same from the second layer on
         q = _linear_out(x, w, prec)  # q_proj, k_proj: same dtype
         if spec.qk_norm:
             q = norm(q, None, spec.head_dim)
+        call("rope", head_dim=spec.head_dim, q_heads=spec.num_heads, kv_heads=spec.num_kv_heads, dtype=q)
         out.add(
-            keys.rope_fwd_key(
-                arch,
-                head_dim=spec.head_dim,
-                q_heads=spec.num_heads,
-                kv_heads=spec.num_kv_heads,
-                dtype=q,
-            )
-        )
-        if grad:
-            out.add(
-                keys.rope_bwd_key(
-                    arch,
-                    head_dim=spec.head_dim,
-                    q_heads=spec.num_heads,
-                    kv_heads=spec.num_kv_heads,
-                    dtype=q,
-                )
-            )
-        out.add(
-            keys.sdpa_key(
+            library.sdpa_key(
                 arch,
                 batch=batch,
                 q_heads=spec.num_heads,
@@ -117,11 +84,9 @@ def model_kernels(
         x = norm(a, residual, h)
         residual = keys.promote(a, residual)
         gate = _linear_out(x, w, prec)  # gate_proj, up_proj
-        out.add(keys.swiglu_fwd_key(arch, inter=spec.intermediate_size, dtype=gate))
-        if grad:
-            out.add(keys.swiglu_bwd_key(arch, inter=spec.intermediate_size, dtype=gate))
+        call("swiglu", inter=spec.intermediate_size, dtype=gate)
         m = _linear_out(gate, w, prec)  # down_proj
-        x = norm(m, residual, h)
+        x = norm(m, residual, h)  # the next block's input norm, or the final norm
         residual = keys.promote(m, residual)
     return out
 
@@ -132,8 +97,8 @@ def gemm_kernels(
     """Library keys for the decoder's linears at the run's token count and the lm_head chunk GEMMs."""
     h, i = spec.hidden_size, spec.intermediate_size
     shapes = {(spec.q_size, h), (spec.kv_size, h), (h, spec.q_size), (i, h), (h, i)}
-    out = {keys.gemm_key(arch, m=tokens, n=n, k=k, dtype=dtype, grad=grad) for n, k in shapes}
-    out.add(keys.gemm_key(arch, m=min(chunk, tokens), n=spec.vocab_size, k=h, dtype=dtype, grad=grad))
+    out = {library.gemm_key(arch, m=tokens, n=n, k=k, dtype=dtype, grad=grad) for n, k in shapes}
+    out.add(library.gemm_key(arch, m=min(chunk, tokens), n=spec.vocab_size, k=h, dtype=dtype, grad=grad))
     return out
 
 
@@ -141,50 +106,26 @@ def kd_kernels(
     teacher: ModelSpec, student: ModelSpec, run, arch: str, prec: Precision
 ) -> set[keys.KernelKey]:
     """The KD loss head: training (the run's divergence, with grad) and held-out eval (no grad)."""
-    try:
-        import kdistill.kernels.triton.kd_loss  # noqa: F401
-    except ImportError:
-        return set()
+    head = registry.by_name("kd_loss")
     kd = run.kd
-    out = set()
-    # The loop casts the head's operands to the autocast dtype (train/loop.py head_operands), so the
-    # logits gradient is written in the compute dtype; fp32 when there is no autocast.
+    # The step casts the head's operands to the autocast dtype, so the logits gradient is written in
+    # the compute dtype; fp32 when there is no autocast. Logits are fp32 (GEMMs accumulate in fp32).
     grad_dtype = prec.compute if prec.autocast else prec.student_weights
     v_s = student.vocab_size
-    out.add(
-        keys.kd_loss_key(
-            arch,
-            vocab_size=v_s,
-            divergence=kd.divergence,
-            logits_dtype="fp32",
-            has_kd=kd.alpha > 0,
-            need_grad=True,
-            grad_dtype=grad_dtype,
-        )
+    out = head.plan(
+        arch,
+        grad=True,
+        vocab_size=v_s,
+        divergence=kd.divergence,
+        logits_dtype="fp32",
+        has_kd=kd.alpha > 0,
+        grad_dtype=grad_dtype,
     )
-    for v in {v_s, teacher.vocab_size}:
-        out.add(
-            keys.kd_loss_key(
-                arch,
-                vocab_size=v,
-                divergence="forward_kl",
-                logits_dtype="fp32",
-                has_kd=True,
-                need_grad=False,
-                grad_dtype=None,
+    for v in {v_s, teacher.vocab_size}:  # held-out eval: KL and CE of the student, CE of the teacher
+        for has_kd in (True, False):
+            out |= head.plan(
+                arch, grad=False, vocab_size=v, divergence="forward_kl", logits_dtype="fp32", has_kd=has_kd
             )
-        )
-        out.add(
-            keys.kd_loss_key(
-                arch,
-                vocab_size=v,
-                divergence="forward_kl",
-                logits_dtype="fp32",
-                has_kd=False,
-                need_grad=False,
-                grad_dtype=None,
-            )
-        )
     return out
 
 

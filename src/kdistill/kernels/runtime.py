@@ -1,9 +1,9 @@
-"""The kernel dispatcher: which path an op takes, the arch its keys are for, and the key recorder.
+"""The dispatcher's state: which path ops take, the arch their keys are for, and the key recorder.
 
-Every op in kdistill.ops computes its kernel key through kernels/keys.py and calls this module:
+kdistill.dispatch (the only place that picks kernel or reference) uses it per call:
 
     rt = runtime.current()
-    key = keys.swiglu_fwd_key(rt.arch, inter=..., dtype=..., aligned=...)
+    key = swiglu.fwd_key(rt.arch, inter=..., dtype=..., aligned=...)
     if rt.use_kernel(key, gate, up):          # triton mode, CUDA tensors, key not failed before
         try:
             return rt.launch(key, lambda: SwiGLUFunction.apply(...))   # records the key, runs
@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from kdistill.errors import KernelCacheMiss, KernelError, UserError
+from kdistill.kernels._triton import AVAILABLE
 from kdistill.kernels.keys import DEFAULT_ARCH, KernelKey, normalize_arch
+from kdistill.kernels.spec import triton_specialization
 
 log = logging.getLogger("kdistill.kernels")
 
@@ -71,8 +73,6 @@ class Recorder:
     ) -> None:
         spec = None
         if self.deep and launch_args is not None and not key.is_library:
-            from kdistill.kernels.contract import triton_specialization
-
             kernel, _grid, args, kwargs, _outs = launch_args()
             spec = triton_specialization(kernel, args, kwargs, arch)
         self.launches.append(Launch(key, phase, spec))
@@ -154,9 +154,6 @@ class KernelRuntime:
             return
         torch.autograd.graph.register_multi_grad_hook(outs, lambda grads: fn(list(grads)), mode="all")
 
-    def bwd_failure_callback(self) -> Callable[[KernelKey, BaseException], None]:
-        return self.kernel_failed
-
 
 _STATE = KernelRuntime()
 
@@ -166,11 +163,7 @@ def current() -> KernelRuntime:
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return AVAILABLE
 
 
 def interpreting() -> bool:
@@ -222,7 +215,7 @@ def configure(
     device: torch.device | str | None = None,
 ) -> KernelRuntime:
     """Set the process-wide dispatcher state from a RunConfig (runtime.kernels, strict_kernels, arch)
-    and/or explicit values (which win). Also points Triton's cache at kdistill's cache directory."""
+    and/or explicit values (which win). seal.configure also sets up Triton's cache and hooks."""
     global _STATE
     rt_cfg = getattr(run, "runtime", None)
     kernels = kernels or (rt_cfg.kernels if rt_cfg else "auto")
@@ -230,19 +223,12 @@ def configure(
     arch = arch or (rt_cfg.arch if rt_cfg else "auto")
     if device is None and rt_cfg is not None and rt_cfg.device != "auto":
         device = rt_cfg.device
-    from kdistill.kernels.seal import setup_cache_dir
-
-    setup_cache_dir()
     _STATE = KernelRuntime(
         mode=resolve_mode(kernels, device),
         arch=resolve_arch(arch, device),
         strict=strict,
         recorder=_STATE.recorder,
     )
-    if _STATE.mode == "triton":
-        from kdistill.kernels.seal import install_hooks
-
-        install_hooks()
     return _STATE
 
 

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from kdistill.errors import KernelCacheMiss
-from kdistill.kernels import runtime
-from kdistill.kernels.keys import KernelKey, f64_value
+from kdistill.kernels import registry, runtime
+from kdistill.kernels.keys import KernelKey
 from kdistill.kernels.plan import required_kernels
 
 log = logging.getLogger("kdistill.kernels")
@@ -61,9 +61,26 @@ def setup_cache_dir() -> str:
 
         if getattr(knobs.cache, "dir", None) != path:
             knobs.cache.dir = path
-    except Exception:  # older Triton reads the environment variable
+    except Exception:  # no Triton, or an older one that reads the environment variable
         pass
     return path
+
+
+def configure(
+    run: Any = None,
+    *,
+    kernels: str | None = None,
+    strict: bool | None = None,
+    arch: str | None = None,
+    device: torch.device | str | None = None,
+) -> runtime.KernelRuntime:
+    """Set the process-wide dispatcher state (runtime.configure) after pointing Triton's cache at
+    kdistill's directory; in triton mode install the compile hooks."""
+    setup_cache_dir()
+    rt = runtime.configure(run, kernels=kernels, strict=strict, arch=arch, device=device)
+    if rt.mode == "triton":
+        install_hooks()
+    return rt
 
 
 # -- hooks and the seal ---------------------------------------------------------------------------
@@ -222,123 +239,13 @@ class PrewarmReport:
         )
 
 
-def _tensor(shape: tuple[int, ...], dtype: str, device: Any, aligned: bool = True) -> torch.Tensor:
-    """A tensor of `shape` whose data pointer is 16-byte aligned or deliberately not."""
-    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    n = 1
-    for s in shape:
-        n *= s
-    buf = torch.zeros(n + 16, dtype=tdt, device=device)
-    return buf[:n].view(shape) if aligned else buf[1 : n + 1].view(shape)
-
-
-def launch_for_key(key: KernelKey, device: Any) -> tuple:
-    """(kernel, grid, args, kwargs, outs) of a tiny launch that specializes exactly as `key` says,
-    built through the same launchers as real launches (the kernels/triton/*.py files)."""
-    al = [c == "A" for c in str(key.get("align", ""))]
-    if key.op in ("rmsnorm_fwd", "rmsnorm_bwd"):
-        from kdistill.kernels.triton import rmsnorm as k
-
-        h = key["H"]
-        if key.op == "rmsnorm_fwd":
-            x = _tensor((2, h), key["dtype"], device, al[0])
-            r = _tensor((2, h), key["r_dtype"], device, al[1]) if key["HAS_RESIDUAL"] else None
-            w = _tensor((h,), key["w_dtype"], device, al[2])
-            return k.fwd_launch(key, x, r, w, f64_value(key["EPS"]))
-        dy = _tensor((2, h), key["y_dtype"], device, al[0])
-        x = _tensor((2, h), key["dtype"], device, al[1])
-        w = _tensor((h,), key["w_dtype"], device, al[2])
-        rstd = _tensor((2,), "fp32", device, al[3])
-        ds = _tensor((2, h), key["ds_dtype"], device, al[4]) if key["HAS_DRES"] else None
-        return k.bwd_launch(key, dy, x, w, rstd, ds)
-    if key.op in ("rope_fwd", "rope_bwd"):
-        from kdistill.kernels.triton import rope as k
-
-        d = key["D"]
-        q = _tensor((1, key["HQ"], 2, d), key["dtype"], device, al[0])
-        kk = _tensor((1, key["HKV"], 2, d), key["dtype"], device, al[1])
-        cos, sin = _tensor((2, d), "fp32", device, al[2]), _tensor((2, d), "fp32", device, al[3])
-        return k.launch(key, q, kk, cos, sin, inverse=key.op == "rope_bwd")
-    if key.op in ("swiglu_fwd", "swiglu_bwd"):
-        from kdistill.kernels.triton import swiglu as k
-
-        i = key["I"]
-        ts = [_tensor((2, i), key["dtype"], device, a) for a in al[: 2 if key.op == "swiglu_fwd" else 3]]
-        return k.fwd_launch(key, *ts) if key.op == "swiglu_fwd" else k.bwd_launch(key, *ts)
-    raise ValueError(f"no warm launch for {key.op}")
-
-
 def _warm(key: KernelKey, device: Any, dry: bool) -> tuple | None:
-    """Compile one key: JIT warmup on the GPU; in a dry run return Triton's specialization instead."""
-    if key.op == "kd_loss":
-        return _warm_kd_loss(key, device, dry)
-    kernel, grid, args, kwargs, _ = launch_for_key(key, device)
-    if dry:
-        from kdistill.kernels.contract import triton_specialization
-
-        return triton_specialization(kernel, args, kwargs, key.arch)
+    """Compile one key through its registered kernel's warm launch (dry: its specialization)."""
     token = runtime.LAUNCHING.set(key)
     try:
-        kernel.warmup(*args, grid=grid, **kwargs)
+        return registry.kernel_of(key).warm(key, device, dry)
     finally:
         runtime.LAUNCHING.reset(token)
-    return None
-
-
-def _warm_kd_loss(key: KernelKey, device: Any, dry: bool) -> tuple | None:
-    """The KD loss head kernel is warmed by running its launcher on a 1-row chunk."""
-    from kdistill.kernels.triton.kd_loss import kd_loss_chunk_triton, launch_args
-    from kdistill.ops.kd_loss import DIVERGENCE_IDS
-
-    v = key["vocab_size"]
-    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    s = torch.zeros((1, v), dtype=tdt[key["logits_dtype"]], device=device)
-    t = s.clone() if key["HAS_KD"] else None
-    div = {i: n for n, i in DIVERGENCE_IDS.items()}[key["DIVERGENCE"]]
-    kw = dict(
-        alpha=0.5 if key["HAS_KD"] else 0.0,
-        temperature=1.0,
-        divergence=div,
-        need_grad=key["NEED_GRAD"],
-        grad_dtype=tdt[key["grad_dtype"]] if key["grad_dtype"] else None,
-        block_v=key["BLOCK_V"],
-    )
-    labels = torch.zeros(1, dtype=torch.int64, device=device)
-    if dry:
-        from kdistill.kernels.contract import triton_specialization
-
-        kernel, _grid, args, kwargs, _ = launch_args(s, t, labels, **kw)
-        return triton_specialization(kernel, args, kwargs, key.arch)
-    token = runtime.LAUNCHING.set(key)
-    try:
-        kd_loss_chunk_triton(s, t, labels, **kw)
-    finally:
-        runtime.LAUNCHING.reset(token)
-    return None
-
-
-def _warm_library(key: KernelKey, device: Any) -> None:
-    """Run cuBLAS / SDPA once at the key's shape (forward, and backward when the key has grad)."""
-    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key["dtype"]]
-    grad = bool(key["grad"])
-    with torch.enable_grad() if grad else torch.no_grad():
-        if key.op == "gemm":
-            a = torch.zeros((key["M"], key["K"]), dtype=tdt, device=device, requires_grad=grad)
-            w = torch.zeros((key["N"], key["K"]), dtype=tdt, device=device, requires_grad=grad)
-            y = torch.nn.functional.linear(a, w)
-        else:
-            from kdistill.ops.attention import attention_reference
-
-            b, t, d = key["B"], key["T"], key["D"]
-            q = torch.zeros((b, key["HQ"], t, d), dtype=tdt, device=device, requires_grad=grad)
-            kv = [
-                torch.zeros((b, key["HKV"], t, d), dtype=tdt, device=device, requires_grad=grad)
-                for _ in range(2)
-            ]
-            y = attention_reference(q, *kv)
-        if grad:
-            y.backward(torch.ones_like(y))
-    del y
 
 
 def prewarm(keys: Iterable[KernelKey], device: Any = "cuda", *, dry: bool = False) -> PrewarmReport:
@@ -352,7 +259,7 @@ def prewarm(keys: Iterable[KernelKey], device: Any = "cuda", *, dry: bool = Fals
     for key in sorted(set(keys)):
         if key.is_library:
             if not dry:
-                _warm_library(key, device)
+                _warm(key, device, dry)
                 report.library += 1
             continue
         n_events = len(_SEAL.events)
@@ -434,7 +341,7 @@ def start(
     seal the cache (before any weight is on the device). `dtype` is the compute dtype the loop chose
     (the plan derives the same from cfg.runtime.dtype). batch: the per-process batch (under torchrun
     batch_size / world); default cfg.schedule.batch_size."""
-    rt = runtime.configure(cfg, device=device)
+    rt = configure(cfg, device=device)
     session = KernelSession(rt.mode, rt.arch, rt.strict)
     if rt.mode == "triton" and torch.device(device).type == "cuda":
         plan = required_kernels(teacher, student, cfg, rt.arch, batch=batch)

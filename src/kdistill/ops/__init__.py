@@ -1,1 +1,1 @@
-"""Ops: each file holds the PyTorch reference math, the kernel key and the dispatch to its kernel."""
+"""Ops: the PyTorch reference math of every kernel (torch only; no kernel or dispatch imports)."""

@@ -59,8 +59,8 @@ Chunking (no [N x V] tensor)
 ----------------------------
 `kd_loss` walks the tokens in chunks of `chunk_size` rows. Per chunk it computes the (c, V) logits
 with a GEMM (fp32 accumulation, upcast to fp32), calls `chunk_fn` (default
-`chunk_divergence_reference`; the Triton kernel `kdistill.kernels.triton.kd_loss.kd_loss_chunk_triton`
-has the same signature) for the loss sums and dL/ds of the chunk, and at once turns that into
+`chunk_divergence_reference`; kdistill.dispatch.kd_loss passes one that runs the Triton kernel
+`kdistill.kernels.kd_loss.kd_loss_chunk_triton`, which has the same signature) for the loss sums and dL/ds of the chunk, and at once turns that into
 grad_h[chunk] = dL/ds @ W and grad_W += dL/ds^T @ h[chunk]. The chunk's logits are then dropped.
 The autograd Function keeps only grad_h (N, Hs) and grad_W (V, Hs) (the idea of Liger-Kernel's fused
 linear cross entropy); its backward scales them by grad_output. Peak extra memory is a few

@@ -4,22 +4,29 @@
     backward: dg = dy * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))),   du = dy * silu(g)
 
 gate and up are (..., I) row-major; one program per (row, BLOCK columns). I is a constexpr (aligned
-rows vectorize); the block size and warps come from the kernel key (kernels/keys.py).
+rows vectorize); the block size and warps come from the kernel key (`tiles` below).
+
+The file reads top to bottom: kernels, launchers, autograd Function, key functions and tile policy,
+then the registered KernelSpec.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
-import triton
-import triton.language as tl
 
 from kdistill.errors import KernelError
-from kdistill.kernels.keys import KernelKey, launch_options
+from kdistill.kernels._triton import cdiv, jit, tl
+from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, next_pow2
+from kdistill.kernels.spec import Kernel, KernelSpec, tensor
+from kdistill.ops.swiglu import swiglu_reference
 
 INT32_MAX = 2**31 - 1
 
 
-@triton.jit
+@jit
 def swiglu_fwd_kernel(G, U, Y, I: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -31,7 +38,7 @@ def swiglu_fwd_kernel(G, U, Y, I: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Y + offs, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def swiglu_bwd_kernel(DY, G, U, DG, DU, I: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -54,7 +61,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _grid(key: KernelKey, rows: int, inter: int) -> tuple[int, int]:
     if rows > INT32_MAX:
         raise KernelError(f"swiglu: {rows} rows exceed the grid")
-    return (rows, triton.cdiv(inter, key["BLOCK"]))
+    return (rows, cdiv(inter, key["BLOCK"]))
 
 
 def fwd_launch(key: KernelKey, gate: torch.Tensor, up: torch.Tensor):
@@ -107,8 +114,58 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def reference_backward(dy, gate, up):
-    from kdistill.ops.swiglu import swiglu_reference
-
+    """d gate, d up through the PyTorch reference."""
     with torch.enable_grad():
         g, u = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
         return torch.autograd.grad(swiglu_reference(g, u), (g, u), dy)
+
+
+# -- tile policy and key functions ----------------------------------------------------------------
+def tiles(inter: int) -> dict[str, int]:
+    """One program per (row, column block) of the intermediate activations."""
+    block = min(1024, next_pow2(inter))
+    return {"BLOCK": block, "num_warps": 4 if block <= 512 else 8, "num_stages": 1}
+
+
+def fwd_key(arch: str, *, inter: int, dtype: str, aligned: Sequence[bool] | None = None) -> KernelKey:
+    """silu(gate) * up over rows of `inter` elements. aligned: G, U."""
+    return make_key(
+        "swiglu_fwd", arch, I=int(inter), dtype=dtype_name(dtype), align=FWD.align(aligned), **tiles(inter)
+    )
+
+
+def bwd_key(arch: str, *, inter: int, dtype: str, aligned: Sequence[bool] | None = None) -> KernelKey:
+    """d gate, d up. aligned: DY, G, U."""
+    return make_key(
+        "swiglu_bwd", arch, I=int(inter), dtype=dtype_name(dtype), align=BWD.align(aligned), **tiles(inter)
+    )
+
+
+# -- registered description -----------------------------------------------------------------------
+def _warm(key: KernelKey, device: Any) -> tuple:
+    """(2, I) inputs aligned as `key` says."""
+    al = [c == "A" for c in str(key["align"])]
+    n_in = 2 if key.op == "swiglu_fwd" else 3
+    ts = [tensor((2, key["I"]), key["dtype"], device, a) for a in al[:n_in]]
+    return fwd_launch(key, *ts) if key.op == "swiglu_fwd" else bwd_launch(key, *ts)
+
+
+def plan(arch: str, *, grad: bool, inter: int, dtype: str) -> set[KernelKey]:
+    """Keys of one swiglu call: forward, and when grad backward."""
+    return {fwd_key(arch, inter=inter, dtype=dtype)} | (
+        {bwd_key(arch, inter=inter, dtype=dtype)} if grad else set()
+    )
+
+
+FWD = Kernel(
+    "swiglu_fwd", swiglu_fwd_kernel, fwd_key, _warm, {"G": "dtype", "U": "dtype", "Y": "dtype"}, ("Y",)
+)
+BWD = Kernel(
+    "swiglu_bwd",
+    swiglu_bwd_kernel,
+    bwd_key,
+    _warm,
+    {"DY": "dtype", "G": "dtype", "U": "dtype", "DG": "dtype", "DU": "dtype"},
+    ("DG", "DU"),
+)
+SPEC = KernelSpec(name="swiglu", kernels=(FWD, BWD), tiles=tiles, plan=plan)

@@ -6,22 +6,29 @@
 One program per (batch, position) rotates every q head and every k head there. q (B, Hq, T, D) and
 k (B, Hkv, T, D) may be strided views (the decoder's transposed projections); the last dim must be
 contiguous. cos and sin are fp32 (T', D) tables with T' >= T; they are cast to q's dtype before use,
-as the reference does. THETA is a constexpr that names the tables (the key carries it as bits).
+as the reference does. The tables are runtime inputs: one binary serves every rope theta and scaling.
+
+The file reads top to bottom: kernels, launcher, autograd Function, key functions and tile policy,
+then the registered KernelSpec.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
-import triton
-import triton.language as tl
 
 from kdistill.errors import KernelError
-from kdistill.kernels.keys import KernelKey, launch_options
+from kdistill.kernels._triton import jit, tl
+from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, next_pow2
+from kdistill.kernels.spec import Kernel, KernelSpec, tensor
+from kdistill.ops.rope import rope_reference
 
 INT32_MAX = 2**31 - 1
 
 
-@triton.jit
+@jit
 def _rotate(
     X,
     O,
@@ -59,7 +66,7 @@ def _rotate(
     tl.store(O + offs + half, o2.to(O.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["T", "sqb", "sqh", "sqt", "skb", "skh", "skt"])
+@jit(do_not_specialize=["T", "sqb", "sqh", "sqt", "skb", "skh", "skt"])
 def rope_fwd_kernel(
     Q,
     K,
@@ -88,7 +95,7 @@ def rope_fwd_kernel(
     _rotate(K, KO, b * skb + t.to(tl.int64) * skt, skh, COS, SIN, t, D, BLOCK_D, HKV, BLOCK_HKV, False)
 
 
-@triton.jit(do_not_specialize=["T", "sqb", "sqh", "sqt", "skb", "skh", "skt"])
+@jit(do_not_specialize=["T", "sqb", "sqh", "sqt", "skb", "skh", "skt"])
 def rope_bwd_kernel(
     Q,
     K,
@@ -197,10 +204,92 @@ class RopeFunction(torch.autograd.Function):
 
 def reference_backward(dq, dk, cos, sin):
     """The transposed rotation with PyTorch ops (the reference is linear in q and k)."""
-    from kdistill.ops.rope import rope_reference
-
     with torch.enable_grad():
         q = torch.zeros_like(dq, requires_grad=True)
         k = torch.zeros_like(dk, requires_grad=True)
         qo, ko = rope_reference(q, k, cos, sin)
         return torch.autograd.grad((qo, ko), (q, k), (dq, dk))
+
+
+# -- tile policy and key functions ----------------------------------------------------------------
+def tiles(head_dim: int, q_heads: int, kv_heads: int) -> dict[str, int]:
+    """One program per (batch, position): all q and k heads, the two halves of each head."""
+    block_d = next_pow2(head_dim // 2)
+    block_hq, block_hkv = next_pow2(q_heads), next_pow2(kv_heads)
+    warps = 4 if block_hq * block_d <= 2048 else 8
+    return {
+        "BLOCK_D": block_d,
+        "BLOCK_HQ": block_hq,
+        "BLOCK_HKV": block_hkv,
+        "num_warps": warps,
+        "num_stages": 1,
+    }
+
+
+def _key(
+    kernel: Kernel,
+    arch: str,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    dtype: str,
+    aligned: Sequence[bool] | None,
+) -> KernelKey:
+    return make_key(
+        kernel.op,
+        arch,
+        D=int(head_dim),
+        HQ=int(q_heads),
+        HKV=int(kv_heads),
+        dtype=dtype_name(dtype),
+        align=kernel.align(aligned),
+        **tiles(head_dim, q_heads, kv_heads),
+    )
+
+
+def fwd_key(
+    arch: str,
+    *,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    dtype: str,
+    aligned: Sequence[bool] | None = None,
+) -> KernelKey:
+    """Rotation of q and k with cos/sin tables. aligned: Q, K, COS, SIN."""
+    return _key(FWD, arch, head_dim, q_heads, kv_heads, dtype, aligned)
+
+
+def bwd_key(
+    arch: str,
+    *,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    dtype: str,
+    aligned: Sequence[bool] | None = None,
+) -> KernelKey:
+    """The inverse rotation of dq and dk. aligned: DQ, DK, COS, SIN."""
+    return _key(BWD, arch, head_dim, q_heads, kv_heads, dtype, aligned)
+
+
+# -- registered description -----------------------------------------------------------------------
+def _warm(key: KernelKey, device: Any) -> tuple:
+    """q (1, HQ, 2, D), k (1, HKV, 2, D) and (2, D) tables, aligned as `key` says."""
+    al, d = [c == "A" for c in str(key["align"])], key["D"]
+    q = tensor((1, key["HQ"], 2, d), key["dtype"], device, al[0])
+    k = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[1])
+    cos, sin = tensor((2, d), "fp32", device, al[2]), tensor((2, d), "fp32", device, al[3])
+    return launch(key, q, k, cos, sin, inverse=key.op == "rope_bwd")
+
+
+def plan(arch: str, *, grad: bool, head_dim: int, q_heads: int, kv_heads: int, dtype: str) -> set[KernelKey]:
+    """Keys of one apply_rope call: the rotation, and when grad its inverse."""
+    kw = dict(head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, dtype=dtype)
+    return {fwd_key(arch, **kw)} | ({bwd_key(arch, **kw)} if grad else set())
+
+
+_POINTERS = {"Q": "dtype", "K": "dtype", "COS": "fp32", "SIN": "fp32", "QO": "dtype", "KO": "dtype"}
+FWD = Kernel("rope_fwd", rope_fwd_kernel, fwd_key, _warm, _POINTERS, outputs=("QO", "KO"))
+BWD = Kernel("rope_bwd", rope_bwd_kernel, bwd_key, _warm, _POINTERS, outputs=("QO", "KO"))
+SPEC = KernelSpec(name="rope", kernels=(FWD, BWD), tiles=tiles, plan=plan)

@@ -36,20 +36,22 @@ floats. So the compiled variant depends only on what `kd_loss_kernel_key` names.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import triton
-import triton.language as tl
 
+from kdistill.dtypes import long_name, torch_dtype
+from kdistill.kernels._triton import jit, tl
+from kdistill.kernels.keys import KernelKey, make_key, next_pow2
+from kdistill.kernels.spec import Kernel, KernelSpec
 from kdistill.ops.kd_loss import DIVERGENCE_IDS
-
-OP_NAME = "kd_loss"
 
 _FWD, _REV, _JSD, _TVD, _SKEW, _SKEW_REV = (
     DIVERGENCE_IDS[k] for k in ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
 )
 
 
-@triton.jit(
+@jit(
     do_not_specialize=["ignore_index"],
     # labels: a slice of the batch's labels at any row offset; loss/ce/kd: rows of one (3, c) buffer,
     # whose alignment would depend on c. Scalar accesses, so alignment buys nothing there.
@@ -231,61 +233,6 @@ def _kd_loss_rows_kernel(
                 tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
-def kernel_params(
-    vocab_size: int, divergence: str, has_kd: bool, need_grad: bool, block_v: int | None = None
-) -> dict:
-    """The constexprs and launch options of one variant; the launcher and the key both use this."""
-    bv = block_v or min(4096, triton.next_power_of_2(vocab_size))
-    return {
-        "BLOCK_V": bv,
-        "num_warps": 8 if bv >= 2048 else 4,
-        # Without KD the kernel never reads DIVERGENCE: pin it to 0 so no-KD runs share one variant.
-        "DIVERGENCE": DIVERGENCE_IDS[divergence] if has_kd else 0,
-        "HAS_KD": bool(has_kd),
-        "NEED_GRAD": bool(need_grad),
-    }
-
-
-def kd_loss_kernel_key(
-    vocab_size: int,
-    divergence: str,
-    logits_dtype: torch.dtype | str,
-    arch: str,
-    *,
-    has_kd: bool = True,
-    need_grad: bool = True,
-    grad_dtype: torch.dtype | str | None = None,
-    block_v: int | None = None,
-) -> tuple:
-    """Every parameter the compiled `_kd_loss_rows_kernel` depends on, as a hashable tuple of pairs.
-
-    vocab_size: the student vocabulary V (row length and stride; Triton specializes it on
-    divisibility by 16, and BLOCK_V derives from it). divergence: a name of `DIVERGENCE_IDS`.
-    logits_dtype: the student (and teacher) logits' dtype. arch: e.g. "sm_90". has_kd: alpha > 0
-    with a teacher. need_grad: False under no_grad (eval). grad_dtype: dtype of the written gradient
-    (None: logits_dtype, in place; the kd_loss loop passes the lm_head weight's dtype).
-    """
-    kp = kernel_params(vocab_size, divergence, has_kd, need_grad, block_v)
-    ld = _dtype_name(logits_dtype)
-    gd = (_dtype_name(grad_dtype) if grad_dtype is not None else ld) if need_grad else None
-    return (
-        ("op", OP_NAME),
-        ("vocab_size", int(vocab_size)),
-        ("BLOCK_V", kp["BLOCK_V"]),
-        ("num_warps", kp["num_warps"]),
-        ("DIVERGENCE", kp["DIVERGENCE"]),
-        ("HAS_KD", kp["HAS_KD"]),
-        ("NEED_GRAD", kp["NEED_GRAD"]),
-        ("logits_dtype", ld),
-        ("grad_dtype", gd),
-        ("arch", str(arch)),
-    )
-
-
-def _dtype_name(dt: torch.dtype | str) -> str:
-    return str(dt).removeprefix("torch.")
-
-
 def kd_loss_chunk_triton(
     s_logits: torch.Tensor,
     t_logits: torch.Tensor | None,
@@ -363,33 +310,117 @@ def launch_args(
     rows = torch.empty((3, n_rows), dtype=torch.float32, device=s.device)  # loss, ce, kd per row
     args = (s, t, g, labels, rows[0], rows[1], rows[2],
             vocab, ignore_index, float(temperature), float(alpha), float(beta), float(grad_scale))  # fmt: skip
-    kwargs = kernel_params(vocab, divergence, has_kd, need_grad, block_v)
+    kwargs = tiles(vocab, divergence, has_kd, need_grad, block_v)
     return _kd_loss_rows_kernel, (n_rows,), args, kwargs, (g, rows)
 
 
-_TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# -- tile policy and key function -----------------------------------------------------------------
+def tiles(
+    vocab_size: int, divergence: str, has_kd: bool, need_grad: bool, block_v: int | None = None
+) -> dict:
+    """The constexprs and launch options of one variant; the launcher and the key both use this."""
+    bv = block_v or min(4096, next_pow2(vocab_size))
+    return {
+        "BLOCK_V": bv,
+        "num_warps": 8 if bv >= 2048 else 4,
+        # Without KD the kernel never reads DIVERGENCE: pin it to 0 so no-KD runs share one variant.
+        "DIVERGENCE": DIVERGENCE_IDS[divergence] if has_kd else 0,
+        "HAS_KD": bool(has_kd),
+        "NEED_GRAD": bool(need_grad),
+    }
 
 
-def build_source(key: tuple) -> tuple[triton.compiler.ASTSource, dict]:
-    """(ASTSource, options) that compile the variant `key` names without a GPU, e.g. for
-    `triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)`.
+def key(
+    arch: str,
+    *,
+    vocab_size: int,
+    divergence: str,
+    logits_dtype: torch.dtype | str,
+    has_kd: bool = True,
+    need_grad: bool = True,
+    grad_dtype: torch.dtype | str | None = None,
+    block_v: int | None = None,
+) -> KernelKey:
+    """Every parameter the compiled `_kd_loss_rows_kernel` depends on.
 
-    The attributes mirror what the launcher's arguments specialize at run time: the logits and
-    gradient pointers are 16-byte aligned (the launcher ensures it), the labels and per-row output
-    pointers are not specialized, V is divisible by 16 when it is.
+    vocab_size: the student vocabulary V (row length and stride; Triton specializes it on
+    divisibility by 16, and BLOCK_V derives from it). divergence: a name of `DIVERGENCE_IDS`.
+    logits_dtype: the student (and teacher) logits' dtype. has_kd: alpha > 0 with a teacher.
+    need_grad: False under no_grad (eval). grad_dtype: dtype of the written gradient (None:
+    logits_dtype, in place; the chunk loop passes the lm_head weight's dtype). Dtypes appear in the
+    key by their long names (float32, bfloat16).
     """
-    k = dict(key)
-    ld = _TRITON_DTYPES[k["logits_dtype"]]
-    gd = _TRITON_DTYPES[k["grad_dtype"] or k["logits_dtype"]]
-    signature = {
-        "s_ptr": f"*{ld}", "t_ptr": f"*{ld}", "g_ptr": f"*{gd}", "labels_ptr": "*i64",
-        "loss_ptr": "*fp32", "ce_ptr": "*fp32", "kd_ptr": "*fp32",
-        "V": "i32", "ignore_index": "i32",
-        "temperature": "fp32", "alpha": "fp32", "beta": "fp32", "grad_scale": "fp32",
-        "DIVERGENCE": "constexpr", "HAS_KD": "constexpr", "NEED_GRAD": "constexpr", "BLOCK_V": "constexpr",
-    }  # fmt: skip
-    constexprs = {name: k[name] for name in ("DIVERGENCE", "HAS_KD", "NEED_GRAD", "BLOCK_V")}
-    aligned = [0, 1, 2] + ([7] if k["vocab_size"] % 16 == 0 else [])
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    src = triton.compiler.ASTSource(_kd_loss_rows_kernel, signature, constexprs, attrs)
-    return src, {"num_warps": k["num_warps"]}
+    ld = long_name(logits_dtype)
+    gd = (long_name(grad_dtype) if grad_dtype is not None else ld) if need_grad else None
+    return make_key(
+        "kd_loss",
+        arch,
+        vocab_size=int(vocab_size),
+        logits_dtype=ld,
+        grad_dtype=gd,
+        **tiles(vocab_size, divergence, has_kd, need_grad, block_v),
+    )
+
+
+# -- registered description -----------------------------------------------------------------------
+def _warm(k: KernelKey, device: Any) -> tuple:
+    """The launch of a 1-row chunk that specializes as `k`."""
+    s = torch.zeros((1, k["vocab_size"]), dtype=torch_dtype(k["logits_dtype"]), device=device)
+    t = s.clone() if k["HAS_KD"] else None
+    div = {i: n for n, i in DIVERGENCE_IDS.items()}[k["DIVERGENCE"]]
+    return launch_args(
+        s,
+        t,
+        torch.zeros(1, dtype=torch.int64, device=device),
+        alpha=0.5 if k["HAS_KD"] else 0.0,
+        temperature=1.0,
+        divergence=div,
+        need_grad=k["NEED_GRAD"],
+        grad_dtype=torch_dtype(k["grad_dtype"]) if k["grad_dtype"] else None,
+        block_v=k["BLOCK_V"],
+    )
+
+
+def plan(
+    arch: str,
+    *,
+    grad: bool,
+    vocab_size: int,
+    divergence: str,
+    logits_dtype: str,
+    has_kd: bool,
+    grad_dtype: str | None = None,
+) -> set[KernelKey]:
+    """The key of one chunked KD head call (every chunk launches the same variant)."""
+    return {
+        key(
+            arch,
+            vocab_size=vocab_size,
+            divergence=divergence,
+            logits_dtype=logits_dtype,
+            has_kd=has_kd,
+            need_grad=grad,
+            grad_dtype=grad_dtype if grad else None,
+        )
+    }
+
+
+FWD = Kernel(
+    op="kd_loss",
+    fn=_kd_loss_rows_kernel,
+    key=key,
+    launch=_warm,
+    # the logits and gradient buffers are made 16-byte aligned by the launcher; the rest are
+    # do_not_specialize_on_alignment in the jit decorator
+    pointers={
+        "s_ptr": "logits_dtype",
+        "t_ptr": "logits_dtype",
+        "g_ptr": ("grad_dtype", "logits_dtype"),
+        "labels_ptr": "i64",
+        "loss_ptr": "fp32",
+        "ce_ptr": "fp32",
+        "kd_ptr": "fp32",
+    },
+    ints={"V": "vocab_size"},
+)
+SPEC = KernelSpec(name="kd_loss", kernels=(FWD,), tiles=tiles, plan=plan)

@@ -6,23 +6,39 @@
 Forward: each program normalizes a (BLOCK_M x BLOCK_H) tile of rows and saves rstd (fp32 per row).
 Backward: programs stride over row blocks, write dx (+ the gradient that reached s) and accumulate a
 per-program fp32 partial of dw; the partials are summed by torch. Qwen3's per-head q/k norm is the
-same kernel with H = head_dim. Tile sizes and warps come from the kernel key (kernels/keys.py).
+same kernel with H = head_dim. Tile sizes and warps come from the kernel key (`tiles` below).
+
+The file reads top to bottom: kernels, launchers, autograd Function, key functions and tile policy,
+then the registered KernelSpec (tiny warm launches and the keys of one call site).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
-import triton
-import triton.language as tl
 
 from kdistill.errors import KernelError
-from kdistill.kernels.keys import KernelKey, launch_options
+from kdistill.kernels._triton import cdiv, jit, tl
+from kdistill.kernels.keys import (
+    KernelKey,
+    dtype_name,
+    f64_bits,
+    f64_value,
+    launch_options,
+    make_key,
+    next_pow2,
+    promote,
+)
+from kdistill.kernels.spec import Kernel, KernelSpec, tensor
+from kdistill.ops.rmsnorm import rmsnorm_reference
 
 MAX_BWD_PROGRAMS = 1024  # partial dw rows; not a specialization (a runtime grid size)
 INT32_MAX = 2**31 - 1
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@jit(do_not_specialize=["n_rows"])
 def rmsnorm_fwd_kernel(
     X,
     R,
@@ -60,7 +76,7 @@ def rmsnorm_fwd_kernel(
     tl.store(Y + offs, (n * w[None, :]).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@jit(do_not_specialize=["n_rows"])
 def rmsnorm_bwd_kernel(
     DY,
     X,
@@ -121,7 +137,7 @@ def fwd_launch(
     y = torch.empty(x2.shape, dtype=torch.promote_types(s_dtype, weight.dtype), device=x.device)
     s = torch.empty(x2.shape, dtype=s_dtype, device=x.device) if residual is not None else y  # S aliases Y
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n_rows, key["BLOCK_M"]),)
+    grid = (cdiv(n_rows, key["BLOCK_M"]),)
     args = (x2, r2, weight, y, s, rstd, n_rows)
     kwargs = dict(
         H=h,
@@ -147,7 +163,7 @@ def bwd_launch(
     dy2, x2 = _rows(dy), _rows(x)
     ds2 = _rows(ds) if ds is not None else dy2
     n_rows, h = x2.shape
-    nprog = max(1, min(triton.cdiv(n_rows, key["BLOCK_M"]), MAX_BWD_PROGRAMS))
+    nprog = max(1, min(cdiv(n_rows, key["BLOCK_M"]), MAX_BWD_PROGRAMS))
     dx = torch.empty_like(x2)
     dw = torch.empty((nprog, h), dtype=torch.float32, device=x.device)
     args = (dy2, x2, weight, rstd, ds2, dx, dw, n_rows)
@@ -205,8 +221,6 @@ class RMSNormFunction(torch.autograd.Function):
 
 def reference_backward(dy, normed, weight, eps, ds):
     """Backward through the PyTorch reference (recomputes the forward from the saved input)."""
-    from kdistill.ops.rmsnorm import rmsnorm_reference
-
     with torch.enable_grad():
         xs = normed.detach().reshape(-1, normed.shape[-1]).requires_grad_(True)
         ws = weight.detach().requires_grad_(True)
@@ -215,3 +229,136 @@ def reference_backward(dy, normed, weight, eps, ds):
     if ds is not None:
         dx = dx + ds.reshape(dx.shape)
     return dx, dw
+
+
+# -- tile policy and key functions ----------------------------------------------------------------
+def tiles(hidden: int) -> dict[str, int]:
+    """Rows of `hidden` elements: a (BLOCK_M x BLOCK_H) tile per program, ~4K elements at least."""
+    block_h = next_pow2(hidden)
+    block_m = max(1, min(64, 4096 // block_h))
+    warps = 4 if block_h * block_m <= 4096 else (8 if block_h <= 8192 else 16)
+    return {"BLOCK_H": block_h, "BLOCK_M": block_m, "num_warps": warps, "num_stages": 1}
+
+
+def fwd_key(
+    arch: str,
+    *,
+    hidden: int,
+    eps: float,
+    dtype: str,
+    w_dtype: str,
+    residual: bool,
+    r_dtype: str | None = None,
+    aligned: Sequence[bool] | None = None,
+) -> KernelKey:
+    """y = rmsnorm(x [+ residual]) * w. dtype: x's; r_dtype: the residual's (default x's; the sum s has
+    their promotion, y has promote(s, w)). aligned: X, R, W (R is X when there is no residual)."""
+    dtype, w_dtype = dtype_name(dtype), dtype_name(w_dtype)
+    r_dtype = dtype_name(r_dtype) if (residual and r_dtype is not None) else dtype
+    s_dtype = promote(dtype, r_dtype)
+    y_dtype = promote(s_dtype, w_dtype)
+    return make_key(
+        "rmsnorm_fwd",
+        arch,
+        H=int(hidden),
+        EPS=f64_bits(eps),
+        HAS_RESIDUAL=bool(residual),
+        dtype=dtype,
+        r_dtype=r_dtype,
+        w_dtype=w_dtype,
+        y_dtype=y_dtype,
+        s_dtype=s_dtype if residual else y_dtype,  # without residual S aliases Y (unused)
+        align=FWD.align(aligned),
+        **tiles(hidden),
+    )
+
+
+def bwd_key(
+    arch: str, *, hidden: int, dtype: str, w_dtype: str, has_dres: bool, aligned: Sequence[bool] | None = None
+) -> KernelKey:
+    """dx, dw of rmsnorm (eps is not needed: rstd is saved). dtype: the normalized input's (x + residual
+    when fused). has_dres: a gradient reaches x + residual. aligned: DY, X, W, RSTD, DS (DS is DY when
+    has_dres is false)."""
+    dtype, w_dtype = dtype_name(dtype), dtype_name(w_dtype)
+    y_dtype = promote(dtype, w_dtype)
+    return make_key(
+        "rmsnorm_bwd",
+        arch,
+        H=int(hidden),
+        HAS_DRES=bool(has_dres),
+        dtype=dtype,
+        w_dtype=w_dtype,
+        y_dtype=y_dtype,
+        ds_dtype=dtype if has_dres else y_dtype,
+        align=BWD.align(aligned),
+        **tiles(hidden),
+    )
+
+
+# -- registered description -----------------------------------------------------------------------
+def _align_flags(key: KernelKey) -> list[bool]:
+    return [c == "A" for c in str(key["align"])]
+
+
+def warm_fwd(key: KernelKey, device: Any) -> tuple:
+    """A 2-row launch that specializes as `key` (dtypes, alignment, H, EPS, residual)."""
+    al, h = _align_flags(key), key["H"]
+    x = tensor((2, h), key["dtype"], device, al[0])
+    r = tensor((2, h), key["r_dtype"], device, al[1]) if key["HAS_RESIDUAL"] else None
+    w = tensor((h,), key["w_dtype"], device, al[2])
+    return fwd_launch(key, x, r, w, f64_value(key["EPS"]))
+
+
+def warm_bwd(key: KernelKey, device: Any) -> tuple:
+    al, h = _align_flags(key), key["H"]
+    dy = tensor((2, h), key["y_dtype"], device, al[0])
+    x = tensor((2, h), key["dtype"], device, al[1])
+    w = tensor((h,), key["w_dtype"], device, al[2])
+    rstd = tensor((2,), "fp32", device, al[3])
+    ds = tensor((2, h), key["ds_dtype"], device, al[4]) if key["HAS_DRES"] else None
+    return bwd_launch(key, dy, x, w, rstd, ds)
+
+
+def plan(
+    arch: str, *, grad: bool, hidden: int, eps: float, dtype: str, w_dtype: str, r_dtype: str | None = None
+) -> set[KernelKey]:
+    """Keys of one call rmsnorm(x) (r_dtype None) or add_rmsnorm(x, residual): the forward, and when
+    grad the backward with and (if fused) without a gradient reaching the returned sum."""
+    residual = r_dtype is not None
+    keys = {
+        fwd_key(
+            arch, hidden=hidden, eps=eps, dtype=dtype, w_dtype=w_dtype, residual=residual, r_dtype=r_dtype
+        )
+    }
+    if grad:
+        s_dtype = promote(dtype, r_dtype) if residual else dtype_name(dtype)
+        for has_dres in (False, True) if residual else (False,):
+            keys.add(bwd_key(arch, hidden=hidden, dtype=s_dtype, w_dtype=w_dtype, has_dres=has_dres))
+    return keys
+
+
+FWD = Kernel(
+    op="rmsnorm_fwd",
+    fn=rmsnorm_fwd_kernel,
+    key=fwd_key,
+    launch=warm_fwd,
+    pointers={"X": "dtype", "R": "r_dtype", "W": "w_dtype", "Y": "y_dtype", "S": "s_dtype", "RSTD": "fp32"},
+    outputs=("Y", "S", "RSTD"),
+)
+BWD = Kernel(
+    op="rmsnorm_bwd",
+    fn=rmsnorm_bwd_kernel,
+    key=bwd_key,
+    launch=warm_bwd,
+    pointers={
+        "DY": "y_dtype",
+        "X": "dtype",
+        "W": "w_dtype",
+        "RSTD": "fp32",
+        "DS": "ds_dtype",
+        "DX": "dtype",
+        "DW": "fp32",
+    },
+    outputs=("DX", "DW"),
+)
+SPEC = KernelSpec(name="rmsnorm", kernels=(FWD, BWD), tiles=tiles, plan=plan)

@@ -1,0 +1,65 @@
+"""Library calls prewarm runs once at the planned shapes (cuBLAS GEMMs, SDPA): keys, no Triton.
+
+sdpa_key("sm_90", batch=8, q_heads=14, kv_heads=2, seq=2048, head_dim=64, dtype="bf16", grad=True)
+gemm_key("sm_90", m=16384, n=896, k=4864, dtype="bf16", grad=True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kdistill.dtypes import torch_dtype
+from kdistill.kernels.keys import KernelKey, dtype_name, make_key
+from kdistill.kernels.spec import LibraryOp
+from kdistill.ops.attention import attention_reference
+
+
+def sdpa_key(
+    arch: str, *, batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int, dtype: str, grad: bool
+) -> KernelKey:
+    """Causal SDPA at this shape (prewarm runs it once, forward and, if grad, backward)."""
+    return make_key(
+        "sdpa",
+        arch,
+        B=int(batch),
+        HQ=int(q_heads),
+        HKV=int(kv_heads),
+        T=int(seq),
+        D=int(head_dim),
+        dtype=dtype_name(dtype),
+        grad=bool(grad),
+    )
+
+
+def gemm_key(arch: str, *, m: int, n: int, k: int, dtype: str, grad: bool) -> KernelKey:
+    """An (m x k) @ (k x n) cuBLAS GEMM (prewarm runs it, and its two backward GEMMs if grad)."""
+    return make_key("gemm", arch, M=int(m), N=int(n), K=int(k), dtype=dtype_name(dtype), grad=bool(grad))
+
+
+def _run_sdpa(key: KernelKey, device: Any) -> None:
+    tdt, grad = torch_dtype(key["dtype"]), bool(key["grad"])
+    b, t, d = key["B"], key["T"], key["D"]
+    with torch.enable_grad() if grad else torch.no_grad():
+        q = torch.zeros((b, key["HQ"], t, d), dtype=tdt, device=device, requires_grad=grad)  # (B, Hq, T, D)
+        kv = [
+            torch.zeros((b, key["HKV"], t, d), dtype=tdt, device=device, requires_grad=grad) for _ in range(2)
+        ]
+        y = attention_reference(q, *kv)
+        if grad:
+            y.backward(torch.ones_like(y))
+
+
+def _run_gemm(key: KernelKey, device: Any) -> None:
+    tdt, grad = torch_dtype(key["dtype"]), bool(key["grad"])
+    with torch.enable_grad() if grad else torch.no_grad():
+        a = torch.zeros((key["M"], key["K"]), dtype=tdt, device=device, requires_grad=grad)
+        w = torch.zeros((key["N"], key["K"]), dtype=tdt, device=device, requires_grad=grad)
+        y = torch.nn.functional.linear(a, w)
+        if grad:
+            y.backward(torch.ones_like(y))
+
+
+SDPA = LibraryOp("sdpa", sdpa_key, _run_sdpa)
+GEMM = LibraryOp("gemm", gemm_key, _run_gemm)
