@@ -87,9 +87,6 @@ class Run:
     metrics: MetricsWriter | NullWriter
     eval_log: MetricsWriter | NullWriter
 
-    def stage(self, msg: str) -> None:
-        stage(self.t_start, self.quiet, msg)
-
 
 def stage(t_start: float, quiet: bool, msg: str) -> None:
     """A timed set-up line on stderr: `[   6.2s] data: ...`."""
