@@ -362,3 +362,47 @@ def test_chunked_loss_peak_memory_far_below_dense_logits():
     # Four times fewer tokens: the same peak, up to grad_h (N x H fp32) and the saved gradients.
     small = _chunked_peak(n // 4, h, v, chunk, divergence)
     assert abs(peak - small) <= (n - n // 4) * h * 4 + 64 * 1024, (peak, small)
+
+
+# -- every divergence against its textbook formula, written here in fp64 ------------------------------
+def _formula_loss(sh, sw, th, tw, labels, alpha, temperature, divergence, beta):
+    """(1 - alpha) CE + alpha T^2 D(p || q), mean over non-ignored tokens, from the definitions:
+    p = softmax(teacher / T), q = softmax(student / T), m = beta p + (1 - beta) q."""
+    s = sh @ sw.T  # (N, V) student logits
+    t = (th @ tw[: sw.shape[0]].T).detach()  # (N, V) teacher logits, padded rows dropped
+    keep = labels != IGNORE
+    s, t, y = s[keep], t[keep], labels[keep]
+    p = torch.exp(t / temperature) / torch.exp(t / temperature).sum(-1, keepdim=True)
+    q = torch.exp(s / temperature) / torch.exp(s / temperature).sum(-1, keepdim=True)
+    if divergence == "forward_kl":
+        d = (p * torch.log(p / q)).sum(-1)
+    elif divergence == "reverse_kl":
+        d = (q * torch.log(q / p)).sum(-1)
+    elif divergence == "jsd":
+        m = beta * p + (1 - beta) * q
+        d = beta * (p * torch.log(p / m)).sum(-1) + (1 - beta) * (q * torch.log(q / m)).sum(-1)
+    elif divergence == "tvd":
+        d = 0.5 * (p - q).abs().sum(-1)
+    elif divergence == "skew_kl":
+        d = (p * torch.log(p / (beta * p + (1 - beta) * q))).sum(-1)
+    elif divergence == "skew_reverse_kl":
+        d = (q * torch.log(q / (beta * q + (1 - beta) * p))).sum(-1)
+    else:
+        raise AssertionError(divergence)
+    ce = torch.logsumexp(s, -1) - s.gather(1, y[:, None]).squeeze(1)
+    return ((1 - alpha) * ce + alpha * temperature**2 * d).mean()
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_every_divergence_matches_its_formula_in_fp64(divergence):
+    sh, sw, th, tw, labels = make_inputs(torch.float64, n=13, h=8, v=37, ht=6, vt=40)
+    kw = dict(alpha=0.7, temperature=1.7, divergence=divergence, beta=0.3)
+    r = kd_loss(sh, sw, th, tw, labels, chunk_size=5, **kw)
+    gh, gw = torch.autograd.grad(r.loss, (sh, sw))
+    h, w = sh.detach().clone().requires_grad_(), sw.detach().clone().requires_grad_()
+    want = _formula_loss(h, w, th, tw, labels, **kw)
+    wh, ww = torch.autograd.grad(want, (h, w))
+    assert want.item() > 0.0
+    close(r.loss.detach(), want.detach(), 1e-10, f"{divergence} loss")
+    close(gh, wh, 1e-9, f"{divergence} d/d student hidden")
+    close(gw, ww, 1e-9, f"{divergence} d/d student lm_head")
