@@ -1,37 +1,70 @@
-"""KD training-step throughput: our Triton kernels vs our PyTorch reference vs a dense-logits baseline.
+"""KD training-step throughput, kdistill side by side with what people use instead, on one card.
 
     PYTHONPATH=src python3 benchmarks/kd_throughput.py --pair qwen2.5-1.5b:qwen2.5-0.5b --seq-len 2048 \
-        --batch 4 --steps 10 --json $OUT/kd_throughput.json
+        --batch 4,8,16 --providers triton,hf,liger,liger-bf16 --json benchmarks/results/kd_throughput.json
+    PYTHONPATH=src python3 benchmarks/kd_throughput.py --quick      # batch 8, 4 providers, < 5 minutes
 
-One process, one card, random weights at the presets' real shapes, the same batches for every provider:
-  triton     kdistill's kernels (prewarmed and sealed first), chunked KD loss head
-  reference  kdistill's PyTorch reference ops, chunked KD loss head
-  dense      reference ops, and the KD loss written the obvious way: full [tokens x vocab] logits for
-             teacher and student, log-softmax, KL (what a user would write without kdistill)
-Each step: teacher forward (no grad), student forward, loss, backward, AdamW. Reports median step
-time, tokens/s, peak memory, and the FLOP floor (FLOPs per step over the card's bf16 matmul rate).
+One process, one card, random weights at the presets' real shapes, the same batches for every provider.
+Each step: teacher forward (no grad), student forward, loss, backward, AdamW step.
+
+  triton      kdistill: its kernels (prewarmed and sealed first), chunked KD loss head
+  reference   kdistill's PyTorch reference ops, chunked KD loss head
+  dense       kdistill's decoder with reference ops and the KD loss written the obvious way (full
+              [tokens x vocab] logits, log-softmax, KL)
+  hf, liger, liger-bf16   transformers models, alone or with Liger-Kernel (benchmarks/hf_providers.py)
+
+Timing: CUDA events around each step, the median after warm-up steps. MFU: the step's model FLOPs
+(kdistill's planner: teacher forward + 3x student forward) over the step time, against the bf16 matmul
+rate measured in the same run (an 8192^3 GEMM). Peak memory: torch.cuda.max_memory_allocated per
+provider. An out-of-memory provider is reported as OOM, not as a crash.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kdistill.commands.plan import make_plan
 from kdistill.config import load_config
-from kdistill.kernels import runtime, seal
+from kdistill.kernels import seal
 from kdistill.models.decoder import build_decoder
 from kdistill.models.spec import load_spec
 from kdistill.train.optim import make_optimizer
 from kdistill.train.step import compute_loss
 
-PEAK_BF16_TFLOPS = {"H100": 790.0, "H200": 790.0}  # measured here: ~780-800 TFLOP/s (8192^3 bf16 GEMM)
+try:  # run as a script (benchmarks/ on sys.path) or as a module
+    from hf_providers import HF_PROVIDERS, make_provider
+except ImportError:  # pragma: no cover
+    from benchmarks.hf_providers import HF_PROVIDERS, make_provider
+
+KDISTILL_PROVIDERS = ("triton", "reference", "dense")
+
+
+def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
+    """The card's bf16 matmul rate, measured now: an n x n x n GEMM, median of `reps`."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n**3 / statistics.median(times) / 1e12
 
 
 def dense_loss(student, teacher, ids, labels, alpha, T):
@@ -46,24 +79,18 @@ def dense_loss(student, teacher, ids, labels, alpha, T):
     return (1 - alpha) * ce + alpha * T * T * kl
 
 
-def bench(provider: str, cfg, t_spec, s_spec, batches, steps: int, profile: bool = False) -> dict:
+def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callable[[], int]]:
+    """(step(ids, labels) -> loss, jit_after_prewarm) for one of kdistill's providers."""
     dev = torch.device("cuda")
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     kernels = "reference" if provider in ("reference", "dense") else "triton"
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels))
-    t0 = time.time()
     sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
-    prewarm_s = time.time() - t0
     teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
     student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
     opt = make_optimizer(student, cfg.optim)
     amp = torch.autocast("cuda", dtype=torch.bfloat16)
-    times = []
-    for i in range(steps + 2):
-        ids, labels = batches[i % len(batches)]
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         if provider == "dense":
             loss = dense_loss(student, teacher, ids, labels, cfg.kd.alpha, cfg.kd.temperature)
@@ -71,27 +98,56 @@ def bench(provider: str, cfg, t_spec, s_spec, batches, steps: int, profile: bool
             loss = compute_loss(student, teacher, ids, labels, cfg, amp).loss
         loss.backward()
         opt.step()
-        torch.cuda.synchronize()
-        if i >= 2:  # two warm-up steps
-            times.append(time.perf_counter() - start)
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
+        return loss.detach()
 
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for ids, labels in batches[:2]:
-                opt.zero_grad(set_to_none=True)
-                if provider == "dense":
-                    loss = dense_loss(student, teacher, ids, labels, cfg.kd.alpha, cfg.kd.temperature)
-                else:
-                    loss = compute_loss(student, teacher, ids, labels, cfg, amp).loss
-                loss.backward()
-                opt.step()
-            torch.cuda.synchronize()
-        print(f"--- {provider}: top CUDA kernels over 2 steps")
-        print(
-            prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=70)
-        )
+    return step, sess.jit_after_prewarm
+
+
+def time_steps(step: Callable, batches: list, steps: int, warmup: int) -> tuple[list[float], float]:
+    """Per-step seconds (CUDA events) of `steps` steps after `warmup` untimed ones; the last loss."""
+    times = []
+    loss = torch.zeros(())
+    for i in range(warmup + steps):
+        ids, labels = batches[i % len(batches)]
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        loss = step(ids, labels)
+        e.record()
+        e.synchronize()
+        if i >= warmup:
+            times.append(s.elapsed_time(e) / 1e3)
+    return times, float(loss)
+
+
+def profile_steps(step: Callable, batches: list, provider: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for ids, labels in batches[:2]:
+            step(ids, labels)
+        torch.cuda.synchronize()
+    print(f"--- {provider}: top CUDA kernels over 2 steps")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a) -> dict:
+    """One provider at one batch size: build, warm up, time, free."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    jit: Callable[[], int | None] = lambda: None  # noqa: E731
+    if provider in KDISTILL_PROVIDERS:
+        step, jit = kdistill_step(provider, cfg, t_spec, s_spec)
+    else:
+        step = make_provider(
+            provider, pair[0], pair[1], alpha=cfg.kd.alpha, temperature=cfg.kd.temperature
+        ).step
+    setup_s = time.perf_counter() - t0
+    times, loss = time_steps(step, batches, a.steps, a.warmup)
+    if a.profile:
+        profile_steps(step, batches, provider)
     tokens = batches[0][0].numel()
     med = statistics.median(times)
     out = {
@@ -99,12 +155,23 @@ def bench(provider: str, cfg, t_spec, s_spec, batches, steps: int, profile: bool
         "median_step_s": med,
         "tokens_per_s": tokens / med,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "final_loss": float(loss.detach()),
-        "prewarm_s": prewarm_s,
-        "jit_after_prewarm": sess.jit_after_prewarm(),
-        "spread_s": max(times) - min(times),
+        "final_loss": loss,
+        "setup_s": setup_s,
+        "jit_after_prewarm": jit(),
+        "step_times_s": times,
     }
-    del teacher, student, opt
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def make_batches(vocab: int, batch: int, seq_len: int, n: int = 3) -> list:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (batch, seq_len + 1), device="cuda", generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
 
 
@@ -112,73 +179,98 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="qwen2.5-1.5b:qwen2.5-0.5b")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", default="4,8,16", help="comma-separated batch sizes")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--providers", default="triton,reference,dense")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--providers", default="triton,hf,liger,liger-bf16")
+    ap.add_argument("--quick", action="store_true", help="batch 8, 5 timed steps (under 5 minutes)")
     ap.add_argument("--json", default=None)
-    ap.add_argument(
-        "--profile", action="store_true", help="print the top CUDA kernels of two steps per provider"
-    )
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of two steps")
     a = ap.parse_args()
+    if a.quick:
+        a.batch, a.steps, a.warmup = "8", 5, 2
     t_name, s_name = a.pair.split(":")
-    cfg = load_config(
-        None,
-        [
-            f"teacher.path={t_name}",
-            f"student.path={s_name}",
-            f"data.seq_len={a.seq_len}",
-            f"schedule.batch_size={a.batch}",
-            "kd.chunk_size=4096",
-        ],
-    ).validate()
-    t_spec, s_spec = load_spec(t_name), load_spec(s_name)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    batches = []
-    for _ in range(3):
-        x = torch.randint(0, s_spec.vocab_size, (a.batch, a.seq_len + 1), device="cuda", generator=g)
-        batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-    plan = make_plan(cfg, t_spec, s_spec)
+    providers = a.providers.split(",")
+    unknown = [p for p in providers if p not in KDISTILL_PROVIDERS + HF_PROVIDERS]
+    if unknown:
+        raise SystemExit(f"unknown providers {unknown}; choose from {KDISTILL_PROVIDERS + HF_PROVIDERS}")
     name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 790.0)
-    floor_s = plan["flops_per_step"] / (peak * 1e12)
-    rows = []
-    for p in a.providers.split(","):
-        try:
-            rows.append(bench(p, cfg, t_spec, s_spec, batches, a.steps, a.profile))
-        except torch.OutOfMemoryError:
-            rows.append({"provider": p, "error": "out of memory"})
-            torch.cuda.empty_cache()
-        runtime.configure(cfg, device="cuda")
+    peak = matmul_tflops()
+    t_spec, s_spec = load_spec(t_name), load_spec(s_name)
     result = {
         "device": name,
         "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "liger_kernel": _version("liger_kernel"),
         "pair": a.pair,
         "seq_len": a.seq_len,
-        "batch": a.batch,
-        "tokens_per_step": a.batch * a.seq_len,
-        "flops_per_step": plan["flops_per_step"],
-        "flop_floor_s": floor_s,
+        "matmul_tflops_measured": peak,
         "date": time.strftime("%Y-%m-%d"),
-        "rows": rows,
+        "command": "python3 benchmarks/kd_throughput.py " + " ".join(sys.argv[1:]),
+        "runs": [],
     }
+    print(f"{name}: bf16 matmul {peak:.0f} TFLOP/s (8192^3, measured now)")
+    for batch in [int(b) for b in a.batch.split(",")]:
+        cfg = load_config(
+            None,
+            [
+                f"teacher.path={t_name}",
+                f"student.path={s_name}",
+                f"data.seq_len={a.seq_len}",
+                f"schedule.batch_size={batch}",
+                "kd.chunk_size=4096",
+            ],
+        ).validate()
+        plan = make_plan(cfg, t_spec, s_spec)
+        floor_s = plan["flops_per_step"] / (peak * 1e12)
+        batches = make_batches(s_spec.vocab_size, batch, a.seq_len)
+        rows = []
+        for p in providers:
+            try:
+                row = bench(p, cfg, t_spec, s_spec, (t_name, s_name), batches, a)
+                row["mfu"] = floor_s / row["median_step_s"]
+            except torch.OutOfMemoryError:
+                row = {"provider": p, "error": "OOM"}
+            rows.append(row)
+            gc.collect()
+            torch.cuda.empty_cache()
+        result["runs"].append(
+            {
+                "batch": batch,
+                "tokens_per_step": batch * a.seq_len,
+                "flops_per_step": plan["flops_per_step"],
+                "flop_floor_s": floor_s,
+                "rows": rows,
+            }
+        )
+        print_table(name, a.pair, batch, a.seq_len, floor_s, rows)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def print_table(name: str, pair: str, batch: int, seq: int, floor_s: float, rows: list[dict]) -> None:
+    print(f"\n{name}, {pair}, batch {batch} x seq {seq}; FLOP floor {floor_s * 1e3:.1f} ms/step")
     print(
-        f"{name}, {a.pair}, batch {a.batch} x seq {a.seq_len}; FLOP floor {floor_s * 1e3:.1f} ms/step "
-        f"({plan['flops_per_step'] / 1e12:.1f} TFLOP at {peak:.0f} TFLOP/s)"
-    )
-    print(
-        f"{'provider':>10} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'x floor':>8} {'loss':>8} {'jit':>4}"
+        f"{'provider':>11} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'MFU':>6} {'loss':>8} {'jit':>4}"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['provider']:>10} {r['error']}")
+            print(f"{r['provider']:>11} {r['error']}")
             continue
+        jit = "-" if r["jit_after_prewarm"] is None else str(r["jit_after_prewarm"])
         print(
-            f"{r['provider']:>10} {r['median_step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.2f} "
-            f"{r['median_step_s'] / floor_s:>8.2f} {r['final_loss']:>8.3f} {r['jit_after_prewarm']:>4}"
+            f"{r['provider']:>11} {r['median_step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10.0f} "
+            f"{r['peak_gib']:>9.2f} {r['mfu']:>6.1%} {r['final_loss']:>8.3f} {jit:>4}"
         )
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Durable file writes and content hashes: the only copies in the package.
 
-    atomic_write_text(path, text)       # temp file in the same folder, fsync, rename, fsync the folder
-    atomic_write_json(path, obj)
-    write_json_durable(path, obj)       # write + fsync in place (inside a temp folder renamed later)
-    fsync_dir(folder)
-    file_sha256(path)
+atomic_write_text(path, text)       # temp file in the same folder, fsync, rename, fsync the folder
+atomic_write_json(path, obj)
+write_json_durable(path, obj)       # write + fsync in place (inside a temp folder renamed later)
+fsync_dir(folder)
+file_sha256(path)
 """
 
 from __future__ import annotations
