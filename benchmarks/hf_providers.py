@@ -60,7 +60,7 @@ def _model(name: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        m = transformers.AutoModelForCausalLM.from_config(_hf_config(name), torch_dtype=dtype)
+        m = transformers.AutoModelForCausalLM.from_config(_hf_config(name), dtype=dtype)
     return m
 
 
