@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--providers", default="triton,hf,liger,liger-bf16")
+    ap.add_argument("--chunk-size", type=int, default=None, help="kd.chunk_size (default: the config's)")
     ap.add_argument("--quick", action="store_true", help="batch 8, 5 timed steps (under 5 minutes)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of two steps")
@@ -208,7 +209,7 @@ def main() -> None:
         "seq_len": a.seq_len,
         "matmul_tflops_measured": peak,
         "date": time.strftime("%Y-%m-%d"),
-        "command": "python3 benchmarks/kd_throughput.py " + " ".join(sys.argv[1:]),
+        "command": "python3 benchmarks/kd_throughput.py " + _argv_for_record(),
         "runs": [],
     }
     print(f"{name}: bf16 matmul {peak:.0f} TFLOP/s (8192^3, measured now)")
@@ -220,7 +221,7 @@ def main() -> None:
                 f"student.path={s_name}",
                 f"data.seq_len={a.seq_len}",
                 f"schedule.batch_size={batch}",
-                "kd.chunk_size=4096",
+                *([f"kd.chunk_size={a.chunk_size}"] if a.chunk_size else []),
             ],
         ).validate()
         plan = make_plan(cfg, t_spec, s_spec)
@@ -243,6 +244,7 @@ def main() -> None:
                 "batch": batch,
                 "tokens_per_step": batch * a.seq_len,
                 "flops_per_step": plan["flops_per_step"],
+                "kd_chunk_size": cfg.kd.chunk_size,
                 "flop_floor_s": floor_s,
                 "rows": rows,
             }
@@ -274,6 +276,15 @@ def _version(module: str) -> str | None:
         return __import__(module).__version__
     except Exception:
         return None
+
+
+def _argv_for_record() -> str:
+    """The command line as run, with the output file named by its base name only."""
+    args = list(sys.argv[1:])
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--json":
+            args[i + 1] = "benchmarks/results/" + args[i + 1].rsplit("/", 1)[-1]
+    return " ".join(args)
 
 
 if __name__ == "__main__":

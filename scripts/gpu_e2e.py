@@ -129,7 +129,7 @@ def main() -> None:
         )
     )
     print(
-        f"{'run':>4} {'jit_after':>9} {'compiled':>8} {'cached':>6} {'prewarm_s':>9} {'tok/s':>9} "
+        f"{'run':>4} {'jit_after':>9} {'compiled':>8} {'cached':>6} {'prewarm_s':>9} {'tok/s':>9} {'steady':>9} "
         f"{'peak_GiB':>8} {'plan_GiB':>8} {'loss0':>7} {'lossN':>7}"
     )
     for r in results:
@@ -138,7 +138,8 @@ def main() -> None:
         pw = r.get("kernels", {}).get("prewarm", {})
         print(
             f"{r['run']:>4} {r['jit_after_prewarm']:>9} {pw.get('compiled', '-'):>8} {pw.get('from_cache', '-'):>6} "
-            f"{pw.get('seconds', 0):>9.1f} {r['tokens_per_s']:>9.0f} {r.get('peak_memory_gib', 0):>8.2f} "
+            f"{pw.get('seconds', 0):>9.1f} {r['tokens_per_s']:>9.0f} {r.get('tokens_per_s_steady') or 0:>9.0f} "
+            f"{r.get('peak_memory_gib', 0):>8.2f} "
             f"{r.get('planned_memory_gib', 0):>8.2f} {r['initial_loss']:>7.3f} {r['final_loss']:>7.3f}"
         )
 

@@ -252,6 +252,47 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+class _SwiGLUDown(torch.autograd.Function):
+    """y = swiglu(gate, up) @ weight^T that does not keep swiglu(gate, up) for backward.
+
+    A plain `down_proj(swiglu(gate, up))` stores the (N, I) SwiGLU output for the weight gradient,
+    on top of gate and up that the SwiGLU backward stores anyway. Here backward recomputes it from
+    gate and up (one elementwise pass through the same swiglu op and key) and then runs the same two
+    GEMMs a Linear would: d weight = dy^T h, d h = dy weight. Under autocast the weight is used in the
+    autocast dtype and its gradient returned in the weight's own dtype, as autocast's linear does.
+    """
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = swiglu(gate, up)  # (..., I)
+        ctx.save_for_backward(gate, up, weight)
+        return torch.nn.functional.linear(h, weight.to(h.dtype))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gate, up, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            g = gate.detach().requires_grad_(True)
+            u = up.detach().requires_grad_(True)
+            h = swiglu(g, u)  # recomputed: (..., I)
+        w = weight.to(h.dtype)
+        dy = dy.to(h.dtype)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ h.detach().reshape(-1, h.shape[-1])  # (H, I)
+        dh = dy @ w  # (..., I)
+        dg, du = torch.autograd.grad(h, (g, u), dh)
+        return dg, du, dw.to(weight.dtype)
+
+
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's `down_proj(silu(gate) * up)` with weight (H, I), recomputing the SwiGLU output in
+    backward instead of storing it: the same values, I elements per token less kept for backward."""
+    if torch.is_autocast_enabled(gate.device.type):
+        # the custom Function sees autocast's output dtype for gate/up; keep the GEMM in that dtype
+        with torch.autocast(gate.device.type, enabled=False):
+            return _SwiGLUDown.apply(gate, up, weight)
+    return _SwiGLUDown.apply(gate, up, weight)
+
+
 # -- attention (a library call: recorded so that prewarm runs SDPA at this shape) ---------------------
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D)."""

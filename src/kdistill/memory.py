@@ -20,11 +20,12 @@ GIB = 1024**3
 
 # Saved-for-backward bytes per token per layer, per unit of width, for the bf16-autocast student on
 # the kernel path. Counted from the decoder's ops: two fp32 residual sums kept by the fused norms (8H)
-# and five bf16 casts of normed inputs for the q/k/v/gate/up projections (10H); q, k, v saved by SDPA,
-# its output and o_proj's input (about 6 per unit of q + 2kv); gate, up and the SwiGLU output (6I).
+# and five bf16 casts of normed inputs for the q/k/v/gate/up projections (10H); q and SDPA's output
+# (4 per unit of q width) and k, v at their own kv width (SDPA reads the shared heads itself: 4 per
+# unit of kv width); gate and up (4I: the SwiGLU output is recomputed in backward, not kept).
 # Checked against torch.cuda.max_memory_allocated on an H200 (docs/memory.md).
-ACT_COEF_GPU = {"hidden": 18.0, "inter": 6.0, "qkv": 6.0}
-ACT_COEF_CPU = {"hidden": 28.0, "inter": 16.0, "qkv": 12.0}  # fp32 everywhere, reference ops
+ACT_COEF_GPU = {"hidden": 18.0, "inter": 4.0, "q": 4.0, "kv": 4.0}
+ACT_COEF_CPU = {"hidden": 28.0, "inter": 12.0, "q": 12.0, "kv": 24.0}  # fp32 everywhere, reference ops
 
 
 def estimate_memory(
@@ -53,7 +54,8 @@ def estimate_memory(
     per_tok_layer = (
         coef["hidden"] * student.hidden_size
         + coef["inter"] * student.intermediate_size
-        + coef["qkv"] * (student.q_size + 2 * student.kv_size)
+        + coef["q"] * student.q_size
+        + coef["kv"] * student.kv_size
     )
     vocab = student.vocab_size
     chunk = min(cfg.kd.chunk_size, n)

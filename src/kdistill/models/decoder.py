@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdistill.dispatch import add_rmsnorm, apply_rope, attention, rmsnorm, swiglu
+from kdistill.dispatch import add_rmsnorm, apply_rope, attention, rmsnorm, swiglu, swiglu_down
 from kdistill.models.spec import ModelSpec, rope_inv_freq
 
 
@@ -86,7 +86,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I)
+        if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:
+            return swiglu_down(gate, up, self.down_proj.weight)  # SwiGLU output recomputed in backward
+        return self.down_proj(swiglu(gate, up))  # a wrapped down_proj (adapters) runs as a module
 
 
 class Block(nn.Module):

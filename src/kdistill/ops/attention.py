@@ -12,9 +12,8 @@ import torch.nn.functional as F
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(D)) v with k/v heads shared by groups of q heads."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Causal softmax(q k^T / sqrt(D)) v with k/v heads shared by groups of q heads.
+
+    SDPA's own grouped-query support (`enable_gqa`) reads each k/v head for its group of q heads, so
+    no (B, Hq, T, D) copies of k and v are made, stored for backward, or reduced in backward."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])

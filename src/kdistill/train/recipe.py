@@ -86,6 +86,13 @@ class Run:
     start_step: int
     metrics: MetricsWriter | NullWriter
     eval_log: MetricsWriter | NullWriter
+    # this process's steps after its first WARMUP_STEPS: [seconds, tokens, steps] (not resumed)
+    steady: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+
+# Steps of each process left out of the steady-state rate: the first ones pay one-time costs
+# (allocator growth, library autotuning, lazy CUDA context work) that the rest of the run does not.
+WARMUP_STEPS = 2
 
 
 def stage(t_start: float, quiet: bool, msg: str) -> None:
@@ -380,6 +387,10 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
     """Add the step to the counters and write its metrics.jsonl line (returned)."""
     run.counters["train_seconds"] += seconds
     run.counters["tokens_seen"] += out.tokens
+    if step - run.start_step > WARMUP_STEPS:
+        run.steady[0] += seconds
+        run.steady[1] += out.tokens
+        run.steady[2] += 1
     row: dict[str, Any] = {
         "step": step,
         "loss": out.loss,
@@ -483,6 +494,8 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         "tokens_per_s": counters["tokens_seen"] / counters["train_seconds"]
         if counters["train_seconds"]
         else None,
+        # training steps only (no evals, checkpoints or set-up), after each process's first steps
+        "tokens_per_s_steady": run.steady[1] / run.steady[0] if run.steady[0] else None,
         "tokens_seen": counters["tokens_seen"],
         "nonfinite_skipped": counters["nonfinite_skipped"],
         "degenerate_batches": counters["degenerate_batches"],
