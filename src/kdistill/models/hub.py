@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kdistill.config import RunConfig
 from kdistill.errors import UserError
+from kdistill.models.presets import PRESETS
 
 # Files kdistill reads from a model repository (fnmatch patterns, top level only: see IGNORE_PATTERNS).
 ALLOW_PATTERNS = [
@@ -190,6 +192,28 @@ def resolve_model_path(text: str, *, field: str) -> ResolvedModel:
         )
     commit = path.name if _COMMIT.match(path.name) else _read_ref(cache, repo_id, revision)
     return ResolvedModel(path=path, repo_id=repo_id, revision=revision, commit=commit)
+
+
+def resolve_run_models(cfg: RunConfig) -> dict[str, ResolvedModel]:
+    """Resolve Hub names in `teacher.path` and `student.path` in place; return what each came from.
+
+    Presets come first (`qwen2.5-0.5b` is a preset, never a Hub name), then Hub names; local paths
+    (already rebased against the config's folder by `load_config`) stay as they are. The config's path
+    becomes the snapshot directory, so the saved config.yaml resumes from the very same commit.
+
+    Returns:
+        {"teacher": ResolvedModel, "student": ResolvedModel} for the fields that were Hub names.
+    """
+    out: dict[str, ResolvedModel] = {}
+    for name in ("teacher", "student"):
+        section = getattr(cfg, name)
+        text = str(section.path).strip()
+        if not text or text.lower() in PRESETS or not is_hub_name(text):
+            continue
+        resolved = resolve_model_path(text, field=f"{name}.path")
+        section.path = str(resolved.path)
+        out[name] = resolved
+    return out
 
 
 def _repo_folder(cache: Path, repo_id: str) -> Path:

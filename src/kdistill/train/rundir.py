@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import platform
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -54,9 +56,14 @@ def print_config(cfg: RunConfig, quiet: bool) -> None:
         print("  " + yaml.safe_dump(cfg.to_dict(), sort_keys=False).replace("\n", "\n  ").rstrip())
 
 
-def start_run_dir(cfg: RunConfig, run_dir: Path, device: str) -> None:
-    """manifest.json (versions, device, file hashes) and config.yaml (what --resume reads back)."""
-    atomic_write_json(run_dir / "manifest.json", make_manifest(cfg.to_dict(), device, device_name(device)))
+def start_run_dir(cfg: RunConfig, run_dir: Path, device: str, hub: Mapping[str, Any] | None = None) -> None:
+    """manifest.json (versions, device, file hashes; for models named on the Hugging Face Hub, the repo,
+    revision and commit used: `hub` maps teacher/student to a ResolvedModel) and config.yaml (what
+    --resume reads back)."""
+    manifest = make_manifest(cfg.to_dict(), device, device_name(device))
+    if hub:
+        manifest["hub"] = {name: m.manifest() for name, m in hub.items()}
+    atomic_write_json(run_dir / "manifest.json", manifest)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
