@@ -36,11 +36,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kdistill.config import TRACKERS
 from kdistill.errors import UserError
 
 log = logging.getLogger(__name__)
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 FIELD = "output.report_to"
 
 Rows = Sequence[Mapping[str, Any]]
