@@ -79,3 +79,31 @@ def test_import_kdistill_is_cheap() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", kdistill.__version__, "UserError"]
+
+
+def test_resolved_config_is_printed_as_a_diff_from_the_defaults(tmp_path: Path, capsys) -> None:
+    from kdistill.api import build_config
+    from kdistill.train.rundir import config_diff, print_config
+
+    cfg = build_config(kdistill.RunConfig(), **{"kd.alpha": 0.3, "data.train": ["a.txt"]})
+    assert config_diff(cfg) == {"data.train": ["a.txt"], "kd.alpha": 0.3}
+    print_config(cfg, quiet=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("resolved config (2 fields differ from the defaults")
+    assert lines[1:] == ["  data.train: [a.txt]", "  kd.alpha: 0.3"]
+
+
+def test_version_names_torch_triton_and_cuda(capsys) -> None:
+    import torch
+
+    from kdistill.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"kdistill {kdistill.__version__}" and lines[1] == f"torch {torch.__version__}"
+    assert (
+        lines[2].startswith("triton ")
+        and lines[3] == f"cuda {torch.version.cuda or 'none (CPU build of torch)'}"
+    )

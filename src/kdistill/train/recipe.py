@@ -529,6 +529,6 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         planned = estimate_memory(run.teacher_spec, run.student_spec, run.cfg, batch=per_process)["total"]
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         summary["planned_memory_gib"] = planned / GIB
-    summary["heldout"]["student"] = summary["heldout"].get("student_loss")
-    summary["heldout"]["teacher"] = summary["heldout"].get("teacher_loss")
+    else:
+        summary["kernels"].pop("arch", None)  # the arch of a GPU that did not run: only on a GPU run
     return summary

@@ -1,7 +1,7 @@
 """The run folder before and around training: refuse to clobber, start it, clean up a failed start.
 
 prepare_output(run_dir, overwrite=False)        # one-line error if it holds a run, or is not writable
-print_config(cfg, quiet)                        # "resolved config:" and the YAML
+print_config(cfg, quiet)                        # the fields that differ from the defaults
 start_run_dir(cfg, run_dir, "cpu")              # manifest.json and config.yaml
 discard_unstarted(run_dir, fresh)               # after a failure before the first step
 """
@@ -50,10 +50,29 @@ def prepare_output(run_dir: Path, overwrite: bool) -> None:
 
 
 def print_config(cfg: RunConfig, quiet: bool) -> None:
-    """Print the resolved config (every default filled in) as YAML, unless quiet."""
-    if not quiet:
-        print("resolved config:")
-        print("  " + yaml.safe_dump(cfg.to_dict(), sort_keys=False).replace("\n", "\n  ").rstrip())
+    """Print the resolved config as the fields that differ from the defaults, unless quiet (the whole
+    config goes to RUN_DIR/config.yaml)."""
+    if quiet:
+        return
+    changed = config_diff(cfg)
+    print(
+        f"resolved config ({len(changed)} fields differ from the defaults; all in {cfg.output.dir}/config.yaml):"
+    )
+    for key, value in changed.items():
+        print(
+            f"  {key}: {yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix('...').strip()}"
+        )
+
+
+def config_diff(cfg: RunConfig) -> dict[str, Any]:
+    """{"section.field": value} for every field whose value differs from RunConfig()'s, in config order."""
+    defaults = RunConfig().to_dict()
+    return {
+        f"{section}.{field}": value
+        for section, fields in cfg.to_dict().items()
+        for field, value in fields.items()
+        if defaults.get(section, {}).get(field) != value
+    }
 
 
 def start_run_dir(cfg: RunConfig, run_dir: Path, device: str, hub: Mapping[str, Any] | None = None) -> None:
