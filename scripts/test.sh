@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv, lint, cross-compile the kernel plans without a GPU, and
-# run the test suite (GPU-marked tests are deselected here; run them on a GPU with `-m gpu`).
+# run the test suite (GPU-marked tests are deselected here; run them on a GPU with `-m gpu`), then
+# install the built wheel into a clean venv without Triton and run it there (scripts/ci_wheel.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,4 +12,6 @@ echo "== kernels build (no GPU): demo pair and qwen2.5-1.5b -> qwen2.5-0.5b"
 .venv/bin/kdistill kernels build --arch sm_80,sm_89,sm_90,sm_100,sm_120 src/kdistill/demo/demo.yaml
 .venv/bin/kdistill kernels build --arch sm_80,sm_89,sm_90,sm_100,sm_120 qwen2.5-1.5b:qwen2.5-0.5b
 echo "== pytest"
-exec .venv/bin/python -m pytest -m "not gpu" -q "$@"
+.venv/bin/python -m pytest -m "not gpu" -q "$@"
+echo "== wheel in a clean venv without Triton"
+exec bash scripts/ci_wheel.sh

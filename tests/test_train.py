@@ -97,7 +97,8 @@ def test_tiny_run_beats_initial_weights_and_leaves_evidence(tmp_path, capsys, st
     assert summary["smoke_passed"] is True and summary["final_loss"] < summary["initial_loss"]
     assert summary["tokens_per_s"] > 0 and summary["tokens_seen"] == 30 * 4 * 32
     h = summary["heldout"]
-    assert h["student"] == h["student_loss"] and h["teacher"] == h["teacher_loss"] > 0
+    assert set(h) == {"student_loss", "teacher_loss", "kl_to_teacher"} and h["teacher_loss"] > 0
+    assert "arch" not in summary["kernels"]  # no GPU ran
     assert h["kl_to_teacher"] > 0
     assert summary["nonfinite_skipped"] == 0
     # On the CPU nothing compiles (the kernels run on the GPU only): the run reports the reference

@@ -19,6 +19,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+import torch
+
 from kdistill import __version__
 from kdistill.commands.eval import eval_command
 from kdistill.commands.inspect import inspect_command
@@ -42,11 +44,33 @@ def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None
     )
 
 
+def version_text() -> str:
+    """`kdistill --version`: kdistill, torch, Triton (or "not installed") and CUDA (torch's build, or "none")."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    cuda = torch.version.cuda or "none (CPU build of torch)"
+    return f"kdistill {__version__}\ntorch {torch.__version__}\ntriton {triton_version}\ncuda {cuda}"
+
+
+class VersionAction(argparse.Action):
+    """--version: the versions are read only when asked (Triton may take a while to import)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kdistill", description="Logit knowledge distillation of causal LMs."
     )
-    parser.add_argument("--version", action="version", version=f"kdistill {__version__}")
+    parser.add_argument(
+        "--version", action=VersionAction, nargs=0, help="show kdistill, torch, Triton and CUDA versions"
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     parser.add_argument(
         "--log-kernels",

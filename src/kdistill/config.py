@@ -8,7 +8,7 @@ A run config is YAML with these sections (every field has a default except the m
     kd:       {alpha, temperature, divergence, beta, chunk_size, ignore_index}
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
-    output:   {dir, keep_checkpoints}
+    output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
     runtime:  {device, dtype, kernels, strict_kernels, arch, on_nonfinite, max_nonfinite, auto_fit}
 
 Command-line overrides are dotted: `kd.temperature=2 output.dir=runs/a`. Unknown keys are one-line
@@ -31,6 +31,7 @@ from kdistill.dtypes import LONG_NAMES
 from kdistill.errors import UserError
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # output.report_to (kdistill.train.trackers opens them)
 
 
 @dataclasses.dataclass
@@ -132,9 +133,15 @@ class ScheduleConfig:
 class OutputConfig:
     dir: str = "runs/kdistill"
     keep_checkpoints: int = 2
+    report_to: list[str] = dataclasses.field(default_factory=list)  # tensorboard, wandb, mlflow
 
     def validate(self) -> None:
         _positive("output.keep_checkpoints", self.keep_checkpoints)
+        for name in self.report_to:
+            if name not in TRACKERS:
+                raise UserError(
+                    f"output.report_to has '{name}', expected a list of: {', '.join(TRACKERS)} (or [] for none)"
+                )
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kdistill.config import RunConfig, load_config
 from kdistill.errors import UserError
+from kdistill.models.hub import resolve_run_models
 from kdistill.models.spec import ModelSpec, load_spec
 
 
@@ -18,8 +19,9 @@ def resolve_run(config: str | None, overrides: Sequence[str] = ()) -> tuple[RunC
     """(validated RunConfig, teacher spec, student spec) from CONFIG plus dotted overrides.
 
     CONFIG is a YAML run config when it is an existing file, ends in .yaml/.yml or has no ':';
-    otherwise it is a 'TEACHER:STUDENT' pair of presets or model directories. The specs are read from
-    config.json alone (no weights).
+    otherwise it is a 'TEACHER:STUDENT' pair of presets or model directories. Hugging Face names
+    (org/name[@revision]) are resolved to their cached snapshot. The specs are read from config.json
+    alone (no weights).
     """
     if not config:
         raise UserError("expected CONFIG: a YAML run config or a preset pair like qwen2.5-1.5b:qwen2.5-0.5b")
@@ -29,4 +31,5 @@ def resolve_run(config: str | None, overrides: Sequence[str] = ()) -> tuple[RunC
         teacher, student = config.split(":", 1)
         cfg = load_config(None, [f"teacher.path={teacher}", f"student.path={student}", *overrides])
     cfg.validate()
+    resolve_run_models(cfg)
     return cfg, load_spec(cfg.teacher.path), load_spec(cfg.student.path)

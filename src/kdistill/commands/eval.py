@@ -21,6 +21,7 @@ from kdistill.evaluate import eval_sequences, evaluate
 from kdistill.models.hf_io import load_model
 from kdistill.models.spec import load_spec
 from kdistill.models.tokenizer import IdsOnlyTokenizer, load_tokenizer
+from kdistill.train.corpus import expand_data_paths
 
 
 def _device(name: str) -> torch.device:
@@ -36,17 +37,55 @@ def _device(name: str) -> torch.device:
 
 def eval_command(args: Any) -> int:
     """`kdistill eval`: load --model and its tokenizer, read --data, score, print a table or JSON."""
-    seq_len = None if getattr(args, "seq_len", None) is None else int(args.seq_len)
-    batch_size = int(args.batch_size)
+    out = evaluate_model(
+        args.model,
+        list(args.data),
+        seq_len=getattr(args, "seq_len", None),
+        batch_size=args.batch_size,
+        packed=not args.no_pack,
+        device=getattr(args, "device", "auto") or "auto",
+        max_tokens=getattr(args, "max_tokens", None),
+    )
+    if args.json:
+        print_json(out)
+    else:
+        seq_len = out["seq_len"]
+        mode = f"packed, seq_len {seq_len}" if out["packed"] else f"one per document, truncated to {seq_len}"
+        rows = [
+            ("model", out["model"]),
+            ("data", ", ".join(out["data"])),
+            ("sequences", f"{out['sequences']} ({mode})"),
+            ("tokens", f"{out['tokens']:,}"),
+            ("loss", f"{out['loss']:.4f} nats/token"),
+            ("perplexity", f"{out['perplexity']:.3f}"),
+        ]
+        for k, v in rows:
+            print(f"{k:<11} {v}")
+    return 0
+
+
+def evaluate_model(
+    model: str | Path,
+    data: list[str],
+    *,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    packed: bool = True,
+    device: str = "auto",
+    max_tokens: int | None = None,
+) -> dict[str, Any]:
+    """Score a model directory on data files (`kdistill eval` and `kdistill.evaluate`): loss,
+    perplexity, tokens, sequences and what was scored, as one dict."""
+    seq_len = None if seq_len is None else int(seq_len)
+    batch_size = int(batch_size)
     if seq_len is not None and seq_len < 1:
         raise UserError(f"--seq-len is {seq_len}, expected a positive integer")
     if batch_size < 1:
         raise UserError(f"--batch-size is {batch_size}, expected a positive integer")
-    max_tokens = getattr(args, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens is {max_tokens}, expected a positive integer")
-    device = _device(getattr(args, "device", "auto") or "auto")
-    model_dir = Path(args.model)
+    dev = _device(device)
+    model_dir = Path(model)
     if not model_dir.is_dir():
         load_model(model_dir)  # raises the loader's one-line error (missing, pickle, GGUF, ...)
     spec = load_spec(model_dir)
@@ -67,37 +106,23 @@ def eval_command(args: Any) -> int:
     else:
         tok = IdsOnlyTokenizer(spec.vocab_size, str(model_dir))
 
-    files, _ = load_files(list(args.data), tok, TokenCache(cache_dir()), field="--data")
-    seqs = eval_sequences(files, tok.eos_id, seq_len, packed=not args.no_pack, max_tokens=max_tokens or 0)
+    # stdlib:heldout / stdlib:train name the demo corpus's splits, as in a run config.
+    files, _ = load_files(expand_data_paths(list(data)), tok, TokenCache(cache_dir()), field="--data")
+    seqs = eval_sequences(files, tok.eos_id, seq_len, packed=packed, max_tokens=max_tokens or 0)
 
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = load_model(model_dir, device=device, dtype=dtype)
-    model.eval()
-    result = evaluate(model, seqs, batch_size, device)
-    out = {
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    decoder = load_model(model_dir, device=dev, dtype=dtype)
+    decoder.eval()
+    result = evaluate(decoder, seqs, batch_size, dev)
+    return {
         "loss": result["loss"],
         "perplexity": result["perplexity"],
         "tokens": result["tokens"],
         "sequences": len(seqs),
-        "packed": not args.no_pack,
+        "packed": packed,
         "seq_len": seq_len,
         "model": str(model_dir),
-        "data": [str(d) for d in args.data],
-        "device": str(device),
+        "data": [str(d) for d in data],
+        "device": str(dev),
         "dtype": long_name(dtype),
     }
-    if args.json:
-        print_json(out)
-    else:
-        mode = f"packed, seq_len {seq_len}" if out["packed"] else f"one per document, truncated to {seq_len}"
-        rows = [
-            ("model", out["model"]),
-            ("data", ", ".join(out["data"])),
-            ("sequences", f"{out['sequences']} ({mode})"),
-            ("tokens", f"{out['tokens']:,}"),
-            ("loss", f"{out['loss']:.4f} nats/token"),
-            ("perplexity", f"{out['perplexity']:.3f}"),
-        ]
-        for k, v in rows:
-            print(f"{k:<11} {v}")
-    return 0

@@ -22,6 +22,7 @@ from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json
 from kdistill.demo.run import run_demo
 from kdistill.errors import UserError
+from kdistill.models.hub import resolve_run_models
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train.recipe import resolve_device, train
@@ -42,19 +43,27 @@ def run_command(args: argparse.Namespace) -> int:
     if is_demo(config_path, overrides):
         return run_demo(overrides, quiet=args.quiet, as_json=args.json)
     cfg = load_config(config_path, overrides).validate()
+    summary = new_run(cfg, overwrite=args.overwrite, quiet=args.quiet)
+    print_summary(summary, args.json)
+    return 0
+
+
+def new_run(cfg: RunConfig, *, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """A new run of a validated config in one process (`kdistill run` and `kdistill.distill`): Hub
+    names resolved, output.dir prepared, manifest and config written, trained; returns the summary.
+    A run that fails before its first step leaves nothing behind."""
+    hub = resolve_run_models(cfg)
     run_dir = Path(cfg.output.dir)
     fresh = not run_dir.exists()
-    prepare_output(run_dir, args.overwrite)
+    prepare_output(run_dir, overwrite)
     try:
-        print_config(cfg, args.quiet)
+        print_config(cfg, quiet)
         device, _ = resolve_device(cfg)
-        start_run_dir(cfg, run_dir, str(device))
-        summary = train(cfg, run_dir, quiet=args.quiet)
+        start_run_dir(cfg, run_dir, str(device), hub)
+        return train(cfg, run_dir, quiet=quiet)
     except BaseException:
         discard_unstarted(run_dir, fresh)
         raise
-    print_summary(summary, args.json)
-    return 0
 
 
 def run_distributed(args: argparse.Namespace) -> int:
@@ -68,6 +77,7 @@ def run_distributed(args: argparse.Namespace) -> int:
             raise UserError("the embedded demo runs in one process: give torchrun a run config (CONFIG)")
         cfg = load_config(config_path, overrides).validate()
         run_dir = Path(cfg.output.dir)
+    hub = resolve_run_models(cfg)
     device, _ = resolve_device(cfg)
     info = dist.init_from_env(device.type)
     if info.device is not None:
@@ -84,7 +94,7 @@ def run_distributed(args: argparse.Namespace) -> int:
             def start() -> None:
                 prepare_output(run_dir, args.overwrite)
                 print_config(cfg, args.quiet)
-                start_run_dir(cfg, run_dir, str(device))
+                start_run_dir(cfg, run_dir, str(device), hub)
 
             dist.run_on_main(start)
         try:

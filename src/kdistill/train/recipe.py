@@ -50,6 +50,7 @@ from kdistill.train.optim import make_optimizer
 from kdistill.train.resume import new_counters, restore_state, save_state
 from kdistill.train.signals import SignalGuard
 from kdistill.train.step import NonFinitePolicy, StepContext, StepResult, heldout_eval, train_step
+from kdistill.train.trackers import Trackers, open_trackers
 
 log = logging.getLogger("kdistill")
 
@@ -59,8 +60,14 @@ def train(
 ) -> dict[str, Any]:
     """Run (or resume) one distillation into run_dir and return its summary."""
     run = setup(cfg, run_dir, resume=resume, quiet=quiet, label=label)
-    status, step, last_eval = train_loop(run)
-    return finish(run, status, step, last_eval)
+    try:
+        status, step, last_eval = train_loop(run)
+        summary = finish(run, status, step, last_eval)
+    except BaseException:
+        run.trackers.close(failed=True)
+        raise
+    run.trackers.close()
+    return summary
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,6 +93,7 @@ class Run:
     start_step: int
     metrics: MetricsWriter | NullWriter
     eval_log: MetricsWriter | NullWriter
+    trackers: Trackers  # output.report_to, open on rank 0 only (none elsewhere)
     # this process's steps after its first WARMUP_STEPS: [seconds, tokens, steps] (not resumed)
     steady: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
 
@@ -154,9 +162,13 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=keep)
     dist.barrier()
     ctx = StepContext(cfg, student, teacher, opt, device, amp, rows)
+    # Last in setup, so nothing after it can fail before train() takes over closing them.
+    trackers = Trackers()
+    if cfg.output.report_to and dist.is_main():
+        trackers = open_trackers(cfg.output.report_to, run_dir, cfg.to_dict(), run_name=run_dir.name)
     return Run(
         cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, ctx, batcher,
-        held, counters, start_step, metrics, eval_log,
+        held, counters, start_step, metrics, eval_log, trackers,
     )  # fmt: skip
 
 
@@ -401,12 +413,31 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         "tokens_per_s": out.tokens / seconds if seconds > 0 else None,
         "jit_after_prewarm": run.kernels.jit_after_prewarm(),
     }
+    if run.device.type == "cuda":
+        row["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / GIB
     if out.skipped is not None:
         row["skipped"] = out.skipped
     if out.degenerate:
         row["degenerate"] = True
     run.metrics.write(row)
+    run.trackers.log(step, {TRACKER_KEYS.get(k, k): v for k, v in row.items() if k in TRACKER_KEYS})
     return row
+
+
+# metrics.jsonl and eval.jsonl names -> tracker scalar names
+TRACKER_KEYS = {
+    "loss": "train/loss",
+    "ce": "train/ce",
+    "kd": "train/kd",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "peak_memory_gib": "perf/peak_memory_gib",
+    "jit_after_prewarm": "kernels/jit_after_prewarm",
+    "student_loss": "heldout/student_loss",
+    "teacher_loss": "heldout/teacher_loss",
+    "kl_to_teacher": "heldout/kl_to_teacher",
+}
 
 
 def eval_line(step: int, res: dict[str, Any]) -> str:
@@ -436,6 +467,8 @@ class Evaluator:
         res["teacher_loss"] = self.teacher_loss
         res["step"] = step
         run.eval_log.write(res)
+        held = ("student_loss", "teacher_loss", "kl_to_teacher")
+        run.trackers.log(step, {TRACKER_KEYS[k]: res[k] for k in held if k in res})
         return res
 
 
@@ -509,6 +542,6 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         planned = estimate_memory(run.teacher_spec, run.student_spec, run.cfg, batch=per_process)["total"]
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         summary["planned_memory_gib"] = planned / GIB
-    summary["heldout"]["student"] = summary["heldout"].get("student_loss")
-    summary["heldout"]["teacher"] = summary["heldout"].get("teacher_loss")
+    else:
+        summary["kernels"].pop("arch", None)  # the arch of a GPU that did not run: only on a GPU run
     return summary

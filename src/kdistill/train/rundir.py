@@ -1,7 +1,7 @@
 """The run folder before and around training: refuse to clobber, start it, clean up a failed start.
 
 prepare_output(run_dir, overwrite=False)        # one-line error if it holds a run, or is not writable
-print_config(cfg, quiet)                        # "resolved config:" and the YAML
+print_config(cfg, quiet)                        # the fields that differ from the defaults
 start_run_dir(cfg, run_dir, "cpu")              # manifest.json and config.yaml
 discard_unstarted(run_dir, fresh)               # after a failure before the first step
 """
@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import platform
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -48,15 +50,39 @@ def prepare_output(run_dir: Path, overwrite: bool) -> None:
 
 
 def print_config(cfg: RunConfig, quiet: bool) -> None:
-    """Print the resolved config (every default filled in) as YAML, unless quiet."""
-    if not quiet:
-        print("resolved config:")
-        print("  " + yaml.safe_dump(cfg.to_dict(), sort_keys=False).replace("\n", "\n  ").rstrip())
+    """Print the resolved config as the fields that differ from the defaults, unless quiet (the whole
+    config goes to RUN_DIR/config.yaml)."""
+    if quiet:
+        return
+    changed = config_diff(cfg)
+    print(
+        f"resolved config ({len(changed)} fields differ from the defaults; all in {cfg.output.dir}/config.yaml):"
+    )
+    for key, value in changed.items():
+        print(
+            f"  {key}: {yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix('...').strip()}"
+        )
 
 
-def start_run_dir(cfg: RunConfig, run_dir: Path, device: str) -> None:
-    """manifest.json (versions, device, file hashes) and config.yaml (what --resume reads back)."""
-    atomic_write_json(run_dir / "manifest.json", make_manifest(cfg.to_dict(), device, device_name(device)))
+def config_diff(cfg: RunConfig) -> dict[str, Any]:
+    """{"section.field": value} for every field whose value differs from RunConfig()'s, in config order."""
+    defaults = RunConfig().to_dict()
+    return {
+        f"{section}.{field}": value
+        for section, fields in cfg.to_dict().items()
+        for field, value in fields.items()
+        if defaults.get(section, {}).get(field) != value
+    }
+
+
+def start_run_dir(cfg: RunConfig, run_dir: Path, device: str, hub: Mapping[str, Any] | None = None) -> None:
+    """manifest.json (versions, device, file hashes; for models named on the Hugging Face Hub, the repo,
+    revision and commit used: `hub` maps teacher/student to a ResolvedModel) and config.yaml (what
+    --resume reads back)."""
+    manifest = make_manifest(cfg.to_dict(), device, device_name(device))
+    if hub:
+        manifest["hub"] = {name: m.manifest() for name, m in hub.items()}
+    atomic_write_json(run_dir / "manifest.json", manifest)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
