@@ -7,6 +7,7 @@
     kdistill eval --model DIR --data FILE           held-out cross-entropy and perplexity
     kdistill inspect DIR                            architecture, sizes, tokenizer identity
     kdistill report RUN_DIR                         summary of a finished or interrupted run
+    kdistill export --run RUN_DIR [--merge] --out DIR   a LoRA run's adapters (PEFT layout) or merged model
 
 Errors a user can cause print one line and exit 2; `--debug` shows the traceback. This module is the
 argument parser and the command table; each command lives in kdistill.commands.
@@ -23,6 +24,7 @@ import torch
 
 from kdistill import __version__
 from kdistill.commands.eval import eval_command
+from kdistill.commands.export import export_command
 from kdistill.commands.inspect import inspect_command
 from kdistill.commands.kernels import build_command, prewarm_command
 from kdistill.commands.plan import plan_command
@@ -126,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="readable summary of a finished or interrupted run")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser(
+        "export", help="a LoRA run's adapters (PEFT layout), or merged into the base with --merge"
+    )
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="a completed LoRA run")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument(
+        "--merge", action="store_true", help="fold the adapters into the base: a Hugging Face model"
+    )
     return parser
 
 
@@ -137,6 +148,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "eval": eval_command,
     "inspect": inspect_command,
     "report": report_command,
+    "export": export_command,
 }
 
 
@@ -147,7 +159,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "kernels" and args.kernels_command != "build":
         raise UserError("kernels: expected a subcommand: build")
     if cmd not in COMMANDS:
-        raise UserError("expected a command: run, plan, prewarm, kernels, eval, inspect, report (see --help)")
+        raise UserError(
+            "expected a command: run, plan, prewarm, kernels, eval, inspect, report, export (see --help)"
+        )
     return COMMANDS[cmd](args)
 
 

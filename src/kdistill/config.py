@@ -3,7 +3,8 @@
 A run config is YAML with these sections (every field has a default except the model paths):
 
     teacher:  {path: DIR}
-    student:  {path: DIR | config.json | preset, init: auto|pretrained|random|teacher_layers}
+    student:  {path: DIR | config.json | preset, init: auto|pretrained|random|teacher_layers,
+               lora: {rank, alpha, dropout, targets, base_dtype}}
     data:     {train: [PATH, ...], heldout: [PATH, ...], heldout_fraction, seq_len, max_tokens}
     kd:       {alpha, temperature, divergence, beta, chunk_size, ignore_index}
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
@@ -39,13 +40,55 @@ class TeacherConfig:
     path: str = ""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """LoRA adapters on a frozen student: rank 0 (the default) trains the whole student instead."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    targets: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    base_dtype: str = "float32"  # the frozen base's weights: float32 | bfloat16 (adapters stay fp32)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise UserError(f"student.lora.rank is {self.rank}, expected 0 (off) or a positive integer")
+        _positive("student.lora.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"student.lora.dropout is {self.dropout}, expected a number in [0, 1)")
+        if not self.targets:
+            raise UserError(f"student.lora.targets is empty, expected some of: {', '.join(LORA_TARGETS)}")
+        for t in self.targets:
+            if t not in LORA_TARGETS:
+                raise UserError(
+                    f"student.lora.targets has '{t}', expected some of: {', '.join(LORA_TARGETS)}"
+                )
+        if len(set(self.targets)) != len(self.targets):
+            raise UserError(f"student.lora.targets lists a name twice: {', '.join(self.targets)}")
+        _choice("student.lora.base_dtype", self.base_dtype, ("float32", "bfloat16"))
+
+
 @dataclasses.dataclass
 class StudentConfig:
     path: str = ""
     init: str = "auto"  # auto: pretrained if path holds weights, else random
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         _choice("student.init", self.init, ("auto", "pretrained", "random", "teacher_layers"))
+        self.lora.validate()
+        if self.lora.enabled and self.init not in ("auto", "pretrained"):
+            raise UserError(
+                f"student.init is '{self.init}' with student.lora: LoRA trains adapters on a pretrained "
+                "student (student.init auto or pretrained, and weights in student.path)"
+            )
 
 
 @dataclasses.dataclass

@@ -366,9 +366,12 @@ def kd_loss(
     beta: float = 0.5,
     ignore_index: int = -100,
     chunk_size: int,
+    teacher_logprobs: torch.Tensor | None = None,
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads (see
-    kdistill.ops.kd_loss), each chunk on the KD head kernel or its reference."""
+    kdistill.ops.kd_loss), each chunk on the KD head kernel or its reference. With teacher_logprobs
+    (N, Vt) (a teacher cache) the chunk's teacher logits are those rows instead of t_hidden x t_weight;
+    the KD head kernel takes teacher logits either way, so the kernel and its key are the same."""
     return kd_ops.kd_loss(
         s_hidden,
         s_weight,
@@ -382,4 +385,5 @@ def kd_loss(
         ignore_index=ignore_index,
         chunk_size=chunk_size,
         chunk_fn=_kd_chunk,
+        teacher_logprobs=teacher_logprobs,
     )

@@ -59,19 +59,32 @@ def estimate_memory(
     )
     vocab = student.vocab_size
     chunk = min(cfg.kd.chunk_size, n)
+    lora = cfg.student.lora
+    # A LoRA student: a frozen base (in lora.base_dtype, no gradient, no optimizer state, no cached
+    # autocast copy: autocast caches casts of trainable leaves only) and fp32 adapters that train.
+    trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else ps
+    base_bytes = (2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4
     fixed = {
         "teacher_weights": pt * act_bytes,
-        "student_weights": ps * 4,
-        "optimizer_state": ps * 8,
-        "autocast_weight_copies": ps * 2 if gpu else 0,
+        "student_weights": ps * base_bytes + (trainable * 4 if lora.enabled else 0),
+        "optimizer_state": trainable * 8,
+        "autocast_weight_copies": trainable * 2 if gpu else 0,
     }
+    head_grad = 0 if lora.enabled else vocab * student.hidden_size * 4  # a frozen lm_head has none
     forward_peak = {
         "student_activations": int(n * student.num_layers * per_tok_layer) + n * student.hidden_size * 4,
         "teacher_hidden": n * teacher.hidden_size * act_bytes,
-        "loss_gradients": n * student.hidden_size * 4 + vocab * student.hidden_size * 4,
+        "loss_gradients": n * student.hidden_size * 4 + head_grad,
         "loss_chunk_logits": 2 * chunk * vocab * 4,
     }
-    optimizer_phase = ps * 4 * 2  # gradients plus AdamW's foreach temporaries
+    if lora.enabled:  # per adapter: x A^T saved for B's gradient, and dropout's output and mask
+        shapes = student.linear_shapes()
+        per_tok = sum(
+            lora.rank * act_bytes + (shapes[t][0] * (act_bytes + 1) if lora.dropout > 0 else 0)
+            for t in lora.targets
+        )
+        forward_peak["lora_activations"] = n * student.num_layers * per_tok
+    optimizer_phase = trainable * 4 * 2  # gradients plus AdamW's foreach temporaries
     terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())
     if optimizer_phase > live_forward:

@@ -34,7 +34,9 @@ def precision(run, arch: str) -> Precision:
     """runtime.dtype auto -> bf16 for a GPU arch, fp32 for 'cpu'."""
     d = run.runtime.dtype
     compute = ("fp32" if arch == "cpu" else "bf16") if d == "auto" else keys.dtype_name(d)
-    return Precision(compute=compute, teacher_weights=compute, student_weights="fp32")
+    lora = run.student.lora
+    student = keys.dtype_name(lora.base_dtype) if lora.enabled else "fp32"  # a LoRA student's frozen base
+    return Precision(compute=compute, teacher_weights=compute, student_weights=student)
 
 
 def _linear_out(x: str, w: str, prec: Precision) -> str:
@@ -102,6 +104,21 @@ def gemm_kernels(
     return out
 
 
+def lora_gemm_kernels(spec: ModelSpec, run, arch: str, dtype: str, *, tokens: int) -> set[keys.KernelKey]:
+    """Library keys of a LoRA student's adapter GEMMs: x A^T (tokens x in -> rank) and then
+    (x A^T) B^T (rank -> out) for each target shape, with their backward GEMMs."""
+    lora = run.student.lora
+    if not lora.enabled:
+        return set()
+    shapes = spec.linear_shapes()
+    out: set[keys.KernelKey] = set()
+    for t in lora.targets:
+        fan_in, fan_out = shapes[t]
+        out.add(library.gemm_key(arch, m=tokens, n=lora.rank, k=fan_in, dtype=dtype, grad=True))
+        out.add(library.gemm_key(arch, m=tokens, n=fan_out, k=lora.rank, dtype=dtype, grad=True))
+    return out
+
+
 def kd_kernels(
     teacher: ModelSpec, student: ModelSpec, run, arch: str, prec: Precision
 ) -> set[keys.KernelKey]:
@@ -133,7 +150,8 @@ def required_kernels(
     teacher_spec: ModelSpec, student_spec: ModelSpec, run, arch: str, *, batch: int | None = None
 ) -> set[keys.KernelKey]:
     """Every kernel key (Triton and library) the run launches: teacher forward without grad, student
-    forward with and without grad and its backward, the KD loss head; for `arch` (e.g. 'sm_90').
+    forward with and without grad and its backward (a LoRA student: its frozen base in
+    student.lora.base_dtype and the adapters' GEMMs), the KD loss head; for `arch` (e.g. 'sm_90').
     batch: the per-process batch (under torchrun batch_size / world); default run.schedule.batch_size."""
     arch = arch if arch == "cpu" else keys.normalize_arch(arch)
     prec = precision(run, arch)
@@ -143,6 +161,7 @@ def required_kernels(
     out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, batch=b, seq=t)
     out |= gemm_kernels(teacher_spec, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
     out |= gemm_kernels(student_spec, arch, prec.compute, grad=True, tokens=b * t, chunk=run.kd.chunk_size)
+    out |= lora_gemm_kernels(student_spec, run, arch, prec.compute, tokens=b * t)
     out |= kd_kernels(teacher_spec, student_spec, run, arch, prec)
     return out
 

@@ -149,10 +149,19 @@ class KernelRuntime:
         Only while recording: the reference path has nothing to launch otherwise."""
         if self.recorder is None or not torch.is_grad_enabled():
             return
-        outs = [o for o in outputs if o is not None]
-        if not any(o.requires_grad for o in outs):
+        # Only outputs that require grad get a hook (a frozen LoRA base leaves some without one); the
+        # others are reported as None, in their place.
+        where = [i for i, o in enumerate(outputs) if o is not None and o.requires_grad]
+        if not where:
             return
-        torch.autograd.graph.register_multi_grad_hook(outs, lambda grads: fn(list(grads)), mode="all")
+
+        def hook(grads: Sequence[torch.Tensor | None]) -> None:
+            full: list[torch.Tensor | None] = [None] * len(outputs)
+            for i, g in zip(where, grads):
+                full[i] = g
+            fn(full)
+
+        torch.autograd.graph.register_multi_grad_hook([outputs[i] for i in where], hook, mode="all")
 
 
 _STATE = KernelRuntime()

@@ -65,6 +65,24 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each of a layer's linears, by Hugging Face name."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """Trainable parameters of LoRA adapters of `rank` on the `targets` linears of every layer."""
+        shapes = self.linear_shapes()
+        return self.num_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+
     def param_counts(self) -> dict[str, int]:
         """Parameter counts: embedding, per-layer total, final norm, lm_head (0 when tied), total."""
         h, i = self.hidden_size, self.intermediate_size

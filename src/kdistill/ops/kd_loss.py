@@ -363,7 +363,12 @@ def _chunk_loop(
         end = min(start + chunk_size, n)
         hc = h[start:end]  # (c, Hs)
         s = _logits(hc, w)  # (c, V)
-        t = _logits(th[start:end], tw) if th is not None else None  # (c, V)
+        if th is None:
+            t = None
+        elif tw is None:  # precomputed teacher log-probs: a copy, since chunk_fn may overwrite it
+            t = th[start:end].to(acc_dtype, copy=True)  # (c, V)
+        else:
+            t = _logits(th[start:end], tw)  # (c, V)
         loss_s, ce_s, kd_s, g = chunk_fn(
             s,
             t,
@@ -443,6 +448,7 @@ def _validate(
     divergence,
     beta,
     chunk_size,
+    teacher_logprobs=None,
 ) -> bool:
     """Checks arguments; returns whether the KD term (and so the teacher) is active."""
     if divergence not in DIVERGENCES:
@@ -470,7 +476,18 @@ def _validate(
             f"got {labels.dtype} {tuple(labels.shape)}"
         )
     has_kd = alpha > 0
-    if has_kd:
+    if has_kd and teacher_logprobs is not None:
+        if (
+            teacher_hidden is not None
+            or teacher_logprobs.dim() != 2
+            or teacher_logprobs.shape[0] != student_hidden.shape[0]
+            or teacher_logprobs.shape[1] < student_weight.shape[0]
+        ):
+            raise ValueError(
+                f"kd_loss: teacher_logprobs {tuple(teacher_logprobs.shape)} must be (N, Vt) with N = "
+                f"{student_hidden.shape[0]} and Vt >= {student_weight.shape[0]}, and no teacher_hidden"
+            )
+    elif has_kd:
         if teacher_hidden is None or teacher_weight is None:
             raise UserError(f"kd.alpha is {alpha} > 0 but no teacher logits are available (teacher missing)")
         if (
@@ -506,6 +523,7 @@ def kd_loss(
     ignore_index: int = -100,
     chunk_size: int = 1024,
     chunk_fn: ChunkFn | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads.
 
@@ -519,6 +537,10 @@ def kd_loss(
         chunk_size: tokens per lm_head chunk; bounds the loss's memory to a few (chunk_size, V) tensors.
         chunk_fn: per-chunk function with `chunk_divergence_reference`'s signature (default: that
             one; the Triton launcher `kd_loss_chunk_triton` on a GPU).
+        teacher_logprobs: (N, Vt) precomputed teacher log-probabilities at T = 1 (any float dtype,
+            e.g. bf16 from a teacher cache) instead of teacher_hidden x teacher_weight. Each chunk's
+            rows are renormalised after the temperature (log_softmax(log p / T) = log_softmax(z / T)),
+            so they give the live teacher's loss; columns past V are dropped as padding is.
 
     Returns:
         KDLossResult(loss, ce, kd, tokens): loss differentiable w.r.t. student_hidden and
@@ -535,6 +557,7 @@ def kd_loss(
         divergence,
         beta,
         chunk_size,
+        teacher_logprobs,
     )
     vocab = student_weight.shape[0]
     valid = labels != ignore_index
@@ -546,7 +569,9 @@ def kd_loss(
             f"labels hold token id {first} outside the student vocabulary [0, {vocab}) ({n_bad} such tokens)"
         )
     th = tw = None
-    if has_kd:
+    if has_kd and teacher_logprobs is not None:
+        th = teacher_logprobs.detach()[:, :vocab]  # (N, V); tw stays None: the chunk loop slices th
+    elif has_kd:
         th = teacher_hidden.detach()
         tw = teacher_weight.detach()[:vocab]  # (V, Ht): padded teacher vocab trimmed
         if th.dtype != tw.dtype:

@@ -40,6 +40,7 @@ from kdistill.kernels import seal
 from kdistill.memory import GIB, estimate_memory, fit_limits
 from kdistill.models.decoder import Decoder, build_decoder
 from kdistill.models.hf_io import has_weights, load_model, save_model
+from kdistill.models.lora import apply_lora, has_lora, save_adapter
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 from kdistill.train import distributed as dist
@@ -143,6 +144,8 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows)
     stage(t_start, quiet, f"loaded teacher ({teacher_spec.name}) and student ({init}) on {device}")
     if multi:
+        if cfg.student.lora.enabled:
+            raise UserError("student.lora runs in one process for now: run it without torchrun")
         dist.shard_student(student)
         if os.environ.get("KDISTILL_REPLICATE_TEACHER") != "1":
             dist.shard_teacher(teacher)
@@ -299,11 +302,32 @@ def load_models(
     if init == "pretrained":
         if student_dir is None or not has_weights(student_dir):
             raise UserError(f"student.init=pretrained but '{cfg.student.path}' holds no weights")
-        student = load_model(student_dir, device=device, dtype=torch.float32)
+        base_dtype = torch_dtype(cfg.student.lora.base_dtype) if cfg.student.lora.enabled else torch.float32
+        student = load_model(student_dir, device=device, dtype=base_dtype)
     else:
         student = build_decoder(student_spec, device=device, dtype=torch.float32, seed=cfg.schedule.seed)
         if init == "teacher_layers":
             init_from_teacher_layers(student, teacher)
+    if cfg.student.lora.enabled:
+        lo = cfg.student.lora
+        if init != "pretrained":
+            raise UserError(
+                f"student.lora needs a pretrained student, but '{cfg.student.path}' holds no weights"
+            )
+        if lo.base_dtype != "float32" and (device.type != "cuda" or dtype == torch.float32):
+            raise UserError(
+                f"student.lora.base_dtype is {lo.base_dtype} but the run computes in float32 (the CPU, or "
+                "runtime.dtype=float32): a low-precision frozen base needs a GPU run under autocast"
+            )
+        apply_lora(
+            student,
+            rank=lo.rank,
+            alpha=lo.alpha,
+            dropout=lo.dropout,
+            targets=lo.targets,
+            seed=cfg.schedule.seed,
+        )
+        init = f"{init}, LoRA rank {lo.rank} on {','.join(lo.targets)}"
     student.train()
     return teacher, student, init
 
@@ -500,8 +524,14 @@ def finish(run: Run, status: str, step: int, last_eval: dict[str, Any]) -> dict[
 
 
 def export_student(run: Run) -> None:
-    """The student as a Hugging Face directory in run_dir/student (rank 0 under torchrun)."""
+    """The student as a Hugging Face directory in run_dir/student (rank 0 under torchrun); a LoRA
+    student's adapters in PEFT's layout in run_dir/adapter (`kdistill export --merge` folds them in)."""
     out, source = run.run_dir / "student", Path(run.cfg.teacher.path)
+    if has_lora(run.ctx.student):
+        save_adapter(
+            run.ctx.student, run.run_dir / "adapter", base_model=str(Path(run.cfg.student.path).resolve())
+        )
+        return
     if dist.active():
         plain = dist.unsharded_copy(run.ctx.student)  # collective; rank 0 gets the full student
         if plain is not None:

@@ -4,7 +4,7 @@
     save_state(run_dir, step, student, opt, batcher, counters, cfg)              # every checkpoint
     start_step = restore_state(run_dir, student, opt, batcher, counters, cfg, device)   # --resume
 
-Saved: the student's weights and the AdamW state (tensors, checkpoint.py), and state.json: the step,
+Saved: the student's weights (a LoRA student's adapters only) and the AdamW state (tensors, checkpoint.py), and state.json: the step,
 the data position (the batcher's shuffle state), the CPU RNG, the counters below and the config. So a
 resumed run draws the same batches, the same random numbers and continues the same schedule; its
 metrics.jsonl and eval.jsonl keep the lines up to the step resumed from.
@@ -25,6 +25,7 @@ import torch
 from kdistill.config import RunConfig
 from kdistill.data import Batcher
 from kdistill.errors import UserError
+from kdistill.models.lora import adapter_state, has_lora
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 
@@ -63,7 +64,9 @@ def save_state(
             )
         dist.barrier()
         return
-    ckpt.save_checkpoint(run_dir, step, student, opt, state, cfg.output.keep_checkpoints)
+    # A LoRA student's checkpoint holds its adapters only: the frozen base is student.path's weights.
+    held = dist.FullState(adapter_state(student)) if has_lora(student) else student
+    ckpt.save_checkpoint(run_dir, step, held, opt, state, cfg.output.keep_checkpoints)  # type: ignore[arg-type]
 
 
 def restore_state(
@@ -88,7 +91,8 @@ def restore_state(
         return 0
     path, (weights, opt_tensors, state) = found
     try:
-        own = student.state_dict()
+        lora = has_lora(student)
+        own = adapter_state(student) if lora else student.state_dict()
         odd = sorted(set(own) ^ set(weights))
         if odd:
             raise ValueError(f"{'unexpected' if odd[0] in weights else 'missing'} tensor {odd[0]!r}")
@@ -100,7 +104,7 @@ def restore_state(
             ckpt.load_optimizer_tensors(holder, opt_tensors, state["optimizer"])  # type: ignore[arg-type]
             dist.load_full_state(student, opt, weights, holder.loaded)
         else:
-            student.load_state_dict({k: v.to(device) for k, v in weights.items()})
+            student.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=not lora)
             ckpt.load_optimizer_tensors(
                 opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
             )
