@@ -545,9 +545,16 @@ def kd_loss(
         raise UserError(
             f"labels hold token id {first} outside the student vocabulary [0, {vocab}) ({n_bad} such tokens)"
         )
-    th = tw = None
+    th = teacher_hidden.detach() if has_kd else None
+    if 0 < n_tokens < labels.shape[0]:
+        # Rows with no target (masked prompts, padding) are skipped, not computed and zeroed: gather
+        # the scored rows once; autograd scatters their gradient back into the (N, H) input.
+        rows = valid.nonzero().squeeze(1)  # (n_tokens,)
+        student_hidden, labels = student_hidden.index_select(0, rows), labels.index_select(0, rows)
+        if th is not None:
+            th = th.index_select(0, rows)
+    tw = None
     if has_kd:
-        th = teacher_hidden.detach()
         tw = teacher_weight.detach()[:vocab]  # (V, Ht): padded teacher vocab trimmed
         if th.dtype != tw.dtype:
             th = th.to(tw.dtype)
