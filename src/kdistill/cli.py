@@ -5,6 +5,7 @@
     kdistill prewarm CONFIG [key=value ...]         compile every kernel the run needs, then stop
     kdistill kernels build --arch sm_80,... CONFIG  cross-compile the kernel plan without a GPU
     kdistill eval --model DIR --data FILE           held-out cross-entropy and perplexity
+    kdistill data preview --model DIR --data FILE   packed conversation rows, learned tokens marked
     kdistill inspect DIR                            architecture, sizes, tokenizer identity
     kdistill report RUN_DIR                         summary of a finished or interrupted run
 
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kdistill import __version__
+from kdistill.commands.data import preview_command
 from kdistill.commands.eval import eval_command
 from kdistill.commands.inspect import inspect_command
 from kdistill.commands.kernels import build_command, prewarm_command
@@ -95,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many scored tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser("data", help="data tools")
+    dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    d = dsub.add_parser("preview", help="the first packed rows of conversations, learned tokens marked")
+    d.add_argument("--model", required=True, help="model directory (tokenizer.json and its chat template)")
+    d.add_argument("--data", required=True, nargs="+", help="conversation JSONL or Parquet files")
+    d.add_argument("-n", type=int, default=3, help="rows to show (default: %(default)s)")
+    d.add_argument("--seq-len", type=int, default=512, help="tokens per packed row (default: %(default)s)")
+    d.add_argument("--chat-template", default=None, help="a .jinja file to render with instead")
+    d.add_argument("--train-on", default="assistant", help="assistant or all (default: %(default)s)")
+    d.add_argument("--json", action="store_true", help="per row input_ids, labels and boundaries as JSON")
+
     p = sub.add_parser("inspect", help="architecture, parameter counts, dtype, vocab and tokenizer identity")
     p.add_argument("model", metavar="DIR", help="Hugging Face model directory (or a preset name)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -110,6 +123,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": plan_command,
     "prewarm": prewarm_command,
     "kernels": build_command,  # its one subcommand, checked in _dispatch
+    "data": preview_command,  # its one subcommand, checked in _dispatch
     "eval": eval_command,
     "inspect": inspect_command,
     "report": report_command,
@@ -122,8 +136,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "kernels" and args.kernels_command != "build":
         raise UserError("kernels: expected a subcommand: build")
+    if cmd == "data" and args.data_command != "preview":
+        raise UserError("data: expected a subcommand: preview")
     if cmd not in COMMANDS:
-        raise UserError("expected a command: run, plan, prewarm, kernels, eval, inspect, report (see --help)")
+        raise UserError(
+            "expected a command: run, plan, prewarm, kernels, data, eval, inspect, report (see --help)"
+        )
     return COMMANDS[cmd](args)
 
 
