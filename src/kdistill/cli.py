@@ -5,6 +5,7 @@
     kdistill prewarm CONFIG [key=value ...]         compile every kernel the run needs, then stop
     kdistill kernels build --arch sm_80,... CONFIG  cross-compile the kernel plan without a GPU
     kdistill eval --model DIR --data FILE           held-out cross-entropy and perplexity
+    kdistill data preview --model DIR --data FILE   packed conversation rows, learned tokens marked
     kdistill inspect DIR                            architecture, sizes, tokenizer identity
     kdistill report RUN_DIR                         summary of a finished or interrupted run
     kdistill export --run RUN_DIR [--merge] --out DIR   a LoRA run's adapters (PEFT layout) or merged model
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kdistill import __version__
+from kdistill.commands.data import preview_command
 from kdistill.commands.eval import eval_command
 from kdistill.commands.export import export_command
 from kdistill.commands.inspect import inspect_command
@@ -121,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many scored tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser("data", help="data tools")
+    dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    d = dsub.add_parser("preview", help="the first packed rows of conversations, learned tokens marked")
+    d.add_argument("--model", required=True, help="model directory (tokenizer.json and its chat template)")
+    d.add_argument("--data", required=True, nargs="+", help="conversation JSONL or Parquet files")
+    d.add_argument("-n", type=int, default=3, help="rows to show (default: %(default)s)")
+    d.add_argument("--seq-len", type=int, default=512, help="tokens per packed row (default: %(default)s)")
+    d.add_argument("--chat-template", default=None, help="a .jinja file to render with instead")
+    d.add_argument("--train-on", default="assistant", help="assistant or all (default: %(default)s)")
+    d.add_argument("--json", action="store_true", help="per row input_ids, labels and boundaries as JSON")
+
     p = sub.add_parser("inspect", help="architecture, parameter counts, dtype, vocab and tokenizer identity")
     p.add_argument("model", metavar="DIR", help="Hugging Face model directory (or a preset name)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -145,6 +158,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": plan_command,
     "prewarm": prewarm_command,
     "kernels": build_command,  # its one subcommand, checked in _dispatch
+    "data": preview_command,  # its one subcommand, checked in _dispatch
     "eval": eval_command,
     "inspect": inspect_command,
     "report": report_command,
@@ -158,9 +172,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "kernels" and args.kernels_command != "build":
         raise UserError("kernels: expected a subcommand: build")
+    if cmd == "data" and args.data_command != "preview":
+        raise UserError("data: expected a subcommand: preview")
     if cmd not in COMMANDS:
         raise UserError(
-            "expected a command: run, plan, prewarm, kernels, eval, inspect, report, export (see --help)"
+            "expected a command: run, plan, prewarm, kernels, eval, inspect, report, export, data (see --help)"
         )
     return COMMANDS[cmd](args)
 

@@ -99,9 +99,13 @@ class DataConfig:
     seq_len: int = 512
     max_tokens: int = 0  # 0: no cap on tokenized training tokens
     cache_dir: str = ""  # default: ~/.cache/kdistill/data
+    # Conversation files (JSONL/Parquet with `messages` or `prompt` + `completion`):
+    train_on: str = "assistant"  # assistant: loss on the answers only; all: on every token
+    chat_template: str = ""  # a .jinja file (or model directory) to render with; default: the teacher's
 
     def validate(self) -> None:
         _positive("data.seq_len", self.seq_len)
+        _choice("data.train_on", self.train_on, ("assistant", "all"))
         if not 0 <= self.heldout_fraction < 1:
             raise UserError(f"data.heldout_fraction is {self.heldout_fraction}, expected a number in [0, 1)")
         if self.max_tokens < 0:

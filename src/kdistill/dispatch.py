@@ -3,9 +3,10 @@
     from kdistill import dispatch
     y = dispatch.rmsnorm(x, w, eps)                         # x (..., H), w (H,)
     y, s = dispatch.add_rmsnorm(x, residual, w, eps)        # s = x + residual
-    q, k = dispatch.apply_rope(q, k, cos, sin)              # (B, H, T, D), tables (T, D)
+    q, k = dispatch.apply_rope(q, k, cos, sin)              # (B, H, T, D), tables (T, D) or (B, T, D)
     y = dispatch.swiglu(gate, up)                           # (..., I)
     o = dispatch.attention(q, k, v)                         # SDPA (a library key is recorded)
+    o = dispatch.attention(q, k, v, mask)                   # packed documents: (B, 1, T, T) bool mask
     r = dispatch.kd_loss(h, W, ht, Wt, labels, alpha=0.5, temperature=2.0, divergence="jsd", chunk_size=1024)
 
 Per call: compute the kernel key (the kernel file's key function), then
@@ -186,7 +187,23 @@ def _rope_key(arch, q, k, cos, sin, backward: bool):
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q (B, Hq, T, D) and k (B, Hkv, T, D) with fp32 cos/sin tables (T, D)."""
+    """RoPE on q (B, Hq, T, D) and k (B, Hkv, T, D) with fp32 cos/sin tables (T, D), or per-token
+    tables (B, T, D) (positions that restart per packed conversation): then the batch is rotated as
+    one sequence of B*T positions, the same kernel and key, one table row per token."""
+    if cos.dim() == 3:
+        b, hq, t, d = q.shape
+        hk = k.shape[1]
+        qf = q.transpose(1, 2).reshape(1, b * t, hq, d).transpose(1, 2)  # (1, Hq, B*T, D)
+        kf = k.transpose(1, 2).reshape(1, b * t, hk, d).transpose(1, 2)
+        qo, ko = _apply_rope(qf, kf, cos.reshape(b * t, d), sin.reshape(b * t, d))
+        qo = qo.transpose(1, 2).reshape(b, t, hq, d).transpose(1, 2)
+        return qo, ko.transpose(1, 2).reshape(b, t, hk, d).transpose(1, 2)
+    return _apply_rope(q, k, cos, sin)
+
+
+def _apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     rt = current()
     key = _rope_key(rt.arch, q, k, cos, sin, backward=False)
 
@@ -294,16 +311,27 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> t
 
 
 # -- attention (a library call: recorded so that prewarm runs SDPA at this shape) ---------------------
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(D)) v; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D)."""
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(D)) v; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D).
+    mask: None (plain causal) or a (B, 1, T, T) bool document mask (kdistill.ops.attention.document_mask)."""
     rt = current()
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     b, hq, t, d = q.shape
     key = library.sdpa_key(
-        rt.arch, batch=b, q_heads=hq, kv_heads=k.shape[1], seq=t, head_dim=d, dtype=q.dtype, grad=grad
+        rt.arch,
+        batch=b,
+        q_heads=hq,
+        kv_heads=k.shape[1],
+        seq=t,
+        head_dim=d,
+        dtype=q.dtype,
+        grad=grad,
+        masked=mask is not None,
     )
     rt.record(key, "fwd")
-    return attention_reference(q, k, v)
+    return attention_reference(q, k, v, mask)
 
 
 # -- the KD head --------------------------------------------------------------------------------------

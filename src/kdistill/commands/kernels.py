@@ -14,12 +14,14 @@ import time
 import torch
 
 from kdistill.commands.common import resolve_run
+from kdistill.data.chat_data import is_conversation_data
 from kdistill.errors import UserError
 from kdistill.kernels import runtime
 from kdistill.kernels.build import build_plan
 from kdistill.kernels.keys import ARCHS, arch_capability, normalize_arch
 from kdistill.kernels.plan import required_kernels
 from kdistill.kernels.seal import prewarm
+from kdistill.train.corpus import expand_data_paths
 
 
 def prewarm_command(args: argparse.Namespace) -> int:
@@ -32,7 +34,11 @@ def prewarm_command(args: argparse.Namespace) -> int:
         )
     device = cfg.runtime.device if cfg.runtime.device.startswith("cuda") else "cuda"
     rt = runtime.configure(cfg, kernels="triton", device=device)
-    plan = required_kernels(teacher, student, cfg, rt.arch)
+    try:  # conversation data attends by document: its attention keys differ
+        documents = is_conversation_data(expand_data_paths(cfg.data.train))
+    except UserError:  # data not readable here: the run itself reports it
+        documents = False
+    plan = required_kernels(teacher, student, cfg, rt.arch, documents=documents)
     report = prewarm(plan, device)
     print(report.line())
     for failure in report.failed:

@@ -3,6 +3,9 @@
 batches = Batcher(data.train, batch_size=8, seed=0)
 input_ids, labels = batches.next()                  # (B, T) int64 tensors, labels = inputs shifted by one
 for input_ids, labels in heldout_batches(data.heldout, 8, max_batches=4): ...
+
+Over packed conversations (a PackedRows, see kdistill.data.chat_pack) a batch is
+(input_ids, labels, position_ids, doc_ids), each (B, T) int64, labels already shifted and masked.
 """
 
 from __future__ import annotations
@@ -13,7 +16,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from kdistill.data.chat_pack import PackedRows
 from kdistill.errors import UserError
+
+
+def take(sequences: Any, idx: np.ndarray | slice) -> tuple[torch.Tensor, ...]:
+    """The batch of rows `idx`: (input_ids, labels) from raw (N, T + 1) windows, or (input_ids,
+    labels, position_ids, doc_ids) from PackedRows."""
+    if isinstance(sequences, PackedRows):
+        parts = (sequences.input_ids, sequences.labels, sequences.position_ids, sequences.doc_ids)
+        return tuple(torch.from_numpy(np.ascontiguousarray(p[idx], dtype=np.int64)) for p in parts)
+    rows = np.asarray(sequences[idx], dtype=np.int64)  # (B, T + 1)
+    batch = torch.from_numpy(np.ascontiguousarray(rows))
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
 class Batcher:
@@ -53,16 +68,14 @@ class Batcher:
                 self._order = self._permutation(self.epoch)
         return np.concatenate(out)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels), each (B, T) int64."""
-        rows = np.asarray(self.sequences[self.next_indices()], dtype=np.int64)  # (B, T + 1)
-        batch = torch.from_numpy(np.ascontiguousarray(rows))
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    def next(self) -> tuple[torch.Tensor, ...]:
+        """(input_ids, labels), each (B, T) int64; packed conversations add position_ids, doc_ids."""
+        return take(self.sequences, self.next_indices())
 
     def __iter__(self) -> Batcher:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[torch.Tensor, ...]:
         return self.next()
 
     def state_dict(self) -> dict[str, int]:
@@ -115,11 +128,9 @@ class HeldoutBatches:
     def __len__(self) -> int:
         return self.count
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         for b in range(self.count):
-            rows = np.asarray(self.sequences[b * self.batch_size : (b + 1) * self.batch_size], dtype=np.int64)
-            batch = torch.from_numpy(np.ascontiguousarray(rows))  # (B, T + 1)
-            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            yield take(self.sequences, slice(b * self.batch_size, (b + 1) * self.batch_size))
 
 
 def heldout_batches(sequences: np.ndarray, batch_size: int, max_batches: int | None = None) -> HeldoutBatches:

@@ -73,14 +73,27 @@ def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
 
 @dataclasses.dataclass
 class PreparedData:
-    """Packed training and held-out sequences, (N, seq_len + 1) int64 each, and what went into them."""
+    """Packed training and held-out sequences, (N, seq_len + 1) int64 each, and what went into them;
+    for conversations (kdistill.data.chat_data) two PackedRows instead (stats["format"] says so)."""
 
     train: np.ndarray
     heldout: np.ndarray
     stats: dict[str, Any]
 
+    @property
+    def documents(self) -> bool:
+        """True for packed conversations (batches carry position and document ids)."""
+        return self.stats.get("format") == "conversations"
+
     def summary(self) -> str:
         s = self.stats
+        if self.documents:
+            return (
+                f"data: {s['train_documents']} conversations in {s['train_sequences']} rows of {s['seq_len']} "
+                f"tokens (packing efficiency {s['packing_efficiency']:.1%}, {s['train_learned_tokens']:,} "
+                f"learned tokens), {s['heldout_documents']} held-out conversations in "
+                f"{s['heldout_sequences']} rows; template {s['chat_template']}, train_on={s['train_on']}"
+            )
         held = (
             (
                 f"{s['heldout_tokens']:,} held-out tokens ({s['heldout_sequences']} sequences, "

@@ -1,6 +1,7 @@
 """Library calls prewarm runs once at the planned shapes (cuBLAS GEMMs, SDPA): keys, no Triton.
 
 sdpa_key("sm_90", batch=8, q_heads=14, kv_heads=2, seq=2048, head_dim=64, dtype="bf16", grad=True)
+sdpa_key(..., masked=True)      # packed conversations: SDPA with a (B, 1, T, T) document mask
 gemm_key("sm_90", m=16384, n=896, k=4864, dtype="bf16", grad=True)
 """
 
@@ -13,13 +14,25 @@ import torch
 from kdistill.dtypes import torch_dtype
 from kdistill.kernels.keys import KernelKey, dtype_name, make_key
 from kdistill.kernels.spec import LibraryOp
-from kdistill.ops.attention import attention_reference
+from kdistill.ops.attention import attention_reference, document_mask
 
 
 def sdpa_key(
-    arch: str, *, batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int, dtype: str, grad: bool
+    arch: str,
+    *,
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int,
+    dtype: str,
+    grad: bool,
+    masked: bool = False,
 ) -> KernelKey:
-    """Causal SDPA at this shape (prewarm runs it once, forward and, if grad, backward)."""
+    """Causal SDPA at this shape (prewarm runs it once, forward and, if grad, backward). `masked`: with
+    a boolean document mask instead of is_causal (another SDPA backend); the flag is in the key only
+    when set, so the keys of unmasked attention are unchanged."""
+    extra = {"masked": True} if masked else {}
     return make_key(
         "sdpa",
         arch,
@@ -30,6 +43,7 @@ def sdpa_key(
         D=int(head_dim),
         dtype=dtype_name(dtype),
         grad=bool(grad),
+        **extra,
     )
 
 
@@ -46,7 +60,11 @@ def _run_sdpa(key: KernelKey, device: Any) -> None:
         kv = [
             torch.zeros((b, key["HKV"], t, d), dtype=tdt, device=device, requires_grad=grad) for _ in range(2)
         ]
-        y = attention_reference(q, *kv)
+        mask = None
+        if key.get("masked", False):  # two documents per row, as packed conversations have
+            doc = (torch.arange(t, device=device) >= t // 2).to(torch.int32).expand(b, t)
+            mask = document_mask(doc)
+        y = attention_reference(q, *kv, mask=mask)
         if grad:
             y.backward(torch.ones_like(y))
 

@@ -1,6 +1,7 @@
 """The kernel plan: every kernel key a run launches, from the two specs and the run config alone.
 
     keys = required_kernels(teacher_spec, student_spec, run, "sm_90")    # pure; no GPU, no weights
+    keys = required_kernels(..., documents=True)     # packed conversations: document-masked attention
 
 It calls the same key functions as the dispatcher (each kernel's registered plan function), walking the decoder's op
 sequence with the dtypes the training loop uses (`precision`): the teacher in the compute dtype
@@ -45,10 +46,19 @@ def _linear_out(x: str, w: str, prec: Precision) -> str:
 
 
 def model_kernels(
-    spec: ModelSpec, arch: str, prec: Precision, weights: str, *, grad: bool, batch: int, seq: int
+    spec: ModelSpec,
+    arch: str,
+    prec: Precision,
+    weights: str,
+    *,
+    grad: bool,
+    batch: int,
+    seq: int,
+    masked: bool = False,
 ) -> set[keys.KernelKey]:
     """Keys of one decoder's forward (and backward if grad), following Decoder.forward op by op: each
-    call site asks its kernel's registered plan function for the keys it launches."""
+    call site asks its kernel's registered plan function for the keys it launches. masked: attention
+    takes a document mask (packed conversations; RoPE's per-token tables launch the same key)."""
     out: set[keys.KernelKey] = set()
     h, eps, w = spec.hidden_size, spec.rms_eps, weights
 
@@ -80,6 +90,7 @@ def model_kernels(
                 head_dim=spec.head_dim,
                 dtype=q,
                 grad=grad,
+                masked=masked,
             )
         )
         a = _linear_out(q, w, prec)  # o_proj
@@ -147,18 +158,26 @@ def kd_kernels(
 
 
 def required_kernels(
-    teacher_spec: ModelSpec, student_spec: ModelSpec, run, arch: str, *, batch: int | None = None
+    teacher_spec: ModelSpec,
+    student_spec: ModelSpec,
+    run,
+    arch: str,
+    *,
+    batch: int | None = None,
+    documents: bool = False,
 ) -> set[keys.KernelKey]:
     """Every kernel key (Triton and library) the run launches: teacher forward without grad, student
     forward with and without grad and its backward (a LoRA student: its frozen base in
     student.lora.base_dtype and the adapters' GEMMs), the KD loss head; for `arch` (e.g. 'sm_90').
-    batch: the per-process batch (under torchrun batch_size / world); default run.schedule.batch_size."""
+    batch: the per-process batch (under torchrun batch_size / world); default run.schedule.batch_size.
+    documents: the data is packed conversations (attention masked by document)."""
     arch = arch if arch == "cpu" else keys.normalize_arch(arch)
     prec = precision(run, arch)
     b, t = batch or run.schedule.batch_size, run.data.seq_len
-    out = model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, batch=b, seq=t)
-    out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=False, batch=b, seq=t)
-    out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, batch=b, seq=t)
+    m = dict(batch=b, seq=t, masked=documents)
+    out = model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **m)
+    out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=False, **m)
+    out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, **m)
     out |= gemm_kernels(teacher_spec, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
     out |= gemm_kernels(student_spec, arch, prec.compute, grad=True, tokens=b * t, chunk=run.kd.chunk_size)
     out |= lora_gemm_kernels(student_spec, run, arch, prec.compute, tokens=b * t)

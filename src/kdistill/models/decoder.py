@@ -5,6 +5,8 @@ so the checkpoint weight map is the identity and an exported student loads in tr
 
     model = Decoder(spec)                   # built on the current default device (use meta, then to_empty)
     hidden = model(input_ids)               # (B, T, H): final-normed hidden states, no logits
+    hidden = model(input_ids, position_ids, doc_ids)   # packed conversations: positions restart per
+                                                       # conversation, attention stays inside it
     logits = model.logits(input_ids)        # (B, T, V): only for eval/tests; the KD loss never needs them
 
 Every op goes through kdistill.dispatch, which picks a Triton kernel or the PyTorch reference.
@@ -26,6 +28,7 @@ from torch import nn
 
 from kdistill.dispatch import add_rmsnorm, apply_rope, attention, rmsnorm, swiglu, swiglu_down
 from kdistill.models.spec import ModelSpec, rope_inv_freq
+from kdistill.ops.attention import document_mask
 
 
 def rope_tables(
@@ -64,7 +67,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (B, T, H); cos/sin (T, D) or per token (B, T, D); mask None (causal) or (B, 1, T, T) bool."""
         b, t, _ = x.shape
         s = self.spec
         q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim)  # (B, T, Hq, D)
@@ -74,7 +80,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, k, cos, sin)
-        o = attention(q, k, v)  # (B, Hq, T, D)
+        o = attention(q, k, v, mask)  # (B, Hq, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.q_size))
 
 
@@ -104,7 +110,12 @@ class Block(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(
-        self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """delta (B, T, H): the previous block's MLP output, or the embeddings when residual is None
         (block 0). Returns (this block's MLP output (B, T, H), the residual stream before it)."""
@@ -113,7 +124,7 @@ class Block(nn.Module):
             h = rmsnorm(delta, self.input_layernorm.weight, self.eps)
         else:
             h, residual = add_rmsnorm(delta, residual, self.input_layernorm.weight, self.eps)
-        a = self.self_attn(h, cos, sin)
+        a = self.self_attn(h, cos, sin, mask)
         x, residual = add_rmsnorm(a, residual, self.post_attention_layernorm.weight, self.eps)
         return self.mlp(x), residual
 
@@ -152,21 +163,38 @@ class Decoder(nn.Module):
             self._rope_cache[key] = rope_tables(self.spec, seq_len, device)
         return self._rope_cache[key]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids (B, T) -> final-normed hidden states (B, T, H)."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> final-normed hidden states (B, T, H).
+
+        position_ids (B, T): per-token positions (restarting per packed conversation), None: 0..T-1.
+        doc_ids (B, T): document of each token (-1: padding); attention never crosses documents.
+        None: plain causal attention over the whole row."""
         eps = self.spec.rms_eps
         cos, sin = self.rope(input_ids.shape[1], input_ids.device)  # (T, D) each
+        if position_ids is not None:
+            cos, sin = cos[position_ids], sin[position_ids]  # (B, T, D): gathered per token
+        mask = document_mask(doc_ids) if doc_ids is not None else None  # (B, 1, T, T) bool
         delta = self.model.embed_tokens(input_ids)  # (B, T, H)
         residual = None
         for block in self.model.layers:
-            delta, residual = block(delta, residual, cos, sin)
+            delta, residual = block(delta, residual, cos, sin, mask)
         if residual is None:  # no layers
             return rmsnorm(delta, self.model.norm.weight, eps)
         return add_rmsnorm(delta, residual, self.model.norm.weight, eps)[0]
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Full logits (B, T, V). For evaluation and tests only."""
-        return self(input_ids) @ self.lm_head_weight.t()
+        return self(input_ids, position_ids, doc_ids) @ self.lm_head_weight.t()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:

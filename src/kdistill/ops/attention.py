@@ -2,7 +2,11 @@
 
 Shapes: q (B, Hq, T, D), k and v (B, Hkv, T, D) with Hq a multiple of Hkv -> (B, Hq, T, D).
 No hand-written kernel: SDPA picks the fastest backend for the device. kdistill.dispatch records a
-library key (shape, dtype, grad) so that prewarm runs SDPA once at the real shapes before training.
+library key (shape, dtype, grad, masked) so that prewarm runs SDPA once at the real shapes before training.
+
+Packed conversations attend inside their own conversation only: `document_mask(doc_ids)` builds the
+(B, 1, T, T) boolean mask (True: may attend) that is causal within each document, and attention takes
+it instead of `is_causal=True`. Without a mask the call is exactly the plain causal one.
 """
 
 from __future__ import annotations
@@ -11,9 +15,24 @@ import torch
 import torch.nn.functional as F
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(D)) v with k/v heads shared by groups of q heads.
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool from (B, T) document ids: query q may attend to key k when k <= q and both
+    belong to the same document (padding, id -1, attends only to padding, so no row is empty)."""
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    t = doc_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(D)) v with k/v heads shared by groups of q heads; with `mask`
+    (B, 1, T, T) bool (see document_mask) the mask replaces the causal one.
 
     SDPA's own grouped-query support (`enable_gqa`) reads each k/v head for its group of q heads, so
     no (B, Hq, T, D) copies of k and v are made, stored for backward, or reduced in backward."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

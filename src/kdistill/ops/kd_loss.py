@@ -574,8 +574,15 @@ def kd_loss(
     elif has_kd:
         th = teacher_hidden.detach()
         tw = teacher_weight.detach()[:vocab]  # (V, Ht): padded teacher vocab trimmed
-        if th.dtype != tw.dtype:
-            th = th.to(tw.dtype)
+    if 0 < n_tokens < labels.shape[0]:
+        # Rows with no target (masked prompts, padding) are skipped, not computed and zeroed: gather
+        # the scored rows once; autograd scatters their gradient back into the (N, H) input.
+        rows = valid.nonzero().squeeze(1)  # (n_tokens,)
+        student_hidden, labels = student_hidden.index_select(0, rows), labels.index_select(0, rows)
+        if th is not None:
+            th = th.index_select(0, rows)
+    if tw is not None and th.dtype != tw.dtype:
+        th = th.to(tw.dtype)
     h = student_hidden
     if h.dtype != student_weight.dtype:
         h = h.to(student_weight.dtype)

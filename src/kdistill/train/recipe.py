@@ -33,6 +33,8 @@ import torch
 from kdistill.config import RunConfig
 from kdistill.console import progress_bar
 from kdistill.data import Batcher, PreparedData, heldout_batches, prepare_data
+from kdistill.data.chat_data import is_conversation_data, prepare_chat_data
+from kdistill.data.chat_template import ChatTemplate, load_chat_template, template_mismatch
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json
@@ -95,6 +97,7 @@ class Run:
     metrics: MetricsWriter | NullWriter
     eval_log: MetricsWriter | NullWriter
     trackers: Trackers  # output.report_to, open on rank 0 only (none elsewhere)
+    data_stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # conversations: packing
     # this process's steps after its first WARMUP_STEPS: [seconds, tokens, steps] (not resumed)
     steady: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
 
@@ -135,11 +138,22 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     stage(
         t_start,
         quiet,
-        f"data: {len(data.train)} train and {len(data.heldout)} held-out sequences of {cfg.data.seq_len}",
+        data.summary()
+        if data.documents
+        else f"data: {len(data.train)} train and {len(data.heldout)} held-out sequences of {cfg.data.seq_len}",
     )
 
     # Kernels are compiled and sealed before any weight is on the GPU, at this process's batch.
-    kernels = seal.start(cfg, teacher_spec, student_spec, device, dtype, quiet=quiet, batch=per_process)
+    kernels = seal.start(
+        cfg,
+        teacher_spec,
+        student_spec,
+        device,
+        dtype,
+        quiet=quiet,
+        batch=per_process,
+        documents=data.documents,
+    )
 
     teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows)
     stage(t_start, quiet, f"loaded teacher ({teacher_spec.name}) and student ({init}) on {device}")
@@ -171,7 +185,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         trackers = open_trackers(cfg.output.report_to, run_dir, cfg.to_dict(), run_name=run_dir.name)
     return Run(
         cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, ctx, batcher,
-        held, counters, start_step, metrics, eval_log, trackers,
+        held, counters, start_step, metrics, eval_log, trackers, data.stats if data.documents else {},
     )  # fmt: skip
 
 
@@ -284,8 +298,26 @@ def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
     data_cfg = dataclasses.replace(
         cfg.data, train=expand_data_paths(cfg.data.train), heldout=expand_data_paths(cfg.data.heldout)
     )
+    if is_conversation_data(data_cfg.train):
+        return prepare_chat_data(data_cfg, tok, chat_template(cfg), seed=0)
     with dist.main_first():
         return prepare_data(data_cfg, tok, seed=0)
+
+
+def chat_template(cfg: RunConfig) -> ChatTemplate:
+    """The template conversations are rendered with: data.chat_template when set, else the teacher's.
+    A student directory whose own template differs gets a warning naming both."""
+    template = load_chat_template(cfg.teacher.path, cfg.data.chat_template or None)
+    student_dir = Path(cfg.student.path)
+    if not cfg.data.chat_template and student_dir.is_dir():
+        try:
+            theirs = load_chat_template(student_dir)
+        except UserError:  # a student without a template of its own: nothing to compare
+            return template
+        warning = template_mismatch(template, theirs)
+        if warning:
+            log.warning("%s", warning)
+    return template
 
 
 def load_models(
@@ -574,4 +606,16 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         summary["planned_memory_gib"] = planned / GIB
     else:
         summary["kernels"].pop("arch", None)  # the arch of a GPU that did not run: only on a GPU run
+    if run.data_stats:  # conversations: how full the packed rows are and what is learned
+        keys = (
+            "format",
+            "packing_efficiency",
+            "train_learned_tokens",
+            "train_documents",
+            "truncated",
+            "dropped",
+        )
+        summary["data"] = {k: run.data_stats[k] for k in keys}
+        summary["data"]["chat_template"] = run.data_stats["chat_template"]
+        summary["data"]["train_on"] = run.data_stats["train_on"]
     return summary

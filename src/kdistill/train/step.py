@@ -1,6 +1,7 @@
 """One training step and the held-out evaluation.
 
     r = compute_loss(student, teacher, input_ids, labels, cfg, amp)     # KDLossResult (loss, ce, kd, tokens)
+    r = compute_loss(..., position_ids=pos, doc_ids=doc)                # packed conversations
     out = train_step(ctx, batcher, step, counters, policy)              # one optimizer step
     res = heldout_eval(student, teacher, batches, cfg, device, amp, with_teacher_loss=True)
 
@@ -50,16 +51,19 @@ def compute_loss(
     labels: torch.Tensor,
     cfg: RunConfig,
     amp: contextlib.AbstractContextManager,
+    position_ids: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> dispatch.KDLossResult:
-    """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult."""
+    """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult.
+    position_ids, doc_ids (B, T): packed conversations (see Decoder.forward); None for raw text."""
     kd = cfg.kd
     t_hidden, t_weight = None, None
     if teacher is not None and kd.alpha > 0:
         with torch.no_grad(), amp:
-            t_hidden = teacher(input_ids).flatten(0, 1)  # (N, Ht)
+            t_hidden = teacher(input_ids, position_ids, doc_ids).flatten(0, 1)  # (N, Ht)
         t_weight = teacher.lm_head_weight
     with amp:
-        s_hidden = student(input_ids).flatten(0, 1)  # (N, Hs)
+        s_hidden = student(input_ids, position_ids, doc_ids).flatten(0, 1)  # (N, Hs)
         s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
         if t_hidden is not None:
             t_hidden, t_weight = head_operands(t_hidden, t_weight)
@@ -88,17 +92,18 @@ def heldout_eval(
     amp: contextlib.AbstractContextManager,
     with_teacher_loss: bool,
 ) -> dict[str, float]:
-    """Token-weighted held-out CE of the student, KL(teacher || student) at T=1, and teacher CE."""
+    """Token-weighted held-out CE of the student, KL(teacher || student) at T=1, and teacher CE.
+    A batch is (input_ids, labels) or, packed conversations, (input_ids, labels, position_ids, doc_ids)."""
     tot = {"student": 0.0, "kl": 0.0, "teacher": 0.0}
     tokens = 0
-    for input_ids, labels in batches:
-        input_ids, labels = input_ids.to(device), labels.to(device)
+    for batch in batches:
+        input_ids, labels, *docs = (t.to(device) for t in batch)
         flat = labels.flatten()
         with amp:
-            s_h, s_w = head_operands(student(input_ids).flatten(0, 1), student.lm_head_weight)
+            s_h, s_w = head_operands(student(input_ids, *docs).flatten(0, 1), student.lm_head_weight)
             t_h, t_w = None, None
             if teacher is not None:
-                t_h, t_w = head_operands(teacher(input_ids).flatten(0, 1), teacher.lm_head_weight)
+                t_h, t_w = head_operands(teacher(input_ids, *docs).flatten(0, 1), teacher.lm_head_weight)
         common: dict[str, Any] = dict(
             temperature=1.0,
             divergence="forward_kl",
@@ -222,16 +227,16 @@ def _accumulate(
     step_tokens = 0
     degenerate = False
     for micro in range(cfg.schedule.grad_accum):
-        input_ids, labels = batcher.next()
-        reason = check_batch(labels, cfg.kd.ignore_index)
+        batch = batcher.next()  # (input_ids, labels[, position_ids, doc_ids])
+        reason = check_batch(batch[1], cfg.kd.ignore_index)
         if reason:
             degenerate = True
             counters["degenerate_batches"] += 1
             log.warning("step %d: degenerate batch (%s)", step + 1, reason)
         if multi:
-            input_ids, labels = input_ids[ctx.rows], labels[ctx.rows]
-        input_ids, labels = input_ids.to(ctx.device), labels.to(ctx.device)
-        r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp)
+            batch = tuple(t[ctx.rows] for t in batch)
+        input_ids, labels, *docs = (t.to(ctx.device) for t in batch)
+        r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs)
         loss_value = float(r.loss.detach())
         if faults.nan_step(step + 1):
             loss_value = float("nan")

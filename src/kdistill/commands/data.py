@@ -1,0 +1,73 @@
+"""`kdistill data preview`: the first packed rows of conversation data as the student will see them.
+
+    kdistill data preview --model DIR --data FILE [FILE ...] [-n 3] [--seq-len 512]
+                          [--chat-template PATH] [--train-on assistant|all] [--json]
+
+Renders each conversation with the model's chat template (or --chat-template), tokenizes it with the
+answers marked, packs the conversations into --seq-len rows as a run does, and prints the first n
+rows: one header per conversation, the learned tokens coloured green on a terminal and wrapped in
+[[ ]] otherwise. --json prints per row input_ids, labels (the ignore index, -100, where masked),
+position_ids, cu_seqlens and the conversations' boundaries, plus the packing summary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kdistill.console import print_json
+from kdistill.data.chat import TRAIN_ON, read_conversations, sniff_format, tokenize_conversation
+from kdistill.data.chat_pack import pack_conversations, preview_json, render_preview
+from kdistill.data.chat_template import load_chat_template
+from kdistill.data.sources import expand_paths
+from kdistill.errors import UserError
+from kdistill.models.tokenizer import load_tokenizer
+
+
+def preview_command(args: Any) -> int:
+    """Read --data, render, mask and pack it with --model's tokenizer and template; print n rows."""
+    n, seq_len = int(args.n), int(args.seq_len)
+    if n < 1:
+        raise UserError(f"-n is {n}, expected a positive integer")
+    if seq_len < 2:
+        raise UserError(f"--seq-len is {seq_len}, expected an integer >= 2")
+    if args.train_on not in TRAIN_ON:
+        raise UserError(f"--train-on is '{args.train_on}', expected one of: {', '.join(TRAIN_ON)}")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise UserError(
+            f"--model {model_dir}: not a directory, expected a model directory with tokenizer.json"
+        )
+    tok = load_tokenizer(model_dir)
+    template = load_chat_template(model_dir, args.chat_template)
+    convs = []
+    for spec in expand_paths(args.data, "--data"):
+        if sniff_format(spec.path) is None:
+            raise UserError(
+                f"--data {spec.path}: not a conversation file (expected JSONL/Parquet records with "
+                "'messages' or 'prompt' + 'completion')"
+            )
+        convs.extend(read_conversations(spec.path))
+    tokenized = [tokenize_conversation(c, template, tok, args.train_on) for c in convs]
+    pad = tok.eos_id if tok.eos_id is not None else 0
+    rows = pack_conversations(tokenized, seq_len, pad_id=pad)
+    if args.json:
+        print_json(
+            {
+                "template": template.origin,
+                "train_on": args.train_on,
+                "seq_len": seq_len,
+                "ignore_index": rows.ignore_index,
+                "rows_total": len(rows),
+                "packing_efficiency": rows.efficiency,
+                "conversations": rows.conversations,
+                "truncated": rows.truncated,
+                "dropped": rows.dropped,
+                "rows": preview_json(rows, n),
+            }
+        )
+        return 0
+    print(f"{rows.summary()}; template {template.origin}; train_on={args.train_on}")
+    for r in range(min(n, len(rows))):
+        print(render_preview(rows, r, tok.decode))
+    return 0
