@@ -20,11 +20,12 @@ GIB = 1024**3
 
 # Saved-for-backward bytes per token per layer, per unit of width, for the bf16-autocast student on
 # the kernel path. Counted from the decoder's ops: two fp32 residual sums kept by the fused norms (8H)
-# and five bf16 casts of normed inputs for the q/k/v/gate/up projections (10H); q and SDPA's output
+# and three bf16 casts of normed inputs, one for the fused q/k/v GEMM and one each for gate and up
+# (6H); q and SDPA's output
 # (4 per unit of q width) and k, v at their own kv width (SDPA reads the shared heads itself: 4 per
 # unit of kv width); gate and up (4I: the SwiGLU output is recomputed in backward, not kept).
 # Checked against torch.cuda.max_memory_allocated on an H200 (docs/memory.md).
-ACT_COEF_GPU = {"hidden": 18.0, "inter": 4.0, "q": 4.0, "kv": 4.0}
+ACT_COEF_GPU = {"hidden": 14.0, "inter": 4.0, "q": 4.0, "kv": 4.0}
 ACT_COEF_CPU = {"hidden": 28.0, "inter": 12.0, "q": 12.0, "kv": 24.0}  # fp32 everywhere, reference ops
 
 

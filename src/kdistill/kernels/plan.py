@@ -109,7 +109,8 @@ def gemm_kernels(
 ) -> set[keys.KernelKey]:
     """Library keys for the decoder's linears at the run's token count and the lm_head chunk GEMMs."""
     h, i = spec.hidden_size, spec.intermediate_size
-    shapes = {(spec.q_size, h), (spec.kv_size, h), (h, spec.q_size), (i, h), (h, i)}
+    # q/k/v as one GEMM against [Wq; Wk; Wv] (models/decoder.py Attention.project_qkv)
+    shapes = {(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (i, h), (h, i)}
     out = {library.gemm_key(arch, m=tokens, n=n, k=k, dtype=dtype, grad=grad) for n, k in shapes}
     out.add(library.gemm_key(arch, m=min(chunk, tokens), n=spec.vocab_size, k=h, dtype=dtype, grad=grad))
     return out

@@ -24,6 +24,7 @@ its MLP output unadded, so the next block (or the final norm) fuses that add int
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kdistill.dispatch import add_rmsnorm, apply_rope, attention, rmsnorm, swiglu, swiglu_down
@@ -67,15 +68,37 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps)
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, T, q_size), k and v (B, T, kv_size) from one GEMM against [Wq; Wk; Wv].
+
+        One GEMM instead of three (the k/v ones are narrow: kv_size columns), and x has a single
+        consumer: under autocast it is cast to bf16 once, not once per projection, and only that one
+        copy is kept for backward, where the three input gradients come out of one GEMM. The
+        parameters stay the three HF linears; wrapped projections (adapters) run as modules."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(type(p) is nn.Linear for p in projs):
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        w = torch.cat([p.weight for p in projs])  # (q_size + 2 kv_size, H)
+        bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        qkv = F.linear(x, w, bias)  # (B, T, q_size + 2 kv_size)
+        q, k, v = qkv.split([self.spec.q_size, self.spec.kv_size, self.spec.kv_size], dim=-1)
+        # k and v are copied out (kv_size wide each): k then starts 16-byte aligned whatever q_size is
+        # (the RoPE kernel is specialised on pointer alignment, and the plan assumes aligned inputs),
+        # and attention, which keeps v for backward, does not keep the whole qkv buffer alive with it.
+        # q stays a view at offset 0; RoPE writes new q and k.
+        fresh = torch.contiguous_format  # clone: a new allocation even where the view looks contiguous
+        return q, k.clone(memory_format=fresh), v.clone(memory_format=fresh)
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x (B, T, H); cos/sin (T, D) or per token (B, T, D); mask None (causal) or (B, 1, T, T) bool."""
         b, t, _ = x.shape
         s = self.spec
-        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim)  # (B, T, Hq, D)
-        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(b, t, s.num_heads, s.head_dim)  # (B, T, Hq, D)
+        k = k.view(b, t, s.num_kv_heads, s.head_dim)
+        v = v.view(b, t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
