@@ -3,6 +3,7 @@
     model = load_model("out/student")                       # Decoder (kdistill.models.hf_io)
     new = generate_ids(model, [[1, 2, 3], [4, 5]], Sampling(max_new_tokens=32), stop_ids={0})
     rows = generate_texts("out/student", prompts=["Hello"], chat=True)   # [{"text", "token_ids"}]
+    prompts = sample_prompts(heldout, 4)     # a run's fixed held-out prompts (conversations or raw text)
 
 Batching: prompts of different lengths are left-padded to the longest; padding slots are excluded from
 attention by the KV cache's mask and each row's positions start at 0 on its first real token (as
@@ -26,9 +27,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kdistill.data.chat import end_of_turn_token
+from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import ChatTemplate, load_chat_template
 from kdistill.dtypes import dtype_name
 from kdistill.errors import UserError
@@ -316,4 +319,39 @@ def generate_texts(
     for row in new:
         body = row[:-1] if row and row[-1] in stops else row
         out.append({"text": tokenizer.decode(body), "token_ids": row})
+    return out
+
+
+# -- the run's samples --------------------------------------------------------------------------
+RAW_PROMPT_TOKENS = 16  # raw-text held-out rows: the first tokens (at most half the row) are the prompt
+
+
+def sample_prompts(heldout: Any, n: int) -> list[list[int]]:
+    """The first n fixed prompts of a held-out set: for packed conversations, each conversation up to
+    its first learned token (the template's header of the first answer included); for raw windows
+    (N, T + 1), the first min(16, T // 2) tokens of the first n rows."""
+    out: list[list[int]] = []
+    if isinstance(heldout, PackedRows):
+        for r in range(len(heldout)):
+            doc, labels, ids = heldout.doc_ids[r], heldout.labels[r], heldout.input_ids[r]
+            for d in range(int(doc.max()) + 1 if (doc >= 0).any() else 0):
+                where = np.flatnonzero(doc == d)
+                learned = where[labels[where] != heldout.ignore_index]
+                if len(learned) and len(out) < n:
+                    out.append([int(t) for t in ids[where[0] : learned[0] + 1]])
+        return out
+    rows = np.asarray(heldout)
+    k = max(1, min(RAW_PROMPT_TOKENS, (rows.shape[1] - 1) // 2)) if rows.ndim == 2 else 0
+    return [[int(t) for t in rows[i, :k]] for i in range(min(n, len(rows)))]
+
+
+def answer_rows(
+    model: Decoder, prompts: list[list[int]], tokens: int, stops: set[int], decode: Callable[[list[int]], str]
+) -> list[dict[str, Any]]:
+    """Greedy answers, as {"prompt", "answer", "answer_ids"} rows (the stop token left out of the text)."""
+    new = generate_ids(model, prompts, Sampling(max_new_tokens=tokens), stops, pad_id=min(stops, default=0))
+    out = []
+    for p, row in zip(prompts, new):
+        body = row[:-1] if row and row[-1] in stops else row
+        out.append({"prompt": decode(p), "answer": decode(body), "answer_ids": row})
     return out

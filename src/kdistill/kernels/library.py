@@ -60,7 +60,7 @@ def gemm_key(arch: str, *, m: int, n: int, k: int, dtype: str, grad: bool) -> Ke
 def _run_sdpa(key: KernelKey, device: Any) -> None:
     tdt, grad = torch_dtype(key["dtype"]), bool(key["grad"])
     b, t, d = key["B"], key["T"], key["D"]
-    if "S" in key:  # generation: T queries over S cached keys, no grad
+    if key.get("S") is not None:  # generation: T queries over S cached keys, no grad
         s = key["S"]
         with torch.no_grad():
             q = torch.zeros((b, key["HQ"], t, d), dtype=tdt, device=device)
