@@ -5,6 +5,7 @@
     kdistill prewarm CONFIG [key=value ...]         compile every kernel the run needs, then stop
     kdistill kernels build --arch sm_80,... CONFIG  cross-compile the kernel plan without a GPU
     kdistill eval --model DIR --data FILE           held-out cross-entropy and perplexity
+    kdistill generate --model DIR --prompt TEXT     sample from a model (KV cache, batched, --chat)
     kdistill data preview --model DIR --data FILE   packed conversation rows, learned tokens marked
     kdistill inspect DIR                            architecture, sizes, tokenizer identity
     kdistill report RUN_DIR                         summary of a finished or interrupted run
@@ -27,6 +28,7 @@ from kdistill import __version__
 from kdistill.commands.data import preview_command
 from kdistill.commands.eval import eval_command
 from kdistill.commands.export import export_command
+from kdistill.commands.generate import generate_command
 from kdistill.commands.inspect import inspect_command
 from kdistill.commands.kernels import build_command, prewarm_command
 from kdistill.commands.plan import plan_command
@@ -123,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many scored tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser("generate", help="answer prompts with a model (greedy by default, KV cache)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
+    p.add_argument("--messages", metavar="FILE", help="JSONL of conversations to answer (last turn: user)")
+    p.add_argument("--chat", action="store_true", help="render prompts with the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help='one {"text", "token_ids"} JSON line per prompt')
+
     p = sub.add_parser("data", help="data tools")
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     d = dsub.add_parser("preview", help="the first packed rows of conversations, learned tokens marked")
@@ -160,6 +175,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "kernels": build_command,  # its one subcommand, checked in _dispatch
     "data": preview_command,  # its one subcommand, checked in _dispatch
     "eval": eval_command,
+    "generate": generate_command,
     "inspect": inspect_command,
     "report": report_command,
     "export": export_command,
@@ -176,7 +192,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         raise UserError("data: expected a subcommand: preview")
     if cmd not in COMMANDS:
         raise UserError(
-            "expected a command: run, plan, prewarm, kernels, eval, inspect, report, export, data (see --help)"
+            "expected a command: run, plan, prewarm, kernels, eval, generate, inspect, report, export, data (see --help)"
         )
     return COMMANDS[cmd](args)
 

@@ -167,11 +167,13 @@ class ScheduleConfig:
     checkpoint_every: int = 500  # 0: only at the end
     log_every: int = 1
     seed: int = 0
+    sample_prompts: int = 4  # held-out prompts the student answers at each eval (samples.jsonl); 0: off
+    sample_tokens: int = 32  # new tokens per sample answer (greedy)
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "sample_tokens"):
             _positive(f"schedule.{name}", getattr(self, name))
-        for name in ("eval_every", "checkpoint_every"):
+        for name in ("eval_every", "checkpoint_every", "sample_prompts"):
             if getattr(self, name) < 0:
                 raise UserError(f"schedule.{name} is {getattr(self, name)}, expected 0 or a positive integer")
 

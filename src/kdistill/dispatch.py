@@ -7,6 +7,7 @@
     y = dispatch.swiglu(gate, up)                           # (..., I)
     o = dispatch.attention(q, k, v)                         # SDPA (a library key is recorded)
     o = dispatch.attention(q, k, v, mask)                   # packed documents: (B, 1, T, T) bool mask
+    o = dispatch.cached_attention(q, k, v, mask)            # generation: q (B, Hq, T, D), k/v (B, Hkv, S, D)
     r = dispatch.kd_loss(h, W, ht, Wt, labels, alpha=0.5, temperature=2.0, divergence="jsd", chunk_size=1024)
 
 Per call: compute the kernel key (the kernel file's key function), then
@@ -41,7 +42,7 @@ from kdistill.kernels.runtime import (
 )
 from kdistill.kernels.seal import configure
 from kdistill.ops import kd_loss as kd_ops
-from kdistill.ops.attention import attention_reference
+from kdistill.ops.attention import attention_reference, cached_attention_reference
 from kdistill.ops.kd_loss import KDLossResult
 from kdistill.ops.rmsnorm import add_rmsnorm_reference, rmsnorm_reference
 from kdistill.ops.rope import rope_reference
@@ -55,6 +56,7 @@ __all__ = [
     "aligned",
     "apply_rope",
     "attention",
+    "cached_attention",
     "configure",
     "current",
     "kd_loss",
@@ -332,6 +334,27 @@ def attention(
     )
     rt.record(key, "fwd")
     return attention_reference(q, k, v, mask)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Generation with a KV cache: q (B, Hq, T, D) over k and v (B, Hkv, S, D) with the cache's
+    (B, 1, T, S) bool mask -> (B, Hq, T, D). Records an SDPA library key with T and S (no grad)."""
+    rt = current()
+    b, hq, t, d = q.shape
+    key = library.sdpa_key(
+        rt.arch,
+        batch=b,
+        q_heads=hq,
+        kv_heads=k.shape[1],
+        seq=t,
+        head_dim=d,
+        dtype=q.dtype,
+        grad=False,
+        masked=True,
+        kv_seq=k.shape[2],
+    )
+    rt.record(key, "fwd")
+    return cached_attention_reference(q, k, v, mask)
 
 
 # -- the KD head --------------------------------------------------------------------------------------

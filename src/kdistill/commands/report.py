@@ -2,6 +2,8 @@
 
 kdistill report runs/demo          # summary.json when the run finished, metrics.jsonl otherwise
 kdistill report runs/demo --json
+
+With samples.jsonl (the eval samples), the student's latest answers are printed beside the teacher's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def report_command(args: argparse.Namespace) -> int:
         "tokens_per_s": summary.get("tokens_per_s"),
         "jit_after_prewarm": summary.get("jit_after_prewarm"),
         "checkpoints": ckpts,
+        "samples": latest_samples(run_dir / "samples.jsonl"),
     }
     if args.json:
         print_json(report)
@@ -58,4 +61,37 @@ def report_command(args: argparse.Namespace) -> int:
     if report["jit_after_prewarm"] is not None:
         print(f"jit after prewarm  {report['jit_after_prewarm']}")
     print(f"checkpoints {', '.join(ckpts) if ckpts else 'none'}")
+    for i, row in enumerate(report["samples"]):
+        print(f"\nsample {i + 1} (student at step {row['step']})")
+        print(f"  prompt   {_one_line(row['prompt'])}")
+        if row["teacher"] is not None:
+            print(f"  teacher  {_one_line(row['teacher'])}")
+        print(f"  student  {_one_line(row['student'])}")
     return 0
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """A sample on one line: newlines shown as ⏎, long text cut with …."""
+    flat = text.replace("\n", "⏎")
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def latest_samples(path: Path) -> list[dict]:
+    """The student's answers at the last step in samples.jsonl, each beside the teacher's answer to
+    the same prompt (None when the teacher did not answer it): [{step, prompt, teacher, student}]."""
+    rows = read_metrics(path)
+    student = [r for r in rows if r.get("model") == "student"]
+    if not student:
+        return []
+    last = max(r.get("step", 0) for r in student)
+    teacher = {r.get("prompt"): r.get("answer") for r in rows if r.get("model") == "teacher"}
+    return [
+        {
+            "step": last,
+            "prompt": r.get("prompt", ""),
+            "teacher": teacher.get(r.get("prompt")),
+            "student": r.get("answer", ""),
+        }
+        for r in student
+        if r.get("step") == last
+    ]

@@ -2,6 +2,7 @@
 
     keys = required_kernels(teacher_spec, student_spec, run, "sm_90")    # pure; no GPU, no weights
     keys = required_kernels(..., documents=True)     # packed conversations: document-masked attention
+    keys = generation_kernels(spec, "sm_90", "bf16", batch=4, prompt_len=40, max_len=168)   # generate
 
 It calls the same key functions as the dispatcher (each kernel's registered plan function), walking the decoder's op
 sequence with the dtypes the training loop uses (`precision`): the teacher in the compute dtype
@@ -183,6 +184,41 @@ def required_kernels(
     out |= gemm_kernels(student_spec, arch, prec.compute, grad=True, tokens=b * t, chunk=run.kd.chunk_size)
     out |= lora_gemm_kernels(student_spec, run, arch, prec.compute, tokens=b * t)
     out |= kd_kernels(teacher_spec, student_spec, run, arch, prec)
+    return out
+
+
+def generation_kernels(
+    spec: ModelSpec, arch: str, dtype: str, *, batch: int, prompt_len: int, max_len: int
+) -> set[keys.KernelKey]:
+    """Every kernel key of generating with a KV cache (kdistill.generate) from a model whose weights
+    are in `dtype` (no autocast): the decoder's forward without grad, whose Triton keys do not depend
+    on the token count, so the prefill and the one-token decode steps launch the same ones; and the
+    library shapes: SDPA over the cache for the prefill (prompt_len queries and keys) and for a decode
+    step (one query over max_len keys), the linears at batch x prompt_len and at batch tokens, the
+    lm_head at batch rows. A decode step over fewer cached keys is another SDPA shape, run unwarmed:
+    library calls compile nothing, so the seal (which counts Triton compiles) is unaffected."""
+    arch = arch if arch == "cpu" else keys.normalize_arch(arch)
+    dt = keys.dtype_name(dtype)
+    prec = Precision(compute=dt, teacher_weights=dt, student_weights=dt)
+    fwd = model_kernels(spec, arch, prec, dt, grad=False, batch=batch, seq=prompt_len, masked=True)
+    out = {k for k in fwd if not k.is_library}
+    for t, s in ((prompt_len, prompt_len), (1, max_len)):
+        out.add(
+            library.sdpa_key(
+                arch,
+                batch=batch,
+                q_heads=spec.num_heads,
+                kv_heads=spec.num_kv_heads,
+                seq=t,
+                head_dim=spec.head_dim,
+                dtype=dt,
+                grad=False,
+                masked=True,
+                kv_seq=s,
+            )
+        )
+    for tokens in {batch * prompt_len, batch}:
+        out |= gemm_kernels(spec, arch, dt, grad=False, tokens=tokens, chunk=batch)
     return out
 
 

@@ -7,6 +7,9 @@ library key (shape, dtype, grad, masked) so that prewarm runs SDPA once at the r
 Packed conversations attend inside their own conversation only: `document_mask(doc_ids)` builds the
 (B, 1, T, T) boolean mask (True: may attend) that is causal within each document, and attention takes
 it instead of `is_causal=True`. Without a mask the call is exactly the plain causal one.
+
+Generation with a KV cache attends T new queries to S >= T cached keys: `cached_attention_reference`
+takes the (B, 1, T, S) mask that the cache builds (causal over filled slots, left padding excluded).
 """
 
 from __future__ import annotations
@@ -35,4 +38,13 @@ def attention_reference(
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def cached_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Inference with a KV cache: q (B, Hq, T, D) against k and v (B, Hkv, S, D), S >= T, with a
+    (B, 1, T, S) bool mask (True: may attend; the mask carries causality) -> (B, Hq, T, D)."""
+    gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

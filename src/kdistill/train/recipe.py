@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -34,10 +35,12 @@ from kdistill.config import RunConfig
 from kdistill.console import progress_bar
 from kdistill.data import Batcher, PreparedData, heldout_batches, prepare_data
 from kdistill.data.chat_data import is_conversation_data, prepare_chat_data
+from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import ChatTemplate, load_chat_template, template_mismatch
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json
+from kdistill.generate import answer_rows, sample_prompts, stop_token_ids
 from kdistill.kernels import seal
 from kdistill.memory import GIB, estimate_memory, fit_limits
 from kdistill.models.decoder import Decoder, build_decoder
@@ -98,6 +101,7 @@ class Run:
     eval_log: MetricsWriter | NullWriter
     trackers: Trackers  # output.report_to, open on rank 0 only (none elsewhere)
     data_stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # conversations: packing
+    tokenizer: Any = None  # decodes the eval samples (samples.jsonl)
     # this process's steps after its first WARMUP_STEPS: [seconds, tokens, steps] (not resumed)
     steady: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
 
@@ -185,7 +189,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         trackers = open_trackers(cfg.output.report_to, run_dir, cfg.to_dict(), run_name=run_dir.name)
     return Run(
         cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, ctx, batcher,
-        held, counters, start_step, metrics, eval_log, trackers, data.stats if data.documents else {},
+        held, counters, start_step, metrics, eval_log, trackers, data.stats if data.documents else {}, tok,
     )  # fmt: skip
 
 
@@ -504,11 +508,13 @@ def eval_line(step: int, res: dict[str, Any]) -> str:
 
 class Evaluator:
     """Held-out eval at a step, written to eval.jsonl. The teacher's loss does not change, so it is
-    computed once and repeated in every row."""
+    computed once and repeated in every row. Then the student answers schedule.sample_prompts fixed
+    held-out prompts greedily (samples.jsonl; the teacher's answers once, at the first eval)."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
         self.teacher_loss: float | None = None
+        self.samples = Samples(run)
 
     def __call__(self, step: int) -> dict[str, Any]:
         run, ctx = self.run, self.run.ctx
@@ -525,7 +531,52 @@ class Evaluator:
         run.eval_log.write(res)
         held = ("student_loss", "teacher_loss", "kl_to_teacher")
         run.trackers.log(step, {TRACKER_KEYS[k]: res[k] for k in held if k in res})
+        self.samples(step)
         return res
+
+
+class Samples:
+    """What the student says: at each eval, greedy answers (schedule.sample_tokens new tokens) to the
+    first schedule.sample_prompts held-out prompts, appended to samples.jsonl as {step, model, prompt,
+    answer, answer_ids}; the teacher's answers once. Off under torchrun (a sharded student) and for
+    data read as token ids without a tokenizer."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        sched = run.cfg.schedule
+        self.prompts: list[list[int]] = []
+        if sched.sample_prompts and not dist.active() and isinstance(run.tokenizer, Tokenizer):
+            self.prompts = sample_prompts(run.held.sequences, sched.sample_prompts)
+        self.path = run.run_dir / "samples.jsonl"
+        self.teacher_done = self.path.is_file() and any(
+            r.get("model") == "teacher" for r in read_metrics(self.path)
+        )
+
+    def stops(self) -> set[int]:
+        tok, cfg = self.run.tokenizer, self.run.cfg
+        template = None
+        if isinstance(self.run.held.sequences, PackedRows):
+            template = load_chat_template(cfg.teacher.path, cfg.data.chat_template or None)
+        return stop_token_ids(cfg.teacher.path, tok, template)
+
+    def __call__(self, step: int) -> None:
+        if not self.prompts:
+            return
+        ctx, tokens, stops = self.run.ctx, self.run.cfg.schedule.sample_tokens, self.stops()
+        models = [("student", ctx.student)]
+        if not self.teacher_done and ctx.teacher is not None:
+            models.append(("teacher", ctx.teacher))
+        lines = []
+        for name, model in models:
+            was_training = model.training
+            model.eval()
+            with ctx.amp:
+                rows = answer_rows(model, self.prompts, tokens, stops, self.run.tokenizer.decode)
+            model.train(was_training)
+            lines += [json.dumps({"step": step, "model": name, **r}, ensure_ascii=False) for r in rows]
+        self.teacher_done = True
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 def save(run: Run, step: int) -> None:

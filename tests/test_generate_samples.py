@@ -1,0 +1,123 @@
+"""What the student says during a run: samples.jsonl at each held-out eval, shown by `kdistill report`.
+
+- A chat run writes, at each eval, the student's greedy answers to fixed held-out prompts (each
+  conversation up to its first answer) and the teacher's once; the last eval's answers equal what
+  generation from the exported student gives.
+- A raw-text run uses the first tokens of held-out rows; schedule.sample_prompts=0 writes nothing.
+- `kdistill report` prints the latest samples beside the teacher's, and --json carries them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import yaml
+
+from kdistill.data.chat import Conversation, tokenize_conversation
+from kdistill.data.chat_pack import pack_conversations
+from kdistill.data.chat_template import ChatTemplate
+from kdistill.generate import Sampling, generate_ids, sample_prompts
+from kdistill.models.hf_io import load_model
+from kdistill.models.tokenizer import load_tokenizer
+from tests.test_chat_train import TEMPLATE, write_chat_files
+from tests.test_train_kit import assets, base_config, read_summary, run_cli
+
+
+def read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_chat_run_writes_samples_and_report_shows_them(tmp_path, capsys):
+    data, template = write_chat_files(tmp_path / "data", n=60)
+    cfg = base_config(
+        tmp_path / "run", steps=4, eval_every=2, batch_size=4, sample_prompts=3, sample_tokens=5
+    )
+    cfg["data"] = {
+        "train": [str(data)],
+        "heldout_fraction": 0.2,
+        "seq_len": 64,
+        "chat_template": str(template),
+        "cache_dir": str(assets().cache),
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    assert read_summary(tmp_path / "run")["jit_after_prewarm"] == 0
+    rows = read_rows(tmp_path / "run" / "samples.jsonl")
+    student = [r for r in rows if r["model"] == "student"]
+    teacher = [r for r in rows if r["model"] == "teacher"]
+    assert [r["step"] for r in student] == [2, 2, 2, 4, 4, 4]
+    assert [r["step"] for r in teacher] == [2, 2, 2]
+    assert [r["prompt"] for r in teacher] == [r["prompt"] for r in student[:3]]
+    # each conversation up to its first learned token (a token that straddles the header is not learned)
+    assert all(r["prompt"].rsplit("\n", 1)[-1].startswith("assistant:") for r in student)
+    assert all(1 <= len(r["answer_ids"]) <= 5 for r in rows)
+    # the last eval's answers are what generation from the exported student gives
+    tok = load_tokenizer(tmp_path / "run" / "student")
+    model = load_model(tmp_path / "run" / "student").eval()
+    prompts = [tok.encode(r["prompt"]) for r in student[3:]]
+    want = generate_ids(model, prompts, Sampling(max_new_tokens=5), {tok.eos_id}, pad_id=tok.eos_id)
+    assert [r["answer_ids"] for r in student[3:]] == want
+
+    rc, out, _ = run_cli(capsys, "report", str(tmp_path / "run"))
+    assert rc == 0
+    assert out.count("(student at step 4)") == 3 and out.count("  teacher  ") == 3
+    rc, out, _ = run_cli(capsys, "report", str(tmp_path / "run"), "--json")
+    samples = json.loads(out)["samples"]
+    assert len(samples) == 3 and samples[0]["teacher"] == teacher[0]["answer"]
+    assert samples[0]["student"] == student[3]["answer"]
+
+
+def test_raw_text_run_samples_and_off_switch(tmp_path, capsys):
+    for n, sub in ((2, "on"), (0, "off")):
+        cfg = base_config(tmp_path / sub, steps=2, eval_every=0, sample_prompts=n, sample_tokens=4)
+        path = tmp_path / f"{sub}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+        assert rc == 0, err
+    rows = read_rows(tmp_path / "on" / "samples.jsonl")
+    assert [(r["model"], r["step"]) for r in rows] == [("student", 2)] * 2 + [("teacher", 2)] * 2
+    tok = load_tokenizer(assets().teacher)
+    assert all(len(tok.encode(r["prompt"])) <= 16 for r in rows)
+    assert not (tmp_path / "off" / "samples.jsonl").exists()
+    rc, out, _ = run_cli(capsys, "report", str(tmp_path / "off"))
+    assert rc == 0 and "sample 1" not in out
+
+
+def test_sample_prompts_of_packed_conversations():
+    tok = load_tokenizer(assets().teacher)
+    tpl = ChatTemplate(TEMPLATE, "t")
+    convs = [
+        Conversation(
+            messages=({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}),
+            train=(False, True),
+            source=f"x:{i}",
+        )
+        for i in range(3)
+    ]
+    tokenized = [tokenize_conversation(c, tpl, tok) for c in convs]
+    rows = pack_conversations(tokenized, seq_len=64, pad_id=0)
+    prompts = sample_prompts(rows, 2)
+    for i, p in enumerate(prompts):  # up to the first learned token, whatever the header's last token is
+        row = rows.input_ids[0]
+        start = int(np.flatnonzero(rows.doc_ids[0] == i)[0])
+        first = start + int(np.flatnonzero(rows.labels[0][start:] != -100)[0])
+        assert p == row[start : first + 1].tolist()
+        assert tok.decode(p).startswith(f"user: q{i}<|endoftext|>\nassistant:")
+    raw = np.arange(40).reshape(2, 20)
+    assert sample_prompts(raw, 5) == [list(range(9)), list(range(20, 29))]
+
+
+def test_sample_settings_are_validated():
+    import pytest
+
+    from kdistill.config import ScheduleConfig
+    from kdistill.errors import UserError
+
+    with pytest.raises(UserError, match="schedule.sample_tokens is 0, expected a positive number"):
+        ScheduleConfig(sample_tokens=0).validate()
+    with pytest.raises(UserError, match="schedule.sample_prompts is -1, expected 0 or a positive integer"):
+        ScheduleConfig(sample_prompts=-1).validate()
+    ScheduleConfig(sample_prompts=0).validate()
