@@ -10,6 +10,7 @@
     kdistill inspect DIR                            architecture, sizes, tokenizer identity
     kdistill report RUN_DIR                         summary of a finished or interrupted run
     kdistill export --run RUN_DIR [--merge] --out DIR   a LoRA run's adapters (PEFT layout) or merged model
+    kdistill teacher-cache CONFIG --out DIR [--mode exact|topk|sampled] [--k K]   the teacher's targets once
 
 Errors a user can cause print one line and exit 2; `--debug` shows the traceback. This module is the
 argument parser and the command table; each command lives in kdistill.commands.
@@ -34,6 +35,7 @@ from kdistill.commands.kernels import build_command, prewarm_command
 from kdistill.commands.plan import plan_command
 from kdistill.commands.report import report_command
 from kdistill.commands.run import run_command
+from kdistill.commands.teacher_cache import teacher_cache_command
 from kdistill.errors import UserError
 from kdistill.kernels.keys import ARCHS
 
@@ -165,6 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--merge", action="store_true", help="fold the adapters into the base: a Hugging Face model"
     )
+
+    p = sub.add_parser(
+        "teacher-cache", help="run the teacher once over the run's training rows, write its targets"
+    )
+    _add_config_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="the cache folder (resumable)")
+    p.add_argument("--mode", default="exact", help="exact, topk or sampled (default: %(default)s)")
+    p.add_argument(
+        "--k", type=int, default=64, help="ids per token for topk and sampled (default: %(default)s)"
+    )
+    p.add_argument("--shard-rows", type=int, default=256, help="packed rows per shard (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 
 
@@ -179,6 +194,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "inspect": inspect_command,
     "report": report_command,
     "export": export_command,
+    "teacher-cache": teacher_cache_command,
 }
 
 
@@ -192,7 +208,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         raise UserError("data: expected a subcommand: preview")
     if cmd not in COMMANDS:
         raise UserError(
-            "expected a command: run, plan, prewarm, kernels, eval, generate, inspect, report, export, data (see --help)"
+            "expected a command: run, plan, prewarm, kernels, eval, generate, inspect, report, export, data, teacher-cache (see --help)"
         )
     return COMMANDS[cmd](args)
 

@@ -2,7 +2,7 @@
 
 A run config is YAML with these sections (every field has a default except the model paths):
 
-    teacher:  {path: DIR}
+    teacher:  {path: DIR, cache: DIR (a teacher cache: the teacher is not loaded)}
     student:  {path: DIR | config.json | preset, init: auto|pretrained|random|teacher_layers,
                lora: {rank, alpha, dropout, targets, base_dtype}}
     data:     {train: [PATH, ...], heldout: [PATH, ...], heldout_fraction, seq_len, max_tokens}
@@ -38,6 +38,8 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")  # output.report_to (kdistill.trai
 @dataclasses.dataclass
 class TeacherConfig:
     path: str = ""
+    # A teacher cache (kdistill teacher-cache --out DIR): train on its targets, the teacher never loaded
+    cache: str = ""
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -391,6 +393,7 @@ def _rebase_paths(cfg: RunConfig, folder: Path) -> None:
         return str(candidate) if candidate.exists() else p
 
     cfg.teacher.path = rebase(cfg.teacher.path)
+    cfg.teacher.cache = rebase(cfg.teacher.cache)
     cfg.student.path = rebase(cfg.student.path)
     cfg.data.train = [rebase(p) for p in cfg.data.train]
     cfg.data.heldout = [rebase(p) for p in cfg.data.heldout]

@@ -61,12 +61,13 @@ def estimate_memory(
     vocab = student.vocab_size
     chunk = min(cfg.kd.chunk_size, n)
     lora = cfg.student.lora
+    cached = bool(cfg.teacher.cache)
     # A LoRA student: a frozen base (in lora.base_dtype, no gradient, no optimizer state, no cached
     # autocast copy: autocast caches casts of trainable leaves only) and fp32 adapters that train.
     trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else ps
     base_bytes = (2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4
     fixed = {
-        "teacher_weights": pt * act_bytes,
+        "teacher_weights": 0 if cached else pt * act_bytes,
         "student_weights": ps * base_bytes + (trainable * 4 if lora.enabled else 0),
         "optimizer_state": trainable * 8,
         "autocast_weight_copies": trainable * 2 if gpu else 0,
@@ -74,7 +75,9 @@ def estimate_memory(
     head_grad = 0 if lora.enabled else vocab * student.hidden_size * 4  # a frozen lm_head has none
     forward_peak = {
         "student_activations": int(n * student.num_layers * per_tok_layer) + n * student.hidden_size * 4,
-        "teacher_hidden": n * teacher.hidden_size * act_bytes,
+        # teacher.cache: the batch's cached targets instead (bf16 log-probs of an exact cache, the
+        # largest mode) and no teacher at all
+        "teacher_hidden": n * vocab * 2 if cached else n * teacher.hidden_size * act_bytes,
         "loss_gradients": n * student.hidden_size * 4 + head_grad,
         "loss_chunk_logits": 2 * chunk * vocab * 4,
     }

@@ -50,6 +50,7 @@ class Batcher:
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
+        self.last_indices = np.zeros(0, dtype=np.int64)  # the dataset rows of the latest batch
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.sequences))
@@ -66,7 +67,8 @@ class Batcher:
                 self.epoch += 1
                 self.position = 0
                 self._order = self._permutation(self.epoch)
-        return np.concatenate(out)
+        self.last_indices = np.concatenate(out)
+        return self.last_indices
 
     def next(self) -> tuple[torch.Tensor, ...]:
         """(input_ids, labels), each (B, T) int64; packed conversations add position_ids, doc_ids."""

@@ -169,7 +169,7 @@ def required_kernels(
     documents: bool = False,
 ) -> set[keys.KernelKey]:
     """Every kernel key (Triton and library) the run launches: teacher forward without grad, student
-    forward with and without grad and its backward (a LoRA student: its frozen base in
+    forward with and without grad and its backward (no teacher forward with teacher.cache) (a LoRA student: its frozen base in
     student.lora.base_dtype and the adapters' GEMMs), the KD loss head; for `arch` (e.g. 'sm_90').
     batch: the per-process batch (under torchrun batch_size / world); default run.schedule.batch_size.
     documents: the data is packed conversations (attention masked by document)."""
@@ -177,10 +177,14 @@ def required_kernels(
     prec = precision(run, arch)
     b, t = batch or run.schedule.batch_size, run.data.seq_len
     m = dict(batch=b, seq=t, masked=documents)
-    out = model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **m)
+    cached = bool(getattr(run.teacher, "cache", ""))  # a teacher cache: no teacher forward at all
+    out = set() if cached else model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **m)
     out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=False, **m)
     out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, **m)
-    out |= gemm_kernels(teacher_spec, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
+    if not cached:
+        out |= gemm_kernels(
+            teacher_spec, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size
+        )
     out |= gemm_kernels(student_spec, arch, prec.compute, grad=True, tokens=b * t, chunk=run.kd.chunk_size)
     out |= lora_gemm_kernels(student_spec, run, arch, prec.compute, tokens=b * t)
     out |= kd_kernels(teacher_spec, student_spec, run, arch, prec)

@@ -48,6 +48,7 @@ from kdistill.models.hf_io import has_weights, load_model, save_model
 from kdistill.models.lora import apply_lora, has_lora, save_adapter
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
+from kdistill.teacher_cache import TeacherCache, run_identity
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.corpus import expand_data_paths
@@ -159,13 +160,15 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         documents=data.documents,
     )
 
+    cache = open_teacher_cache(cfg, tok, data) if cfg.teacher.cache else None
     teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows)
-    stage(t_start, quiet, f"loaded teacher ({teacher_spec.name}) and student ({init}) on {device}")
+    who = f"teacher cache ({cache.mode}, {cfg.teacher.cache})" if cache else f"teacher ({teacher_spec.name})"
+    stage(t_start, quiet, f"loaded {who} and student ({init}) on {device}")
     if multi:
         if cfg.student.lora.enabled:
             raise UserError("student.lora runs in one process for now: run it without torchrun")
         dist.shard_student(student)
-        if os.environ.get("KDISTILL_REPLICATE_TEACHER") != "1":
+        if teacher is not None and os.environ.get("KDISTILL_REPLICATE_TEACHER") != "1":
             dist.shard_teacher(teacher)
         stage(t_start, quiet, f"FSDP2 over {dist.info().world} processes: student and teacher sharded")
     opt = make_optimizer(student, cfg.optim)
@@ -182,7 +185,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=keep)
         eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=keep)
     dist.barrier()
-    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows)
+    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache)
     # Last in setup, so nothing after it can fail before train() takes over closing them.
     trackers = Trackers()
     if cfg.output.report_to and dist.is_main():
@@ -308,6 +311,16 @@ def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
         return prepare_data(data_cfg, tok, seed=0)
 
 
+def open_teacher_cache(cfg: RunConfig, tok: Tokenizer, data: PreparedData) -> TeacherCache:
+    """teacher.cache opened and checked against this run's teacher, tokenizer, packed rows and seq_len
+    (a one-line error naming the field that differs)."""
+    if cfg.student.init == "teacher_layers":
+        raise UserError(
+            "student.init=teacher_layers needs the teacher's weights, but teacher.cache skips loading it"
+        )
+    return TeacherCache.open(cfg.teacher.cache, run_identity(cfg, tok.identity, data.train))
+
+
 def chat_template(cfg: RunConfig) -> ChatTemplate:
     """The template conversations are rendered with: data.chat_template when set, else the teacher's.
     A student directory whose own template differs gets a warning naming both."""
@@ -326,11 +339,14 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
 
 def load_models(
     cfg: RunConfig, student_spec: ModelSpec, device: torch.device, dtype: torch.dtype, trim_rows: int | None
-) -> tuple[Decoder, Decoder, str]:
+) -> tuple[Decoder | None, Decoder, str]:
     """(frozen teacher in the compute dtype, fp32 student in train mode, how the student began).
-    The teacher is loaded even at alpha=0: held-out evals report its loss and the KL to it."""
-    teacher = load_model(cfg.teacher.path, device=device, dtype=dtype, vocab_rows=trim_rows)
-    teacher.eval().requires_grad_(False)
+    The teacher is loaded even at alpha=0: held-out evals report its loss and the KL to it. With
+    teacher.cache it is not loaded at all (None): the cache holds its targets."""
+    teacher = None
+    if not cfg.teacher.cache:
+        teacher = load_model(cfg.teacher.path, device=device, dtype=dtype, vocab_rows=trim_rows)
+        teacher.eval().requires_grad_(False)
     student_dir = Path(cfg.student.path) if Path(cfg.student.path).is_dir() else None
     init = cfg.student.init
     if init == "auto":
@@ -526,7 +542,8 @@ class Evaluator:
         ctx.student.train()
         if "teacher_loss" in res:
             self.teacher_loss = res["teacher_loss"]
-        res["teacher_loss"] = self.teacher_loss
+        if self.teacher_loss is not None:  # no teacher (teacher.cache): the student's CE only
+            res["teacher_loss"] = self.teacher_loss
         res["step"] = step
         run.eval_log.write(res)
         held = ("student_loss", "teacher_loss", "kl_to_teacher")

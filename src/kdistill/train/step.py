@@ -26,6 +26,7 @@ from kdistill.config import RunConfig
 from kdistill.data import Batcher, check_batch
 from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder
+from kdistill.ops import kd_sparse
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.optim import lr_at
@@ -53,10 +54,33 @@ def compute_loss(
     amp: contextlib.AbstractContextManager,
     position_ids: torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
+    *,
+    targets: torch.Tensor | None = None,
+    cache_mode: str = "exact",
+    cache_k: int = 0,
 ) -> dispatch.KDLossResult:
     """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult.
-    position_ids, doc_ids (B, T): packed conversations (see Decoder.forward); None for raw text."""
+    position_ids, doc_ids (B, T): packed conversations (see Decoder.forward); None for raw text.
+    targets (B, T, X): the batch's rows of a teacher cache (kdistill.teacher_cache) of `cache_mode`
+    instead of a teacher forward: exact log-probs go to the KD head as teacher_logprobs, topk and
+    sampled targets to kdistill.ops.kd_sparse."""
     kd = cfg.kd
+    if targets is not None:
+        with amp:
+            s_hidden = student(input_ids, position_ids, doc_ids).flatten(0, 1)  # (N, Hs)
+            s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
+        common = dict(
+            alpha=kd.alpha, temperature=kd.temperature, divergence=kd.divergence, beta=kd.beta,
+            ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
+        )  # fmt: skip
+        flat = targets.to(s_hidden.device).flatten(0, 1)  # (N, X)
+        if cache_mode == "exact":
+            return dispatch.kd_loss(
+                s_hidden, s_weight, None, None, labels.flatten(), teacher_logprobs=flat, **common
+            )
+        return kd_sparse.kd_loss_sparse(
+            s_hidden, s_weight, flat, labels.flatten(), mode=cache_mode, k=cache_k, **common
+        )
     t_hidden, t_weight = None, None
     if teacher is not None and kd.alpha > 0:
         with torch.no_grad(), amp:
@@ -138,11 +162,12 @@ class StepContext:
 
     cfg: RunConfig
     student: Decoder
-    teacher: Decoder
+    teacher: Decoder | None  # None with a teacher cache
     opt: torch.optim.Optimizer
     device: torch.device
     amp: contextlib.AbstractContextManager
     rows: slice | None
+    cache: Any = None  # a kdistill.teacher_cache.TeacherCache (teacher.cache), else None
 
 
 @dataclasses.dataclass
@@ -235,8 +260,14 @@ def _accumulate(
             log.warning("step %d: degenerate batch (%s)", step + 1, reason)
         if multi:
             batch = tuple(t[ctx.rows] for t in batch)
+        cached = {}
+        if ctx.cache is not None:  # the teacher's targets of the batch's dataset rows
+            targets = ctx.cache.targets(batcher.last_indices)
+            if multi:
+                targets = targets[ctx.rows]
+            cached = dict(targets=targets, cache_mode=ctx.cache.mode, cache_k=ctx.cache.k)
         input_ids, labels, *docs = (t.to(ctx.device) for t in batch)
-        r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs)
+        r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
         loss_value = float(r.loss.detach())
         if faults.nan_step(step + 1):
             loss_value = float("nan")
@@ -251,7 +282,8 @@ def _accumulate(
             return sums, step_tokens, degenerate, f"loss is {loss_value}"
         if multi:
             (r.loss * (weight / cfg.schedule.grad_accum)).backward()
-            dist.reshard(ctx.teacher)  # after backward: the KD head's backward reads its lm_head
+            if ctx.teacher is not None:
+                dist.reshard(ctx.teacher)  # after backward: the KD head's backward reads its lm_head
         else:
             (r.loss / cfg.schedule.grad_accum).backward()
         sums[0] += loss_value

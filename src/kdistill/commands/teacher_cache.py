@@ -1,0 +1,137 @@
+"""`kdistill teacher-cache`: run the teacher once over a run's packed training rows and write its targets.
+
+    kdistill teacher-cache run.yaml --out cache/ --mode exact             # all log-probs (bf16)
+    kdistill teacher-cache run.yaml --out cache/ --mode topk --k 64       # top-k + remaining mass
+    kdistill teacher-cache run.yaml --out cache/ --mode sampled --k 64    # k draws from p_T
+    kdistill run run.yaml teacher.cache=cache/                            # trains without the teacher
+
+The rows are those `kdistill run` packs from the same config (data, seq_len, tokenizer); the layout and
+the manifest are described in kdistill.teacher_cache and docs/teacher_cache.md. Running it again with
+the same --out keeps the complete shards and writes the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kdistill import teacher_cache as tc
+from kdistill.config import load_config
+from kdistill.console import print_json, progress_bar
+from kdistill.data.batches import take
+from kdistill.errors import UserError
+from kdistill.fileio import atomic_write_json
+from kdistill.kernels import seal
+from kdistill.models.hf_io import load_model
+from kdistill.train.recipe import check_models, load_data, resolve_device
+
+
+def teacher_cache_command(args: argparse.Namespace) -> int:
+    """Build (or finish) the cache in --out for the run CONFIG describes."""
+    cfg = load_config(args.config, args.overrides)
+    cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, cache=""))
+    cfg.validate()
+    summary = build_cache(cfg, Path(args.out), args.mode, args.k, args.shard_rows, quiet=args.quiet)
+    if args.json:
+        print_json(summary)
+    else:
+        print(
+            f"teacher cache {args.out}: {summary['rows']} rows x {summary['seq_len']} tokens, mode "
+            f"{summary['mode']}, {summary['bytes_per_token']:.1f} bytes per token"
+        )
+    return 0
+
+
+def build_cache(cfg, out: Path, mode: str, k: int, shard_rows: int, *, quiet: bool = False) -> dict[str, Any]:
+    """Write every missing shard of the cache in `out`; return a summary (rows, bytes per token)."""
+    if mode not in tc.MODES:
+        raise UserError(f"--mode is '{mode}', expected one of: {', '.join(tc.MODES)}")
+    if shard_rows < 1:
+        raise UserError(f"--shard-rows is {shard_rows}, expected a positive integer")
+    teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet=True)
+    vocab = student_spec.vocab_size
+    if mode != "exact" and not 0 < k < vocab:
+        raise UserError(f"--k is {k}, expected an integer in [1, {vocab - 1}] for --mode {mode}")
+    device, dtype = resolve_device(cfg)
+    data = load_data(cfg, tok)
+    want = tc.run_identity(cfg, tok.identity, data.train)
+    manifest = tc.make_manifest(
+        **{f: want[f] for f in ("teacher", "tokenizer", "data", "seq_len", "temperature")},
+        mode=mode, k=k if mode != "exact" else 0, vocab=vocab, rows=len(data.train), shard_rows=shard_rows,
+    )  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "manifest.json").is_file():
+        old = tc.read_manifest(out)
+        tc.check_manifest(old, want, f"--out {out}")
+        for field in ("mode", "k", "shard_rows", "rows"):
+            if old.get(field) != manifest[field]:
+                raise UserError(
+                    f"--out {out}: holds a cache with {field}={old.get(field)}, asked for {manifest[field]} "
+                    "(use another --out)"
+                )
+    atomic_write_json(out / "manifest.json", manifest)
+    todo = [s for s in manifest["shards"] if not tc.shard_complete(out, s["name"], mode)]
+    if todo:
+        seal.start(cfg, teacher_spec, teacher_spec, device, dtype, quiet=True, batch=cfg.schedule.batch_size,
+                   documents=data.documents)  # fmt: skip
+        teacher = load_model(cfg.teacher.path, device=device, dtype=dtype, vocab_rows=trim_rows)
+        teacher.eval().requires_grad_(False)
+        bar = progress_bar(total=manifest["rows"], initial=manifest["rows"] - sum(s["stop"] - s["start"] for s in todo),
+                           desc="teacher-cache", disable=quiet)  # fmt: skip
+        for s in todo:
+            arrays = shard_targets(
+                teacher, data.train, s["start"], s["stop"], cfg, mode, k, vocab, device, bar
+            )
+            tc.write_shard(out, s["name"], arrays)
+        bar.close()
+    manifest["complete"] = True
+    atomic_write_json(out / "manifest.json", manifest)
+    size = sum(f.stat().st_size for s in manifest["shards"] for f in (out / s["name"]).glob("*.npy"))
+    tokens = manifest["rows"] * manifest["seq_len"]
+    return {**{k_: manifest[k_] for k_ in ("rows", "seq_len", "mode", "k")}, "bytes": size,
+            "bytes_per_token": size / max(tokens, 1), "written_shards": len(todo)}  # fmt: skip
+
+
+@torch.no_grad()
+def shard_targets(
+    teacher, train, start: int, stop: int, cfg, mode: str, k: int, vocab: int, device, bar
+) -> dict:
+    """The arrays of rows [start, stop): teacher forward per batch, targets per chunk of tokens."""
+    parts: dict[str, list[np.ndarray]] = {a: [] for a in tc.arrays_of(mode)}
+    # sampled: one generator per shard, seeded by (seed, shard start): the draws do not depend on order
+    gen = torch.Generator().manual_seed(cfg.schedule.seed * 1_000_003 + start)
+    weight = teacher.lm_head_weight[:vocab]
+    for b0 in range(start, stop, cfg.schedule.batch_size):
+        b1 = min(stop, b0 + cfg.schedule.batch_size)
+        input_ids, _labels, *docs = (t.to(device) for t in take(train, slice(b0, b1)))
+        hidden = teacher(input_ids, *docs)  # (B, T, Ht)
+        shape = hidden.shape[:2]
+        flat = hidden.flatten(0, 1)
+        chunks: dict[str, list[torch.Tensor]] = {a: [] for a in parts}
+        for c0 in range(0, flat.shape[0], cfg.kd.chunk_size):
+            logits = flat[c0 : c0 + cfg.kd.chunk_size].float() @ weight.float().t()  # (c, V) fp32
+            for key, val in chunk_targets(logits, mode, k, cfg.kd.temperature, gen).items():
+                chunks[key].append(val)
+        for key, vals in chunks.items():
+            t = torch.cat(vals).reshape(*shape, *vals[0].shape[1:])
+            parts[key].append(tc.bf16_bits(t) if (mode == "exact") else t.cpu().numpy())
+        bar.update(b1 - b0)
+    return {key: np.concatenate(v) for key, v in parts.items()}
+
+
+def chunk_targets(logits: torch.Tensor, mode: str, k: int, temperature: float, gen: torch.Generator) -> dict:
+    """Targets of a (c, V) chunk of teacher logits: exact log-probs at T = 1, or sparse ones at T."""
+    if mode == "exact":
+        return {"logp": torch.log_softmax(logits, dim=-1)}
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # (c, V)
+    if mode == "topk":
+        vals, ids = logp.topk(k, dim=-1)
+        rest = torch.logsumexp(logp.scatter(1, ids, float("-inf")), dim=-1)  # log of the remaining mass
+        return {"ids": ids.to(torch.int32), "logp": vals, "rest": rest}
+    ids = torch.multinomial(logp.exp().cpu(), k, replacement=True, generator=gen).to(logp.device)  # (c, k)
+    return {"ids": ids.to(torch.int32), "logp": logp.gather(1, ids)}

@@ -1,0 +1,230 @@
+"""A teacher cache: the teacher's targets for every packed training row, written once, read by runs.
+
+    kdistill teacher-cache run.yaml --out cache/ --mode exact|topk|sampled --k 64
+    kdistill run run.yaml teacher.cache=cache/          # no teacher loaded
+
+Layout of DIR (see docs/teacher_cache.md):
+
+    manifest.json                  identity (teacher, tokenizer, data), seq_len, temperature, mode, k,
+                                   rows, shard_rows, the shard list, complete
+    shard-00000/                   rows [0, shard_rows): one .npy per array, memory-mapped at load
+        logp.npy    exact    (R, T, V) uint16  bf16 bits of log_softmax(teacher logits) at T = 1
+        ids.npy     topk     (R, T, k) int32   top-k ids of p_T;    sampled: k draws from p_T
+        logp.npy    topk     (R, T, k) float32 log p_T(ids);        sampled: the same
+        rest.npy    topk     (R, T)    float32 log(1 - sum p_T(ids)), the remaining mass
+
+Row r of the cache is row r of the run's packed training data (data.train[r]): the index is the row's,
+not the batch order's, so any seed or batch size reads the same targets. A shard is written to
+`shard-XXXXX.tmp/` and renamed when complete; writing again skips complete shards (resumable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kdistill.errors import UserError
+
+MODES = ("exact", "topk", "sampled")
+FORMAT = 1
+# Manifest fields a run checks against its own config, data and models, in the order it checks them.
+CHECKED = ("format", "teacher", "tokenizer", "data", "seq_len", "temperature")
+
+
+def teacher_identity(model_dir: str | Path) -> str:
+    """sha256 of the teacher's config.json and its weights index: per safetensors file its name, size,
+    header (names, dtypes, shapes, offsets) and the first and last MiB of its data. Cheap for a large
+    teacher (no full read), and different for any retrained or re-saved checkpoint in practice."""
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    h.update((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            h.update(fh.read(min(n, size)))
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def data_identity(train: Any) -> str:
+    """sha256 of the packed training rows (raw windows, or the arrays of packed conversations)."""
+    h = hashlib.sha256()
+    parts = (
+        [train.input_ids, train.labels, train.position_ids, train.doc_ids]
+        if hasattr(train, "input_ids")
+        else [train]
+    )
+    for p in parts:
+        a = np.ascontiguousarray(p)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def seq_len_of(train: Any) -> int:
+    """Tokens per row the model sees (T)."""
+    return int(train.input_ids.shape[1]) if hasattr(train, "input_ids") else int(train.shape[1]) - 1
+
+
+def run_identity(cfg: Any, tokenizer_identity: str, train: Any) -> dict[str, Any]:
+    """What a cache must match for a run config: teacher, tokenizer, data, seq_len, temperature."""
+    return {
+        "format": FORMAT,
+        "teacher": teacher_identity(cfg.teacher.path),
+        "tokenizer": tokenizer_identity,
+        "data": data_identity(train),
+        "seq_len": seq_len_of(train),
+        "temperature": float(cfg.kd.temperature),
+    }
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}"
+
+
+def make_manifest(
+    *, teacher: str, tokenizer: str, data: str, seq_len: int, temperature: float, mode: str, k: int,
+    vocab: int, rows: int, shard_rows: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The manifest of a cache (complete=False until every shard is written)."""
+    n = (rows + shard_rows - 1) // shard_rows
+    return {
+        "format": FORMAT,
+        "teacher": teacher,
+        "tokenizer": tokenizer,
+        "data": data,
+        "seq_len": seq_len,
+        "temperature": float(temperature),
+        "mode": mode,
+        "k": int(k),
+        "vocab": int(vocab),
+        "rows": int(rows),
+        "shard_rows": int(shard_rows),
+        "shards": [
+            {"name": shard_name(i), "start": i * shard_rows, "stop": min(rows, (i + 1) * shard_rows)}
+            for i in range(n)
+        ],
+        "complete": False,
+    }
+
+
+def arrays_of(mode: str) -> tuple[str, ...]:
+    """The .npy arrays a shard of `mode` holds."""
+    return {"exact": ("logp",), "topk": ("ids", "logp", "rest"), "sampled": ("ids", "logp")}[mode]
+
+
+def shard_complete(root: Path, name: str, mode: str) -> bool:
+    return all((root / name / f"{a}.npy").is_file() for a in arrays_of(mode))
+
+
+def write_shard(root: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write a shard's arrays under a temporary name, then rename it into place (atomic per shard)."""
+    tmp = root / f"{name}.tmp"
+    if tmp.exists():
+        for f in tmp.iterdir():
+            f.unlink()
+    tmp.mkdir(exist_ok=True)
+    for key, arr in arrays.items():
+        with (tmp / f"{key}.npy").open("wb") as fh:
+            np.save(fh, arr)
+            fh.flush()
+    tmp.rename(root / name)
+
+
+def bf16_bits(x: torch.Tensor) -> np.ndarray:
+    """A tensor as the uint16 bit patterns of its bf16 rounding (numpy has no bfloat16)."""
+    return x.to(torch.bfloat16).cpu().view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bf16_bits(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    path = root / "manifest.json"
+    if not path.is_file():
+        raise UserError(
+            f"teacher.cache {root}: no manifest.json (not a teacher cache; make one with kdistill teacher-cache)"
+        )
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable manifest ({e.__class__.__name__})") from None
+
+
+def check_manifest(found: dict[str, Any], want: dict[str, Any], where: str) -> None:
+    """A one-line error naming the first field of CHECKED that differs (temperature: sparse modes only;
+    an exact cache holds T = 1 log-probs and serves any kd.temperature)."""
+    for field in CHECKED:
+        if field == "temperature" and found.get("mode") == "exact":
+            continue
+        if found.get(field) != want.get(field):
+            a, b = (
+                v[:12] if isinstance(v, str) and len(v) == 64 else v
+                for v in (found.get(field), want.get(field))
+            )
+            raise UserError(
+                f"{where}: made for another {field} ({a}, this run has {b}): "
+                "make the cache again with kdistill teacher-cache for this config"
+            )
+
+
+class TeacherCache:
+    """A complete cache opened for reading (memory-mapped shards); `targets(rows)` per batch."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any]) -> None:
+        self.root, self.manifest = root, manifest
+        self.mode, self.k = manifest["mode"], int(manifest["k"])
+        self.shard_rows = int(manifest["shard_rows"])
+        self.shards: list[dict[str, np.ndarray]] = []
+        for s in manifest["shards"]:
+            if not shard_complete(root, s["name"], self.mode):
+                raise UserError(f"teacher.cache {root}: shard {s['name']} is missing (an unfinished cache)")
+            self.shards.append(
+                {a: np.load(root / s["name"] / f"{a}.npy", mmap_mode="r") for a in arrays_of(self.mode)}
+            )
+
+    @classmethod
+    def open(cls, root: str | Path, want: dict[str, Any]) -> TeacherCache:
+        """Open DIR, checking its manifest against `want` (teacher, tokenizer, data, seq_len, temperature)."""
+        root = Path(root)
+        manifest = read_manifest(root)
+        where = f"teacher.cache {root}"
+        check_manifest(manifest, want, where)
+        if manifest.get("mode") not in MODES:
+            raise UserError(f"{where}: mode is {manifest.get('mode')!r}, expected one of: {', '.join(MODES)}")
+        if not manifest.get("complete"):
+            raise UserError(
+                f"{where}: incomplete (run kdistill teacher-cache again with the same --out to finish it)"
+            )
+        return cls(root, manifest)
+
+    def _gather(self, name: str, rows: np.ndarray) -> np.ndarray:
+        parts = [
+            np.asarray(self.shards[r // self.shard_rows][name][r % self.shard_rows]) for r in rows.tolist()
+        ]
+        return np.stack(parts)
+
+    def targets(self, rows: np.ndarray) -> torch.Tensor:
+        """(B, T, V) bf16 log-probs (exact), (B, T, 2k + 1) fp32 [ids | log p | rest] (topk) or
+        (B, T, 3k + 1) fp32 [ids | 1/k | log p | 0] (sampled), for dataset rows `rows`."""
+        if self.mode == "exact":
+            return from_bf16_bits(self._gather("logp", rows))
+        ids = torch.from_numpy(self._gather("ids", rows).astype(np.float32))
+        logp = torch.from_numpy(self._gather("logp", rows).astype(np.float32))
+        if self.mode == "topk":
+            rest = torch.from_numpy(self._gather("rest", rows).astype(np.float32)).unsqueeze(-1)
+            return torch.cat([ids, logp, rest], dim=-1)
+        w = torch.full_like(logp, 1.0 / self.k)
+        return torch.cat([ids, w, logp, torch.zeros_like(logp[..., :1])], dim=-1)
