@@ -7,9 +7,15 @@ process, chosen by LOCAL_RANK), gloo on the CPU. Without WORLD_SIZE (or with WOR
 initialised and every helper here is a no-op, so a single process runs exactly the code it always ran.
 
 What is sharded (FSDP2, `fully_shard`): every decoder block of the student (`model.model.layers[i]`, a
-self-contained `Block` whose forward the decoder calls), then the root, which holds the embeddings, the
-final norm and the lm_head. The teacher is sharded the same way (frozen, resharded after forward) or, with
-KDISTILL_REPLICATE_TEACHER=1, replicated whole on every process.
+self-contained `Block` whose forward the decoder calls) as one unit, then the root, which holds the
+embeddings, the final norm and the lm_head. On a GPU the student's units gather their parameters in the
+compute dtype and reduce gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
+the fp32 masters and AdamW state stay sharded). Each block prefetches the next block's all-gather in
+forward and the previous block's in backward. The root is not resharded after forward (FSDP2's rule for
+the root), so the KD head reads the gathered lm_head for every chunk and in its backward without another
+all-gather: the root's weights are gathered once per micro-batch. The teacher (runtime.teacher_placement)
+is sharded the same way (frozen, blocks resharded after forward, the root after the loss's backward) or
+replicated whole on every process (no gathers at all).
 
 Gradients: each process takes its slice of every global batch and computes the loss as a mean over its own
 tokens; FSDP's reduce-scatter averages gradients over the processes. `loss_weight` scales each process's
@@ -42,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from kdistill.errors import UserError
 from kdistill.models.decoder import build_decoder
@@ -212,23 +218,47 @@ def _mesh() -> DeviceMesh:
     return init_device_mesh(_comm_device().type, (_INFO.world,))
 
 
-def shard_student(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head)."""
+def _prefetch(root: torch.nn.Module, units: list[torch.nn.Module], backward: bool) -> None:
+    """Explicit prefetch: the root and each block issue the next block's all-gather as soon as their own
+    is copied out; in backward each block issues the previous one's (FSDP2's `set_modules_to_*`)."""
+    if not units:
+        return
+    root.set_modules_to_forward_prefetch([units[0]])  # type: ignore[operator]
+    for i, unit in enumerate(units):
+        if i + 1 < len(units):
+            unit.set_modules_to_forward_prefetch([units[i + 1]])  # type: ignore[operator]
+        if backward and i > 0:
+            unit.set_modules_to_backward_prefetch([units[i - 1]])  # type: ignore[operator]
+
+
+def shard_student(model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head). compute_dtype other
+    than fp32: parameters gathered in it, gradients reduced in fp32; block inputs keep their dtypes (the
+    residual stream stays as the decoder makes it)."""
     mesh = _mesh()
-    for unit in _shard_units(model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    units = _shard_units(model)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    _prefetch(model, units, backward=True)
     return model
 
 
 def shard_teacher(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 for the frozen teacher: the same units, each resharded right after its forward."""
     mesh = _mesh()
-    for unit in _shard_units(model):
+    units = _shard_units(model)
+    for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     # The root keeps its gathered parameters after forward: the KD head reads the teacher's lm_head after
     # the forward and again in its backward; the loop calls `reshard` once the backward is done.
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    _prefetch(model, units, backward=False)
     return model
 
 
