@@ -23,10 +23,12 @@ loss by its share of the batch's tokens (n_rank * world / n_total), so the avera
 gradient of the single-process loss over the whole batch (up to float rounding); with equal token counts
 the weight is exactly 1.
 
-Checkpoints hold full (unsharded) tensors in the single-process format: `full_model_state` and
-`full_optimizer_state` gather them (collectives: every process calls them; rank 0 gets the tensors, on the
-CPU) and rank 0 writes them with the usual atomic writer; `load_full_state` puts them back into the sharded
-model and optimizer. A checkpoint written by N processes resumes on M processes, or on one.
+Checkpoints under torchrun are sharded (`torch.distributed.checkpoint`): `save_sharded` has every process
+write its own shards of the student and its AdamW state, nothing is gathered; `load_sharded` reads them
+back into a model sharded over any number of processes, or into a plain model in one process (DCP
+reshards by tensor name and offsets). A one-process checkpoint holds full tensors (safetensors):
+`load_full_state` puts them into a sharded model and optimizer. So a run saved on N processes resumes on
+M. The exported student is gathered once (`unsharded_copy`).
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -287,19 +291,6 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_options())
 
 
-def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's full state in opt.state_dict()'s own format (integer parameter ids), rank 0 only."""
-    osd = get_optimizer_state_dict(model, opt, options=_options())
-    if not is_main():
-        return {}
-    index = {n: i for i, n in enumerate(_param_names(model, opt))}
-    state = {index[name]: dict(st) for name, st in osd["state"].items()}
-    groups = []
-    for g in osd["param_groups"]:
-        groups.append({**g, "params": [index[n] for n in g["params"]]})
-    return {"state": state, "param_groups": groups}
-
-
 class FullState:
     """A stand-in with `state_dict()` for the checkpoint writer (which calls module/optimizer.state_dict())."""
 
@@ -332,6 +323,29 @@ def load_full_state(
         ],
     }
     set_optimizer_state_dict(model, opt, osd, options=_options())
+
+
+def _sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and optimizer's state by parameter name: this process's shards (DTensors) under FSDP2,
+    plain tensors in one process. A fresh optimizer's state is created (zeros) so that it can be loaded."""
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+    """Write the student and its optimizer state to the folder `path`, every process its own shards
+    (collective under torchrun; DCP's files plus its .metadata)."""
+    dcp.save(_sharded_state(model, opt), checkpoint_id=path)
+
+
+def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+    """Read a `save_sharded` folder into this model and optimizer, sharded over any number of processes
+    or plain in one (collective under torchrun)."""
+    state = _sharded_state(model, opt)
+    with warnings.catch_warnings():  # one process: DCP says it assumes one process, as intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
