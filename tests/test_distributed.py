@@ -142,6 +142,21 @@ def more(runs):
         ["--nproc_per_node=2", "--standalone", "--max-restarts=1", "--monitor-interval=0.5"],
         KDISTILL_TEST_HOLD_AT=f"4@{holds}",
     )
+    dirs["replicated"] = tmp / "replicated"
+    procs["replicated"] = start_torchrun(
+        ["run", str(cfg), f"output.dir={dirs['replicated']}", "--quiet"]
+        + ["runtime.teacher_placement=replicate", "runtime.activation_checkpointing=blocks"]
+    )
+    procs["gathers"] = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+        + [str(REPO / "tests" / "fsdp_gathers.py"), str(tmp / "gathers.json")],
+        cwd=REPO,
+        env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    dirs["gathers"] = tmp / "gathers.json"
     port = _free_port()
     for node in (0, 1):
         rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=kdistill-test"]
@@ -276,3 +291,20 @@ def test_two_nodes_through_a_c10d_rendezvous(runs, more):
         assert out[node].returncode == 0, out[node].stderr[-3000:]
     assert read_summary(dirs["nodes"])["world_size"] == 2
     _close_to(dirs["nodes"], runs[2]["two"])
+
+
+def test_root_gathered_once_per_step_and_blocks_once_each_way(more):
+    dirs, out = more
+    assert out["gathers"].returncode == 0, out["gathers"].stderr[-3000:]
+    # forward, 8 chunks of the KD head and the backward (checkpointed blocks recomputed): the root's
+    # embeddings and lm_head once, each block once for forward and once for backward.
+    assert json.loads(dirs["gathers"].read_text()) == {"root": 1, "blocks": [2, 2, 2]}
+
+
+def test_replicated_teacher_and_checkpointed_blocks_match(runs, more):
+    dirs, out = more
+    assert out["replicated"].returncode == 0, out["replicated"].stderr[-3000:]
+    layout = read_summary(dirs["replicated"])["layout"]
+    assert layout == {"world": 2, "teacher_sharded": False, "checkpointing": True}
+    assert read_summary(runs[2]["two"])["layout"]["teacher_sharded"]  # auto on the CPU: sharded
+    _close_to(dirs["replicated"], runs[2]["two"])
