@@ -102,10 +102,16 @@ def init_from_env(device_type: str) -> DistInfo:
         backend = "nccl"
     else:
         backend = "gloo"
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
+    timeout = datetime.timedelta(minutes=30)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "rank": rank, "world_size": world}
     if device is not None:
         kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
+    # torchrun's own store (env://), its keys kept apart per restart attempt: torchrun keeps the store of
+    # a job across --max-restarts, and a restarted process must not read the address a process of the
+    # failed attempt published (it would try to connect to a process that is gone).
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    dist.init_process_group(store=dist.PrefixStore(f"kdistill/attempt-{attempt}", store), **kwargs)
     _INFO = DistInfo(rank, world, local_rank, device)
     return _INFO
 

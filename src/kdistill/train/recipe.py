@@ -163,7 +163,10 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         sharded=multi,
     )
 
-    teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows)
+    # A teacher to be sharded is read into host memory: fully_shard moves it to the GPU one block at a
+    # time, so no process ever holds a whole teacher that does not fit there.
+    teacher_device = torch.device("cpu") if multi and layout.teacher_sharded else device
+    teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows, teacher_device)
     stage(t_start, quiet, f"loaded teacher ({teacher_spec.name}) and student ({init}) on {device}")
     student.checkpoint_blocks(layout.checkpointing)
     if multi:
@@ -335,11 +338,17 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
 
 
 def load_models(
-    cfg: RunConfig, student_spec: ModelSpec, device: torch.device, dtype: torch.dtype, trim_rows: int | None
+    cfg: RunConfig,
+    student_spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    trim_rows: int | None,
+    teacher_device: torch.device | None = None,
 ) -> tuple[Decoder, Decoder, str]:
     """(frozen teacher in the compute dtype, fp32 student in train mode, how the student began).
-    The teacher is loaded even at alpha=0: held-out evals report its loss and the KL to it."""
-    teacher = load_model(cfg.teacher.path, device=device, dtype=dtype, vocab_rows=trim_rows)
+    The teacher is loaded even at alpha=0: held-out evals report its loss and the KL to it; onto
+    teacher_device when given (the host, for a teacher that FSDP2 shards onto the GPUs)."""
+    teacher = load_model(cfg.teacher.path, device=teacher_device or device, dtype=dtype, vocab_rows=trim_rows)
     teacher.eval().requires_grad_(False)
     student_dir = Path(cfg.student.path) if Path(cfg.student.path).is_dir() else None
     init = cfg.student.init

@@ -129,6 +129,9 @@ def heldout_eval(
         tot["student"] += float(r.ce) * r.tokens
         tokens += r.tokens
     if multi:
+        dist.reshard(student)  # FSDP2 keeps a root gathered after forward; no backward follows here
+        if teacher is not None:
+            dist.reshard(teacher)
         sums = dist.all_reduce_sum([tot["student"], tot["kl"], tot["teacher"], float(tokens)])
         tot = {"student": sums[0], "kl": sums[1], "teacher": sums[2]}
         tokens = int(sums[3])
