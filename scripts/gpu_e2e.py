@@ -9,6 +9,13 @@ vocabulary), then runs `kdistill run` twice with runtime.strict_kernels=true: th
 the kernel plan in prewarm, the second must find everything in the cache. Each run's summary.json
 (jit_after_prewarm, prewarm counts, tokens/s, measured vs planned peak memory) is collected into
 OUT/results.json and printed as a table.
+
+Scaling: `--nproc 1,2,4 --per-gpu-batch 8` runs the pair on 1, 2 and 4 GPUs in turn (torchrun for more
+than one), each with 8 sequences per GPU (schedule.batch_size = 8 x nproc), `--runs` times each, and
+adds each setting's steady tokens/s over the one-GPU setting's (the table's `speedup`):
+
+    PYTHONPATH=src:. python3 scripts/gpu_e2e.py --pair qwen2.5-1.5b:qwen2.5-0.5b --seq-len 2048 \
+        --per-gpu-batch 8 --nproc 1,2,4 --steps 30 --runs 1 --out $OUT/scaling
 """
 
 from __future__ import annotations
@@ -56,8 +63,12 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/kd_e2e")
     ap.add_argument("--out", required=True)
     ap.add_argument("--extra", nargs="*", default=[])
-    ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) under torchrun; 1: plain python")
+    ap.add_argument(
+        "--nproc", default="1", help="processes (GPUs) under torchrun, or a list like 1,2,4; 1: plain python"
+    )
+    ap.add_argument("--per-gpu-batch", type=int, default=0, help="sequences per GPU (overrides --batch)")
     a = ap.parse_args()
+    settings = [int(n) for n in str(a.nproc).split(",")]
     from tests.tiny import make_tokenizer
 
     work, out = Path(a.work), Path(a.out)
@@ -71,12 +82,13 @@ def main() -> None:
     s_dir = make_model_dir(student, work / "student", tok_dir, 2)
     print(f"random-weight model dirs written in {time.time() - t0:.0f} s", flush=True)
     results = []
-    for i in range(a.runs):
+    for i, nproc in enumerate(n for n in settings for _ in range(a.runs)):
+        batch = a.per_gpu_batch * nproc if a.per_gpu_batch else a.batch
         run_dir = work / f"run{i}"
         launcher = [sys.executable, "-m", "kdistill"]
-        if a.nproc > 1:
+        if nproc > 1:
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={a.nproc}", "-m", "kdistill"]  # fmt: skip
+                        f"--nproc_per_node={nproc}", "-m", "kdistill"]  # fmt: skip
         cmd = [
             *launcher,
             "run",
@@ -88,7 +100,7 @@ def main() -> None:
             "data.train=stdlib:train",
             "data.heldout=stdlib:heldout",
             f"data.seq_len={a.seq_len}",
-            f"schedule.batch_size={a.batch}",
+            f"schedule.batch_size={batch}",
             f"schedule.steps={a.steps}",
             "schedule.eval_every=0",
             "schedule.eval_batches=2",
@@ -105,13 +117,16 @@ def main() -> None:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         wall = time.time() - t0
         text = log_path.read_text()
-        print(f"run {i}: exit {proc.returncode} in {wall:.0f} s", flush=True)
+        print(f"run {i} ({nproc} GPU, batch {batch}): exit {proc.returncode} in {wall:.0f} s", flush=True)
         if proc.returncode != 0:
             print(text[-3000:])
-            results.append({"run": i, "exit": proc.returncode})
+            results.append({"run": i, "nproc": nproc, "exit": proc.returncode})
             continue
         summary = json.loads((run_dir / "summary.json").read_text())
         summary["run"] = i
+        summary["nproc"] = nproc
+        summary["batch"] = batch
+        summary["command"] = " ".join(cmd)
         summary["wall_s"] = wall
         results.append(summary)
         prewarm = [ln for ln in text.splitlines() if ln.startswith("prewarm:")]
@@ -123,21 +138,28 @@ def main() -> None:
                 "device": torch.cuda.get_device_name(),
                 "seq_len": a.seq_len,
                 "batch": a.batch,
+                "per_gpu_batch": a.per_gpu_batch,
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"),
                 "results": results,
             },
             indent=2,
         )
     )
+    one = [r.get("tokens_per_s_steady") or 0 for r in results if r.get("nproc") == 1 and "status" in r]
+    base = max(one) if one else 0
     print(
-        f"{'run':>4} {'jit_after':>9} {'compiled':>8} {'cached':>6} {'prewarm_s':>9} {'tok/s':>9} {'steady':>9} "
+        f"{'run':>4} {'gpus':>4} {'speedup':>7} {'jit_after':>9} {'compiled':>8} {'cached':>6} {'prewarm_s':>9} {'tok/s':>9} {'steady':>9} "
         f"{'peak_GiB':>8} {'plan_GiB':>8} {'loss0':>7} {'lossN':>7}"
     )
     for r in results:
         if "status" not in r:
             continue
         pw = r.get("kernels", {}).get("prewarm", {})
+        steady = r.get("tokens_per_s_steady") or 0
+        speedup = f"{steady / base:.2f}" if base else "-"
         print(
-            f"{r['run']:>4} {r['jit_after_prewarm']:>9} {pw.get('compiled', '-'):>8} {pw.get('from_cache', '-'):>6} "
+            f"{r['run']:>4} {r['nproc']:>4} {speedup:>7} {r['jit_after_prewarm']:>9} {pw.get('compiled', '-'):>8} {pw.get('from_cache', '-'):>6} "
             f"{pw.get('seconds', 0):>9.1f} {r['tokens_per_s']:>9.0f} {r.get('tokens_per_s_steady') or 0:>9.0f} "
             f"{r.get('peak_memory_gib', 0):>8.2f} "
             f"{r.get('planned_memory_gib', 0):>8.2f} {r['initial_loss']:>7.3f} {r['final_loss']:>7.3f}"

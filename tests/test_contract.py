@@ -76,14 +76,19 @@ def make_run(dtype="float32", batch=2, seq=5, divergence="forward_kl", alpha=0.5
     return run
 
 
-def run_step(teacher_spec, student_spec, run, arch="sm_90", deep=True, seed=0) -> runtime.Recorder:
+def run_step(
+    teacher_spec, student_spec, run, arch="sm_90", deep=True, seed=0, checkpointing=False, student_dtype=None
+) -> runtime.Recorder:
     """A training step and a held-out eval step as train/loop.py does them, on the reference path,
-    with the loop's dtypes (teacher in the compute dtype, fp32 student, autocast), recording keys."""
+    with the loop's dtypes (teacher in the compute dtype, fp32 student, autocast), recording keys.
+    checkpointing: the student's blocks recomputed in backward; student_dtype: its weights' dtype
+    (default the plan's: fp32 masters)."""
     prec = plan_mod.precision(run, arch)
     teacher = (
         build_decoder(teacher_spec, dtype=TORCH[prec.teacher_weights], seed=seed).eval().requires_grad_(False)
     )
-    student = build_decoder(student_spec, dtype=TORCH[prec.student_weights], seed=seed + 1)
+    student = build_decoder(student_spec, dtype=student_dtype or TORCH[prec.student_weights], seed=seed + 1)
+    student.checkpoint_blocks(checkpointing)
     g = torch.Generator().manual_seed(seed)
     b, t = run.schedule.batch_size, run.data.seq_len
     ids = torch.randint(0, student_spec.vocab_size, (b, t), generator=g)

@@ -1,8 +1,13 @@
 """Data-parallel runs under torchrun (2 processes, gloo on the CPU, FSDP2 student and teacher).
 
 One uninterrupted 2-process run and one 1-process run of the same config (same global batch of 4
-sequences) go in parallel; then a 2-process run killed after step 4 (checkpoint at step 3) is resumed
-under torchrun and must end with the uninterrupted 2-process run's weights, bit for bit.
+sequences) go in parallel, with a 2-process and a 1-process run killed after step 4 (checkpoint at
+step 3). Then, in parallel: the 2-process checkpoint (sharded, torch.distributed.checkpoint) resumed in
+one process (2 -> 1), the 1-process checkpoint resumed on 2 (1 -> 2), a run under
+`torchrun --max-restarts=1` whose rank 1 is killed by PID at step 4 (restarted from step 3 on its own),
+and the same run as two one-process "nodes" meeting through a c10d rendezvous on 127.0.0.1. A resume
+on as many processes as the run had, and the restart, must end with the uninterrupted run's weights
+bit for bit; across process counts, within the tolerances below.
 
 Why 2 processes match 1 process only closely, not exactly: the batch, the initial weights and every
 per-token loss are the same, but the gradient of the 4-row batch is the average of two 2-row gradients
@@ -16,8 +21,13 @@ still catching a wrong loss scaling (a factor of 2 on the gradient moves the fin
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +40,7 @@ from tests.test_train_kit import (
     child_env,
     read_summary,
     run_proc,
+    start_proc,
     student_weights,
     write_config,
 )
@@ -39,38 +50,125 @@ pytestmark = pytest.mark.slow
 SCHED = dict(steps=6, batch_size=4, checkpoint_every=3, eval_every=3)
 
 
-def torchrun(
-    argv: list[str], nproc: int = 2, timeout: float = 120, **env: str
-) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-    p = subprocess.run(
-        [*cmd, "-m", "kdistill", *argv],
+def start_torchrun(argv: list[str], launcher: list[str] | None = None, **env: str) -> subprocess.Popen:
+    launcher = launcher or ["--nproc_per_node=2", "--standalone"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "kdistill", *argv],
         cwd=REPO,
         env=child_env(**env),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
-    return p
+
+
+def finish(p: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def torchrun(
+    argv: list[str], nproc: int = 2, timeout: float = 180, **env: str
+) -> subprocess.CompletedProcess:
+    return finish(start_torchrun(argv, [f"--nproc_per_node={nproc}", "--standalone"], **env), timeout)
 
 
 def _losses(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _evals(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+
+
+def _close_to(run_dir: Path, ref: Path) -> None:
+    """Losses to 1e-5 relative and final weights to 1e-4 absolute (another process count)."""
+    assert read_summary(run_dir)["status"] == "completed"
+    a, b = _losses(ref), _losses(run_dir)
+    assert [row["step"] for row in b] == [1, 2, 3, 4, 5, 6]
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
+    w1, w2 = (student_weights(d / "student" / "model.safetensors") for d in (ref, run_dir))
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     cfg = write_config(tmp, **SCHED)
-    dirs = {k: tmp / k for k in ("two", "one", "killed")}
-    with ThreadPoolExecutor(3) as pool:
+    dirs = {k: tmp / k for k in ("two", "one", "killed", "one_killed")}
+    with ThreadPoolExecutor(4) as pool:
         two = pool.submit(torchrun, ["run", str(cfg), f"output.dir={dirs['two']}", "--quiet"])
-        one = pool.submit(run_proc, ["run", str(cfg), f"output.dir={dirs['one']}", "--quiet"], 120)
+        one = pool.submit(run_proc, ["run", str(cfg), f"output.dir={dirs['one']}", "--quiet"], 180)
         killed = pool.submit(
             torchrun, ["run", str(cfg), f"output.dir={dirs['killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
         )
-        out = {"two": two.result(), "one": one.result(), "killed": killed.result()}
+        one_killed = pool.submit(
+            run_proc,
+            ["run", str(cfg), f"output.dir={dirs['one_killed']}", "--quiet"],
+            180,
+            KDISTILL_TEST_KILL_AT="4",
+        )
+        out = {
+            k: f.result()
+            for k, f in (("two", two), ("one", one), ("killed", killed), ("one_killed", one_killed))
+        }
+    dirs["killed_copy"] = tmp / "killed_copy"  # resumed in one process (the original on two)
+    shutil.copytree(dirs["killed"], dirs["killed_copy"])
     return tmp, cfg, dirs, out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def more(runs):
+    """Resumes across process counts, a restart after a killed rank and two nodes, in parallel."""
+    tmp, cfg, dirs, _ = runs
+    procs = {
+        "two_to_one": start_proc(["run", "--resume", str(dirs["killed_copy"]), "--quiet"]),
+        "one_to_two": start_torchrun(["run", "--resume", str(dirs["one_killed"]), "--quiet"]),
+    }
+    holds = tmp / "holds"
+    holds.mkdir()
+    dirs["restarted"], dirs["nodes"] = tmp / "restarted", tmp / "nodes"
+    procs["restarted"] = start_torchrun(
+        ["run", str(cfg), f"output.dir={dirs['restarted']}", "--quiet"],
+        ["--nproc_per_node=2", "--standalone", "--max-restarts=1", "--monitor-interval=0.5"],
+        KDISTILL_TEST_HOLD_AT=f"4@{holds}",
+    )
+    dirs["replicated"] = tmp / "replicated"
+    procs["replicated"] = start_torchrun(
+        ["run", str(cfg), f"output.dir={dirs['replicated']}", "--quiet"]
+        + ["runtime.teacher_placement=replicate", "runtime.activation_checkpointing=blocks"]
+    )
+    procs["gathers"] = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+        + [str(REPO / "tests" / "fsdp_gathers.py"), str(tmp / "gathers.json")],
+        cwd=REPO,
+        env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    dirs["gathers"] = tmp / "gathers.json"
+    port = _free_port()
+    for node in (0, 1):
+        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=kdistill-test"]
+        procs[f"node{node}"] = start_torchrun(
+            ["run", str(cfg), f"output.dir={dirs['nodes']}", "--quiet"],
+            ["--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}", *rdzv],
+        )
+    deadline = time.time() + 180
+    while not (holds / "rank1.pid").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    os.kill(int((holds / "rank1.pid").read_text()), signal.SIGKILL)  # one gloo rank dies mid-run
+    return dirs, {k: finish(p, 240) for k, p in procs.items()}
 
 
 def test_two_processes_complete_and_write_once(runs):
@@ -87,13 +185,25 @@ def test_two_processes_complete_and_write_once(runs):
     assert r.stdout.count("status completed") == 1  # the summary line comes from rank 0 only
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step-0000003", "step-0000006"]
-    # The exported student is a whole (unsharded) Hugging Face model.
+    # Checkpoints are sharded: each rank wrote its own file, nothing gathered.
+    last = run / "checkpoints" / "step-0000006"
+    assert sorted(p.name for p in (last / "shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (last / "student.safetensors").exists()
+    state = json.loads((last / "state.json").read_text())
+    assert state["format"] == "sharded" and state["world_size"] == 2
+    # The exported student is a whole (unsharded) Hugging Face model: the checkpoint's weights.
     from transformers import AutoModelForCausalLM
+
+    from kdistill.models.decoder import build_decoder
+    from kdistill.models.spec import load_spec
+    from kdistill.train import distributed as dist
 
     model = AutoModelForCausalLM.from_pretrained(run / "student", dtype=torch.float32).eval()
     assert sum(p.numel() for p in model.parameters()) > 0
     exported = student_weights(run / "student" / "model.safetensors")
-    final = student_weights(run / "checkpoints" / "step-0000006" / "student.safetensors")
+    plain = build_decoder(load_spec(str(run / "student")), seed=None)
+    dist.load_sharded(plain, torch.optim.AdamW(plain.parameters()), str(last / "shards"))
+    final = plain.state_dict()
     for k, v in exported.items():
         assert torch.equal(v, final[k]), k
 
@@ -106,6 +216,12 @@ def test_two_processes_match_one_process(runs):
     for x, y in zip(a, b, strict=True):
         for key in ("loss", "ce", "kd", "grad_norm"):  # grad_norm: the global norm over every shard
             assert y[key] == pytest.approx(x[key], rel=1e-5), (x["step"], key)
+    # Held-out evals split over the ranks (each its rows of every batch, sums reduced): the same result.
+    e1, e2 = (_evals(dirs[k]) for k in ("one", "two"))
+    for x, y in zip(e1, e2, strict=True):
+        for key in ("student_loss", "kl_to_teacher", "teacher_loss"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5), (x["step"], key)
+        assert y["tokens"] == x["tokens"]
     s1, s2 = read_summary(dirs["one"]), read_summary(dirs["two"])
     assert s2["final_loss"] == pytest.approx(s1["final_loss"], rel=1e-5)
     assert s2["tokens_seen"] == s1["tokens_seen"]
@@ -140,3 +256,55 @@ def test_batch_not_divisible_is_one_line_error(runs):
     assert "schedule.batch_size 3" in errors.pop()
     assert "src/kdistill" not in r.stderr  # no traceback from kdistill (torchrun reports the exit code)
     assert not (tmp / "odd").exists()  # refused before the output folder was made
+
+
+def test_sharded_checkpoint_resumes_in_one_process(runs, more):
+    dirs, out = more
+    assert out["two_to_one"].returncode == 0, out["two_to_one"].stderr[-3000:]
+    _close_to(dirs["killed_copy"], runs[2]["two"])
+    assert (dirs["killed_copy"] / "checkpoints" / "step-0000006" / "student.safetensors").exists()
+
+
+def test_one_process_checkpoint_resumes_on_two(runs, more):
+    dirs, out = more
+    assert out["one_to_two"].returncode == 0, out["one_to_two"].stderr[-3000:]
+    _close_to(dirs["one_killed"], runs[2]["one"])
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint(runs, more):
+    dirs, out = more
+    r = out["restarted"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = dirs["restarted"]
+    assert "resuming from" in r.stderr and "step 3" in r.stderr
+    assert [row["step"] for row in _losses(run)] == [1, 2, 3, 4, 5, 6]  # none lost, none repeated
+    assert read_summary(run)["tokens_seen"] == read_summary(runs[2]["two"])["tokens_seen"]
+    assert_same_weights(
+        student_weights(run / "student" / "model.safetensors"),
+        student_weights(runs[2]["two"] / "student" / "model.safetensors"),
+    )
+
+
+def test_two_nodes_through_a_c10d_rendezvous(runs, more):
+    dirs, out = more
+    for node in ("node0", "node1"):
+        assert out[node].returncode == 0, out[node].stderr[-3000:]
+    assert read_summary(dirs["nodes"])["world_size"] == 2
+    _close_to(dirs["nodes"], runs[2]["two"])
+
+
+def test_root_gathered_once_per_step_and_blocks_once_each_way(more):
+    dirs, out = more
+    assert out["gathers"].returncode == 0, out["gathers"].stderr[-3000:]
+    # forward, 8 chunks of the KD head and the backward (checkpointed blocks recomputed): the root's
+    # embeddings and lm_head once, each block once for forward and once for backward.
+    assert json.loads(dirs["gathers"].read_text()) == {"root": 1, "blocks": [2, 2, 2]}
+
+
+def test_replicated_teacher_and_checkpointed_blocks_match(runs, more):
+    dirs, out = more
+    assert out["replicated"].returncode == 0, out["replicated"].stderr[-3000:]
+    layout = read_summary(dirs["replicated"])["layout"]
+    assert layout == {"world": 2, "teacher_sharded": False, "checkpointing": True}
+    assert read_summary(runs[2]["two"])["layout"]["teacher_sharded"]  # auto on the CPU: sharded
+    _close_to(dirs["replicated"], runs[2]["two"])

@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="parameter counts, FLOPs per token and peak memory estimate")
     _add_config_args(p)
+    p.add_argument("--nproc", type=int, default=1, help="plan one of N torchrun processes (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("prewarm", help="compile every kernel of the run's plan, then stop")

@@ -212,6 +212,12 @@ class RuntimeConfig:
     # instead of refusing. seq_len is never changed (the refusal names the largest seq_len that fits).
     auto_fit: bool = False
     gpu_memory_gib: float = 0.0  # 0: read the device; else plan against this much memory
+    # Under torchrun: the frozen teacher sharded with FSDP2 like the student, or a whole copy on every
+    # process (no gathers at all); auto: replicate when the memory plan says a whole teacher fits.
+    teacher_placement: str = "auto"  # auto | shard | replicate
+    # Recompute each student decoder block in backward instead of keeping its activations; auto: only
+    # when the memory plan would not fit the GPU otherwise (never on the CPU).
+    activation_checkpointing: str = "auto"  # auto | none | blocks
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -220,6 +226,8 @@ class RuntimeConfig:
         _choice("runtime.kernels", self.kernels, ("auto", "triton", "reference"))
         _choice("runtime.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _positive("runtime.max_nonfinite", self.max_nonfinite)
+        _choice("runtime.teacher_placement", self.teacher_placement, ("auto", "shard", "replicate"))
+        _choice("runtime.activation_checkpointing", self.activation_checkpointing, ("auto", "none", "blocks"))
 
 
 @dataclasses.dataclass

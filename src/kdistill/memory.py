@@ -1,7 +1,10 @@
 """Peak GPU memory of a training step, from the model specs and the run config alone.
 
     terms = estimate_memory(teacher_spec, student_spec, cfg)               # bytes by term, and "total"
-    terms = estimate_memory(teacher_spec, student_spec, cfg, batch=2)      # per process under torchrun
+    terms = estimate_memory(teacher_spec, student_spec, cfg, batch=2,      # one of 4 processes, teacher
+                            layout=Layout(world=4, teacher_sharded=True))  # sharded, no checkpointing
+    layout = choose_layout(teacher_spec, student_spec, cfg, budget, world=4, batch=2)   # the auto choices
+    need = gpus_needed(teacher_spec, student_spec, cfg, gpu_bytes)         # smallest world that fits
     fit = fit_limits(teacher_spec, student_spec, cfg, budget_bytes)        # largest batch / seq_len
 
 The memory model (bytes on one device, GPU path: bf16 teacher, fp32 student master weights with bf16
@@ -21,21 +24,53 @@ GIB = 1024**3
 # Saved-for-backward bytes per token per layer, per unit of width, for the bf16-autocast student on
 # the kernel path. Counted from the decoder's ops: two fp32 residual sums kept by the fused norms (8H)
 # and three bf16 casts of normed inputs, one for the fused q/k/v GEMM and one each for gate and up
-# (6H); q and SDPA's output
-# (4 per unit of q width) and k, v at their own kv width (SDPA reads the shared heads itself: 4 per
-# unit of kv width); gate and up (4I: the SwiGLU output is recomputed in backward, not kept).
+# (6H); q and SDPA's output (4 per unit of q width) and k, v at their own kv width (SDPA reads the
+# shared heads itself: 4 per unit of kv width); gate and up (4I: the SwiGLU output is recomputed in
+# backward, not kept).
 # Checked against torch.cuda.max_memory_allocated on an H200 (docs/memory.md).
 ACT_COEF_GPU = {"hidden": 14.0, "inter": 4.0, "q": 4.0, "kv": 4.0}
 ACT_COEF_CPU = {"hidden": 28.0, "inter": 12.0, "q": 12.0, "kv": 24.0}  # fp32 everywhere, reference ops
+# With activation checkpointing a block keeps only its inputs for backward: the previous block's MLP
+# output (bf16 under autocast) and the fp32 residual stream; its own activations exist for one block
+# at a time, while it is recomputed.
+CKPT_INPUT_COEF = {"gpu": 6.0, "cpu": 8.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a run is spread and what it keeps: processes, the teacher sharded (or a whole copy per
+    process), the student's blocks recomputed in backward (activation checkpointing)."""
+
+    world: int = 1
+    teacher_sharded: bool = False
+    checkpointing: bool = False
+
+    def describe(self) -> str:
+        parts = [f"{self.world} process{'es' if self.world > 1 else ''}"]
+        if self.world > 1:
+            parts.append("teacher sharded" if self.teacher_sharded else "teacher replicated")
+        parts.append("activation checkpointing" if self.checkpointing else "no activation checkpointing")
+        return ", ".join(parts)
 
 
 def estimate_memory(
-    teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, device: str = "cuda", batch: int | None = None
+    teacher: ModelSpec,
+    student: ModelSpec,
+    cfg: RunConfig,
+    device: str = "cuda",
+    batch: int | None = None,
+    layout: Layout | None = None,
 ) -> dict[str, int]:
     """Peak memory of one training step on one device, by term, in bytes.
 
     `batch` is the number of sequences this device runs per micro-batch: cfg.schedule.batch_size in
     one process, batch_size / world under torchrun (each process trains its slice of the batch).
+    `layout` (default: one process, checkpointing only when runtime.activation_checkpointing=blocks):
+    under FSDP2 (world > 1) the student's weights, gradients and AdamW state are 1/world per process,
+    plus the gathered (unsharded) parameters in use: the root (embeddings, lm_head), kept through the
+    KD loss, and two decoder blocks (the one computing and the one prefetched), in the compute dtype
+    (FSDP's mixed precision: no separate autocast copies). A sharded teacher is the same; a replicated
+    one is whole. With checkpointing the student keeps each block's inputs and one block's activations.
 
     The peak is at the end of the student's forward pass, when everything below is live at once:
     weights, AdamW state and autocast's bf16 weight copies; the student's saved activations; the
@@ -46,6 +81,8 @@ def estimate_memory(
     `optimizer_phase` covers the end of the backward pass.)
     """
     gpu = device != "cpu"
+    if layout is None:
+        layout = Layout(checkpointing=cfg.runtime.activation_checkpointing == "blocks")
     rows = cfg.schedule.batch_size if batch is None else batch
     n = rows * cfg.data.seq_len  # tokens per micro-batch on this device
     ps = student.param_counts()["total"]
@@ -72,9 +109,28 @@ def estimate_memory(
         "optimizer_state": trainable * 8,
         "autocast_weight_copies": trainable * 2 if gpu else 0,
     }
+    w = layout.world
+    if w > 1:  # FSDP2: sharded states plus the gathered units in use (see the docstring)
+        fixed = {
+            "teacher_weights": 0
+            if cached
+            else (
+                _gathered(teacher, act_bytes) + pt * act_bytes // w
+                if layout.teacher_sharded
+                else pt * act_bytes
+            ),
+            "student_weights": ps * 4 // w,
+            "optimizer_state": ps * 8 // w,
+            "student_gathered_units": _gathered(student, act_bytes),
+        }
     head_grad = 0 if lora.enabled else vocab * student.hidden_size * 4  # a frozen lm_head has none
+    if layout.checkpointing:
+        inputs = CKPT_INPUT_COEF["gpu" if gpu else "cpu"] * student.hidden_size
+        activations = n * student.num_layers * inputs + n * per_tok_layer
+    else:
+        activations = n * student.num_layers * per_tok_layer
     forward_peak = {
-        "student_activations": int(n * student.num_layers * per_tok_layer) + n * student.hidden_size * 4,
+        "student_activations": int(activations) + n * student.hidden_size * 4,
         # teacher.cache: the batch's cached targets instead (bf16 log-probs of an exact cache, the
         # largest mode) and no teacher at all
         "teacher_hidden": n * vocab * 2 if cached else n * teacher.hidden_size * act_bytes,
@@ -88,7 +144,7 @@ def estimate_memory(
             for t in lora.targets
         )
         forward_peak["lora_activations"] = n * student.num_layers * per_tok
-    optimizer_phase = trainable * 4 * 2  # gradients plus AdamW's foreach temporaries
+    optimizer_phase = trainable * 4 * 2 // w  # gradients plus AdamW's foreach temporaries
     terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())
     if optimizer_phase > live_forward:
@@ -97,8 +153,63 @@ def estimate_memory(
     return terms
 
 
+def _gathered(spec: ModelSpec, nbytes: int) -> int:
+    """Bytes of a sharded model's parameters gathered at once: the root and two decoder blocks."""
+    c = spec.param_counts()
+    return (c["embedding"] + c["lm_head"] + spec.hidden_size + 2 * c["per_layer"]) * nbytes
+
+
+def choose_layout(
+    teacher: ModelSpec,
+    student: ModelSpec,
+    cfg: RunConfig,
+    budget: int,
+    world: int = 1,
+    batch: int | None = None,
+    device: str = "cuda",
+) -> Layout:
+    """The layout runtime.teacher_placement and runtime.activation_checkpointing ask for, their `auto`
+    resolved against `budget` bytes per device: the first that fits of (teacher replicated, no
+    checkpointing), (sharded, none), (replicated, blocks), (sharded, blocks), keeping only what the
+    config allows; when none fits, the most frugal allowed (the caller refuses or fits the batch).
+    One process never shards its teacher."""
+    rt = cfg.runtime
+    placements = [False, True] if world > 1 else [False]
+    if world > 1 and rt.teacher_placement != "auto":
+        placements = [rt.teacher_placement == "shard"]
+    ckpts = {"none": [False], "blocks": [True], "auto": [False, True]}[rt.activation_checkpointing]
+    candidates = [Layout(world, sharded, ck) for ck in ckpts for sharded in placements]
+    for layout in candidates:
+        if estimate_memory(teacher, student, cfg, device, batch, layout)["total"] <= budget:
+            return layout
+    return candidates[-1]
+
+
+def gpus_needed(
+    teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, gpu_bytes: int, max_world: int = 64
+) -> tuple[int, Layout] | None:
+    """The fewest processes (1, 2, 4, ...) whose per-process plan fits 95% of `gpu_bytes`, each
+    process running schedule.batch_size / world sequences, with the layout it would use; None when
+    even max_world (or one sequence per process) does not fit."""
+    budget = int(gpu_bytes * 0.95)
+    world = 1
+    while world <= max_world and cfg.schedule.batch_size // world >= 1:
+        per = cfg.schedule.batch_size // world
+        if cfg.schedule.batch_size % world == 0:
+            layout = choose_layout(teacher, student, cfg, budget, world, per)
+            if estimate_memory(teacher, student, cfg, batch=per, layout=layout)["total"] <= budget:
+                return world, layout
+        world *= 2
+    return None
+
+
 def fit_limits(
-    teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, budget: int, batch: int | None = None
+    teacher: ModelSpec,
+    student: ModelSpec,
+    cfg: RunConfig,
+    budget: int,
+    batch: int | None = None,
+    layout: Layout | None = None,
 ) -> dict[str, int]:
     """Largest batch (at the configured seq_len) and seq_len (at the configured batch) that fit in
     `budget` bytes on one device. `batch` is the device's batch as in `estimate_memory` (default
@@ -107,7 +218,7 @@ def fit_limits(
 
     def peak(bs: int, sl: int) -> int:
         c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=sl))
-        return estimate_memory(teacher, student, c, batch=bs)["total"]
+        return estimate_memory(teacher, student, c, batch=bs, layout=layout)["total"]
 
     best_bs = 0
     for bs in range(1, rows + 1):

@@ -2,30 +2,49 @@
 
     kdistill plan run.yaml            # teacher/student from the config
     kdistill plan qwen2.5-1.5b:qwen2.5-0.5b data.seq_len=2048 schedule.batch_size=4 --json
+    kdistill plan qwen2.5-32b:qwen2.5-1.5b schedule.batch_size=8 --nproc 2     # one of 2 processes
 
-The memory terms come from `kdistill.memory.estimate_memory`.
+The memory terms come from `kdistill.memory.estimate_memory`, for one process of --nproc (its share
+of schedule.batch_size) with the layout the run would choose on a GPU of runtime.gpu_memory_gib (80
+GiB when unset): teacher placement and activation checkpointing, their `auto` resolved. The plan also
+says how many such GPUs the pair needs (`memory.gpus_needed`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from kdistill.commands.common import resolve_run
 from kdistill.config import RunConfig
 from kdistill.console import print_json
-from kdistill.memory import GIB, estimate_memory
+from kdistill.errors import UserError
+from kdistill.memory import GIB, choose_layout, estimate_memory, gpus_needed
 from kdistill.models.spec import ModelSpec
 
+DEFAULT_GPU_GIB = 80.0
 
-def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec) -> dict[str, Any]:
-    """Parameters, FLOPs per token and per step, and the memory estimate of one process."""
+
+def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, nproc: int = 1) -> dict[str, Any]:
+    """Parameters, FLOPs per token and per step, the memory estimate of one of `nproc` processes, and
+    the number of GPUs the pair needs."""
+    if nproc < 1 or cfg.schedule.batch_size % nproc:
+        raise UserError(
+            f"--nproc {nproc}: expected a positive number that divides schedule.batch_size "
+            f"({cfg.schedule.batch_size})"
+        )
+    gpu_gib = cfg.runtime.gpu_memory_gib or DEFAULT_GPU_GIB
+    budget = int(gpu_gib * GIB * 0.95)
+    per = cfg.schedule.batch_size // nproc
+    layout = choose_layout(teacher, student, cfg, budget, nproc, per)
+    needed = gpus_needed(teacher, student, cfg, int(gpu_gib * GIB))
     seq = cfg.data.seq_len
     t_fwd = teacher.matmul_flops_per_token(seq)
     s_fwd = student.matmul_flops_per_token(seq)
     tokens_per_step = cfg.schedule.batch_size * seq * cfg.schedule.grad_accum
-    mem = estimate_memory(teacher, student, cfg)
+    mem = estimate_memory(teacher, student, cfg, batch=per, layout=layout)
     return {
         "teacher": {"name": teacher.name, "arch": teacher.arch, "params": teacher.param_counts()},
         "student": {"name": student.name, "arch": student.arch, "params": student.param_counts()},
@@ -38,9 +57,32 @@ def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec) -> dict[st
         "flops_per_step": (t_fwd + 3 * s_fwd) * tokens_per_step,
         "batch_size": cfg.schedule.batch_size,
         "seq_len": seq,
+        "nproc": nproc,
+        "batch_per_process": per,
+        "layout": dataclasses.asdict(layout),
         "memory_bytes": mem,
         "memory_gib": {k: round(v / GIB, 3) for k, v in mem.items()},
+        "gpus": {
+            "gpu_gib": gpu_gib,
+            "needed": needed[0] if needed else None,
+            "layout": dataclasses.asdict(needed[1]) if needed else None,
+            "line": gpus_line(needed, gpu_gib),
+        },
     }
+
+
+def gpus_line(needed: Any, gpu_gib: float) -> str:
+    """`needs 2 GPUs of 80 GiB with the teacher sharded` (what `gpus_needed` found), in words."""
+    if needed is None:
+        return f"does not fit GPUs of {gpu_gib:g} GiB at this batch and seq_len, on up to 64 of them"
+    world, layout = needed
+    how = []
+    if world > 1:
+        how.append("the teacher sharded" if layout.teacher_sharded else "the teacher replicated")
+    if layout.checkpointing:
+        how.append("activation checkpointing")
+    gpus = "1 GPU" if world == 1 else f"{world} GPUs"
+    return f"needs {gpus} of {gpu_gib:g} GiB" + (f" with {' and '.join(how)}" if how else "")
 
 
 def _short(name: str, width: int = 17) -> str:
@@ -64,18 +106,22 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"tokens per step: {plan['tokens_per_step']} (batch {plan['batch_size']} x seq {plan['seq_len']} x accum), "
         f"{plan['flops_per_step'] / 1e12:.2f} TFLOP per step",
         "",
-        "peak memory per device (estimate):",
+        f"peak memory per device (estimate, {plan['layout']['world']} process(es) of batch "
+        f"{plan['batch_per_process']}, teacher {'sharded' if plan['layout']['teacher_sharded'] else 'whole'}, "
+        f"activation checkpointing {'on' if plan['layout']['checkpointing'] else 'off'}):",
     ]
     for k, v in plan["memory_gib"].items():
         if k != "total":
             lines.append(f"  {k:28s}{v:10.2f} GiB")
     lines.append(f"  {'total':28s}{plan['memory_gib']['total']:10.2f} GiB")
+    lines.append("")
+    lines.append(f"GPUs: {plan['gpus']['line']} (schedule.batch_size split over them)")
     return "\n".join(lines)
 
 
 def plan_command(args: argparse.Namespace) -> int:
     """`kdistill plan CONFIG [key=value ...] [--json]`: the table (or JSON) of `make_plan`."""
     cfg, teacher, student = resolve_run(args.config, args.overrides)
-    plan = make_plan(cfg, teacher, student)
+    plan = make_plan(cfg, teacher, student, nproc=args.nproc)
     print_json(plan) if args.json else print(format_plan(plan))
     return 0

@@ -4,6 +4,8 @@
     kdistill run run.yaml kd.temperature=2         # a config plus dotted overrides
     kdistill run --resume runs/a                   # continue exactly where runs/a stopped
     torchrun --nproc_per_node=8 -m kdistill run run.yaml
+    torchrun --nproc_per_node=8 --max-restarts=3 -m kdistill run run.yaml    # a failed rank: restart,
+                                                                              # resume from the last checkpoint
 
 The recipe itself is kdistill.train.recipe.train; this module turns arguments into its inputs,
 prepares the run folder and prints the summary line.
@@ -68,7 +70,13 @@ def new_run(cfg: RunConfig, *, overwrite: bool = False, quiet: bool = False) -> 
 
 def run_distributed(args: argparse.Namespace) -> int:
     """`torchrun --nproc_per_node=N -m kdistill run CONFIG`: every process trains its slice of each batch;
-    rank 0 alone prepares the output folder, writes the run's files and prints the summary."""
+    rank 0 alone prepares the output folder, writes the run's files and prints the summary.
+
+    A restarted attempt (torchrun --max-restarts, TORCHELASTIC_RESTART_COUNT > 0) of a new run whose
+    folder the first attempt made resumes from its newest checkpoint, or starts over when it has none."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if restarted and not args.resume:
+        args = restart_args(args)
     if args.resume:
         cfg, run_dir = resume_config(args)
     else:
@@ -108,6 +116,20 @@ def run_distributed(args: argparse.Namespace) -> int:
     finally:
         dist.destroy()
     return 0
+
+
+def restart_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments of a restarted torchrun attempt: --resume the run folder when the first attempt
+    made it (config.yaml) and left a checkpoint; --overwrite it when it left none (start over)."""
+    config_path, overrides = new_run_args(args)
+    if is_demo(config_path, overrides):
+        return args
+    run_dir = Path(load_config(config_path, overrides).output.dir)
+    if not (run_dir / "config.yaml").is_file():
+        return args
+    if ckpt.list_checkpoints(run_dir):
+        return argparse.Namespace(**{**vars(args), "resume": str(run_dir), "config": None, "overrides": []})
+    return argparse.Namespace(**{**vars(args), "overwrite": True})
 
 
 def resume_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:

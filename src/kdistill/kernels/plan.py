@@ -32,12 +32,16 @@ class Precision:
         return self.compute != "fp32"
 
 
-def precision(run, arch: str) -> Precision:
-    """runtime.dtype auto -> bf16 for a GPU arch, fp32 for 'cpu'."""
+def precision(run, arch: str, sharded: bool = False) -> Precision:
+    """runtime.dtype auto -> bf16 for a GPU arch, fp32 for 'cpu'. sharded: the student is under FSDP2,
+    whose mixed-precision policy gathers its parameters in the compute dtype (fp32 masters stay
+    sharded), so its layers see weights in the compute dtype."""
     d = run.runtime.dtype
     compute = ("fp32" if arch == "cpu" else "bf16") if d == "auto" else keys.dtype_name(d)
     lora = run.student.lora
     student = keys.dtype_name(lora.base_dtype) if lora.enabled else "fp32"  # a LoRA student's frozen base
+    if sharded and not lora.enabled:
+        student = compute
     return Precision(compute=compute, teacher_weights=compute, student_weights=student)
 
 
@@ -167,14 +171,16 @@ def required_kernels(
     *,
     batch: int | None = None,
     documents: bool = False,
+    sharded: bool = False,
 ) -> set[keys.KernelKey]:
     """Every kernel key (Triton and library) the run launches: teacher forward without grad, student
     forward with and without grad and its backward (no teacher forward with teacher.cache) (a LoRA student: its frozen base in
     student.lora.base_dtype and the adapters' GEMMs), the KD loss head; for `arch` (e.g. 'sm_90').
     batch: the per-process batch (under torchrun batch_size / world); default run.schedule.batch_size.
-    documents: the data is packed conversations (attention masked by document)."""
+    documents: the data is packed conversations (attention masked by document).
+    sharded: the student is sharded with FSDP2 (torchrun), its weights gathered in the compute dtype."""
     arch = arch if arch == "cpu" else keys.normalize_arch(arch)
-    prec = precision(run, arch)
+    prec = precision(run, arch, sharded)
     b, t = batch or run.schedule.batch_size, run.data.seq_len
     m = dict(batch=b, seq=t, masked=documents)
     cached = bool(getattr(run.teacher, "cache", ""))  # a teacher cache: no teacher forward at all

@@ -22,6 +22,10 @@ its MLP output unadded, so the next block (or the final norm) fuses that add int
     block i:   h, residual = add_rmsnorm(delta, residual)    (delta: block i-1's MLP output)
                a = attn(h);  x, residual = add_rmsnorm(a, residual);  delta = mlp(x)
     final:     out = add_rmsnorm(delta, residual, model.norm)
+
+Activation checkpointing (`model.checkpoint_blocks(True)`): each block keeps only its inputs for
+backward and is recomputed there (torch.utils.checkpoint, non-reentrant), through the same dispatch
+calls, so the kernels it launches are the same keys as without it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kdistill.dispatch import (
     add_rmsnorm,
@@ -211,6 +216,7 @@ class Block(nn.Module):
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
         self.mlp = MLP(spec)
+        self.checkpointed = False  # recompute in backward (Decoder.checkpoint_blocks)
 
     def forward(
         self,
@@ -222,6 +228,20 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """delta (B, T, H): the previous block's MLP output, or the embeddings when residual is None
         (block 0). Returns (this block's MLP output (B, T, H), the residual stream before it)."""
+        if self.checkpointed and torch.is_grad_enabled():
+            # Inside the module's call, so FSDP's hooks stay outside the recomputed region.
+            return checkpoint(self.layer, delta, residual, cos, sin, mask, use_reentrant=False)
+        return self.layer(delta, residual, cos, sin, mask)
+
+    def layer(
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's computation (see forward)."""
         if residual is None:
             residual = delta
             h = rmsnorm(delta, self.input_layernorm.weight, self.eps)
@@ -279,6 +299,12 @@ class Decoder(nn.Module):
         if self.spec.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
+
+    def checkpoint_blocks(self, on: bool = True) -> None:
+        """Activation checkpointing per decoder block: keep each block's inputs, recompute the rest in
+        backward. Off by default; forward values and gradients are the same either way."""
+        for block in self.model.layers:
+            block.checkpointed = on
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq_len, str(device))

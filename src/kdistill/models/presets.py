@@ -11,7 +11,7 @@ from typing import Any
 
 
 def _qwen2(
-    v: int, h: int, i: int, n: int, heads: int, kv: int, tied: bool, max_pos: int = 32768
+    v: int, h: int, i: int, n: int, heads: int, kv: int, tied: bool, max_pos: int = 32768, eps: float = 1e-6
 ) -> dict[str, Any]:
     return {
         "model_type": "qwen2",
@@ -22,7 +22,7 @@ def _qwen2(
         "num_hidden_layers": n,
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
-        "rms_norm_eps": 1e-6,
+        "rms_norm_eps": eps,
         "rope_theta": 1000000.0,
         "max_position_embeddings": max_pos,
         "tie_word_embeddings": tied,
@@ -89,6 +89,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, True),
     "qwen2.5-3b": _qwen2(151936, 2048, 11008, 36, 16, 2, True),
     "qwen2.5-7b": _qwen2(152064, 3584, 18944, 28, 28, 4, False, 131072),
+    # The base models' config.json (the Instruct ones say rms_norm_eps 1e-6 and 32768 positions).
+    "qwen2.5-14b": _qwen2(152064, 5120, 13824, 48, 40, 8, False, 131072, 1e-5),
+    "qwen2.5-32b": _qwen2(152064, 5120, 27648, 64, 40, 8, False, 131072, 1e-5),
+    "qwen2.5-72b": _qwen2(152064, 8192, 29568, 80, 64, 8, False, 131072, 1e-5),
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
     "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),

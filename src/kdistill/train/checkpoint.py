@@ -7,6 +7,14 @@ A checkpoint is a folder `checkpoints/step-0000100/` holding
 It is written into `checkpoints/.tmp-step-.../` and renamed into place only when every file is
 flushed, so a kill during the write leaves the previous checkpoint as the newest complete one.
 Nothing is ever unpickled: tensors go through safetensors and everything else through JSON.
+
+Under torchrun a checkpoint is sharded instead (`save_sharded_checkpoint`): the folder holds
+    shards/               torch.distributed.checkpoint files, each process's own shards of the
+                          student and its AdamW state (nothing gathered to one process)
+    state.json            as above, with "format": "sharded" and the number of processes
+written the same way: every process writes into the temp folder, then rank 0 adds state.json and
+renames it into place. `load_checkpoint` returns no tensors for it (None): they are read straight into
+the model, sharded or not (train/resume.py).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +32,11 @@ from safetensors.torch import load_file, save_file
 
 from kdistill.errors import UserError
 from kdistill.fileio import fsync_dir, write_json_durable
+from kdistill.train import distributed as dist
 from kdistill.train import faults
 
 _PREFIX = "step-"
+SHARDS = "shards"  # the torch.distributed.checkpoint folder of a sharded checkpoint
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -89,6 +100,57 @@ def save_checkpoint(
     return final
 
 
+def save_sharded_checkpoint(
+    run_dir: Path, step: int, write_shards: Callable[[str], None], state: dict[str, Any], keep: int
+) -> Path:
+    """Collective: every process calls it. Rank 0 makes the temp folder, every process writes its
+    shards there (`write_shards(folder)`), then rank 0 writes state.json, flushes, renames the folder
+    into place and keeps the newest `keep` checkpoints. A failure on any process leaves the earlier
+    checkpoints as they were and is a UserError on every process."""
+    root = run_dir / "checkpoints"
+    final = root / f"{_PREFIX}{step:07d}"
+    tmp = root / f".tmp-{_PREFIX}{step:07d}-sharded"  # one name for every process (a shared folder)
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+
+    def commit() -> None:
+        try:
+            meta = {"step": step, "format": "sharded", "world_size": dist.info().world, **state}
+            write_json_durable(tmp / "state.json", meta)
+            for f in (tmp / SHARDS).iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            fsync_dir(tmp / SHARDS)
+            fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(root)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(
+                f"{final}: cannot write checkpoint ({e.strerror or e}); earlier checkpoints are intact"
+            ) from None
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    dist.run_on_main(prepare)
+    write_shards(str(tmp / SHARDS))
+    faults.checkpoint_pause("between-files")
+    dist.barrier()
+    dist.run_on_main(commit)
+    return final
+
+
+def is_sharded(path: Path) -> bool:
+    """A checkpoint written under torchrun (torch.distributed.checkpoint shards, no safetensors)."""
+    return (path / SHARDS / ".metadata").is_file()
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first (a folder without state.json is incomplete)."""
     root = run_dir / "checkpoints"
@@ -98,10 +160,17 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """(student weights, optimizer tensors, state) of one checkpoint, with one-line errors."""
+def load_checkpoint(
+    path: Path,
+) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """(student weights, optimizer tensors, state) of one checkpoint, with one-line errors; a sharded
+    checkpoint's tensors are None (read them with distributed.load_sharded)."""
     try:
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        if state.get("format") == "sharded":
+            if not is_sharded(path):
+                raise OSError(f"no {SHARDS}/.metadata")
+            return None, None, state
         weights = load_file(str(path / "student.safetensors"))
         opt = load_file(str(path / "optimizer.safetensors"))
     except (OSError, ValueError, SafetensorError) as e:

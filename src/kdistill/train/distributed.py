@@ -7,9 +7,15 @@ process, chosen by LOCAL_RANK), gloo on the CPU. Without WORLD_SIZE (or with WOR
 initialised and every helper here is a no-op, so a single process runs exactly the code it always ran.
 
 What is sharded (FSDP2, `fully_shard`): every decoder block of the student (`model.model.layers[i]`, a
-self-contained `Block` whose forward the decoder calls), then the root, which holds the embeddings, the
-final norm and the lm_head. The teacher is sharded the same way (frozen, resharded after forward) or, with
-KDISTILL_REPLICATE_TEACHER=1, replicated whole on every process.
+self-contained `Block` whose forward the decoder calls) as one unit, then the root, which holds the
+embeddings, the final norm and the lm_head. On a GPU the student's units gather their parameters in the
+compute dtype and reduce gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
+the fp32 masters and AdamW state stay sharded). Each block prefetches the next block's all-gather in
+forward and the previous block's in backward. The root is not resharded after forward (FSDP2's rule for
+the root), so the KD head reads the gathered lm_head for every chunk and in its backward without another
+all-gather: the root's weights are gathered once per micro-batch. The teacher (runtime.teacher_placement)
+is sharded the same way (frozen, blocks resharded after forward, the root after the loss's backward) or
+replicated whole on every process (no gathers at all).
 
 Gradients: each process takes its slice of every global batch and computes the loss as a mean over its own
 tokens; FSDP's reduce-scatter averages gradients over the processes. `loss_weight` scales each process's
@@ -17,10 +23,12 @@ loss by its share of the batch's tokens (n_rank * world / n_total), so the avera
 gradient of the single-process loss over the whole batch (up to float rounding); with equal token counts
 the weight is exactly 1.
 
-Checkpoints hold full (unsharded) tensors in the single-process format: `full_model_state` and
-`full_optimizer_state` gather them (collectives: every process calls them; rank 0 gets the tensors, on the
-CPU) and rank 0 writes them with the usual atomic writer; `load_full_state` puts them back into the sharded
-model and optimizer. A checkpoint written by N processes resumes on M processes, or on one.
+Checkpoints under torchrun are sharded (`torch.distributed.checkpoint`): `save_sharded` has every process
+write its own shards of the student and its AdamW state, nothing is gathered; `load_sharded` reads them
+back into a model sharded over any number of processes, or into a plain model in one process (DCP
+reshards by tensor name and offsets). A one-process checkpoint holds full tensors (safetensors):
+`load_full_state` puts them into a sharded model and optimizer. So a run saved on N processes resumes on
+M. The exported student is gathered once (`unsharded_copy`).
 """
 
 from __future__ import annotations
@@ -29,11 +37,13 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from kdistill.errors import UserError
 from kdistill.models.decoder import build_decoder
@@ -92,10 +102,16 @@ def init_from_env(device_type: str) -> DistInfo:
         backend = "nccl"
     else:
         backend = "gloo"
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
+    timeout = datetime.timedelta(minutes=30)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "rank": rank, "world_size": world}
     if device is not None:
         kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
+    # torchrun's own store (env://), its keys kept apart per restart attempt: torchrun keeps the store of
+    # a job across --max-restarts, and a restarted process must not read the address a process of the
+    # failed attempt published (it would try to connect to a process that is gone).
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    dist.init_process_group(store=dist.PrefixStore(f"kdistill/attempt-{attempt}", store), **kwargs)
     _INFO = DistInfo(rank, world, local_rank, device)
     return _INFO
 
@@ -212,23 +228,47 @@ def _mesh() -> DeviceMesh:
     return init_device_mesh(_comm_device().type, (_INFO.world,))
 
 
-def shard_student(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head)."""
+def _prefetch(root: torch.nn.Module, units: list[torch.nn.Module], backward: bool) -> None:
+    """Explicit prefetch: the root and each block issue the next block's all-gather as soon as their own
+    is copied out; in backward each block issues the previous one's (FSDP2's `set_modules_to_*`)."""
+    if not units:
+        return
+    root.set_modules_to_forward_prefetch([units[0]])  # type: ignore[operator]
+    for i, unit in enumerate(units):
+        if i + 1 < len(units):
+            unit.set_modules_to_forward_prefetch([units[i + 1]])  # type: ignore[operator]
+        if backward and i > 0:
+            unit.set_modules_to_backward_prefetch([units[i - 1]])  # type: ignore[operator]
+
+
+def shard_student(model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head). compute_dtype other
+    than fp32: parameters gathered in it, gradients reduced in fp32; block inputs keep their dtypes (the
+    residual stream stays as the decoder makes it)."""
     mesh = _mesh()
-    for unit in _shard_units(model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    units = _shard_units(model)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    _prefetch(model, units, backward=True)
     return model
 
 
 def shard_teacher(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 for the frozen teacher: the same units, each resharded right after its forward."""
     mesh = _mesh()
-    for unit in _shard_units(model):
+    units = _shard_units(model)
+    for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     # The root keeps its gathered parameters after forward: the KD head reads the teacher's lm_head after
     # the forward and again in its backward; the loop calls `reshard` once the backward is done.
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    _prefetch(model, units, backward=False)
     return model
 
 
@@ -255,19 +295,6 @@ def _param_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's full state dict on the CPU on rank 0 (empty elsewhere). Every process must call it."""
     return get_model_state_dict(model, options=_options())
-
-
-def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's full state in opt.state_dict()'s own format (integer parameter ids), rank 0 only."""
-    osd = get_optimizer_state_dict(model, opt, options=_options())
-    if not is_main():
-        return {}
-    index = {n: i for i, n in enumerate(_param_names(model, opt))}
-    state = {index[name]: dict(st) for name, st in osd["state"].items()}
-    groups = []
-    for g in osd["param_groups"]:
-        groups.append({**g, "params": [index[n] for n in g["params"]]})
-    return {"state": state, "param_groups": groups}
 
 
 class FullState:
@@ -302,6 +329,29 @@ def load_full_state(
         ],
     }
     set_optimizer_state_dict(model, opt, osd, options=_options())
+
+
+def _sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and optimizer's state by parameter name: this process's shards (DTensors) under FSDP2,
+    plain tensors in one process. A fresh optimizer's state is created (zeros) so that it can be loaded."""
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+    """Write the student and its optimizer state to the folder `path`, every process its own shards
+    (collective under torchrun; DCP's files plus its .metadata)."""
+    dcp.save(_sharded_state(model, opt), checkpoint_id=path)
+
+
+def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+    """Read a `save_sharded` folder into this model and optimizer, sharded over any number of processes
+    or plain in one (collective under torchrun)."""
+    state = _sharded_state(model, opt)
+    with warnings.catch_warnings():  # one process: DCP says it assumes one process, as intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:

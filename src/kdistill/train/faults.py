@@ -8,6 +8,9 @@ POINT means SIGKILL). The step loop calls `at(point)` at these points:
 KDISTILL_TEST_NAN_STEPS="3,4" makes the loss of those (1-based) steps non-finite (`nan_step`).
 KDISTILL_TEST_CKPT_PAUSE=FILE makes a checkpoint write stop between its files: it writes the stage name
 to FILE and sleeps, so that a test can kill the process inside the write (`checkpoint_pause`).
+KDISTILL_TEST_HOLD_AT="POINT@DIR" makes every process of a first torchrun attempt (restart count 0) stop
+at POINT, write its PID to DIR/rank{RANK}.pid and sleep (SIGTERM ends it at once), so that a test can
+kill one rank by PID and watch torchrun restart the job.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import time
 from pathlib import Path
 
 KILL_ENV, NAN_ENV, PAUSE_ENV = "KDISTILL_TEST_KILL_AT", "KDISTILL_TEST_NAN_STEPS", "KDISTILL_TEST_CKPT_PAUSE"
+HOLD_ENV = "KDISTILL_TEST_HOLD_AT"
 
 
 def at(point: str) -> None:
-    """Signal this process if KDISTILL_TEST_KILL_AT names `point`."""
+    """Signal this process if KDISTILL_TEST_KILL_AT names `point`; hold it if KDISTILL_TEST_HOLD_AT does."""
+    hold(point)
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return
@@ -43,3 +48,14 @@ def checkpoint_pause(stage: str) -> None:
     if flag:
         Path(flag).write_text(stage)
         time.sleep(3600)
+
+
+def hold(point: str) -> None:
+    """On a first torchrun attempt, if KDISTILL_TEST_HOLD_AT names `point`: write the PID and sleep."""
+    where, _, folder = os.environ.get(HOLD_ENV, "").partition("@")
+    if where != point or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's SIGTERM must end a held process
+    Path(folder, f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+    while True:
+        time.sleep(1)

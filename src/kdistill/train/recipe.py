@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json
 from kdistill.generate import answer_rows, sample_prompts, stop_token_ids
 from kdistill.kernels import seal
-from kdistill.memory import GIB, estimate_memory, fit_limits
+from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_limits
 from kdistill.models.decoder import Decoder, build_decoder
 from kdistill.models.hf_io import has_weights, load_model, save_model
 from kdistill.models.lora import apply_lora, has_lora, save_adapter
@@ -93,6 +92,7 @@ class Run:
     teacher_spec: ModelSpec
     student_spec: ModelSpec
     kernels: seal.KernelSession
+    layout: Layout  # processes, teacher placement, activation checkpointing
     ctx: StepContext  # student, teacher, optimizer, device, autocast, this process's rows
     batcher: Batcher
     held: Any  # the fixed held-out batches
@@ -136,7 +136,14 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
     if device.type == "cuda":
-        cfg = check_memory(cfg, teacher_spec, student_spec, device, quiet)
+        cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet)
+    else:  # no memory to plan against: auto means shard the teacher and keep every activation
+        rt = cfg.runtime
+        layout = Layout(
+            dist.info().world,
+            multi and rt.teacher_placement != "replicate",
+            rt.activation_checkpointing == "blocks",
+        )
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
@@ -158,19 +165,25 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         quiet=quiet,
         batch=per_process,
         documents=data.documents,
+        sharded=multi,
     )
 
     cache = open_teacher_cache(cfg, tok, data) if cfg.teacher.cache else None
-    teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows)
+    # A teacher to be sharded is read into host memory: fully_shard moves it to the GPU one block at a
+    # time, so no process ever holds a whole teacher that does not fit there.
+    teacher_device = torch.device("cpu") if multi and layout.teacher_sharded else device
+    teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows, teacher_device)
     who = f"teacher cache ({cache.mode}, {cfg.teacher.cache})" if cache else f"teacher ({teacher_spec.name})"
     stage(t_start, quiet, f"loaded {who} and student ({init}) on {device}")
+    student.checkpoint_blocks(layout.checkpointing)
     if multi:
         if cfg.student.lora.enabled:
             raise UserError("student.lora runs in one process for now: run it without torchrun")
-        dist.shard_student(student)
-        if teacher is not None and os.environ.get("KDISTILL_REPLICATE_TEACHER") != "1":
+        dist.shard_student(student, dtype)
+        if teacher is not None and layout.teacher_sharded:
             dist.shard_teacher(teacher)
-        stage(t_start, quiet, f"FSDP2 over {dist.info().world} processes: student and teacher sharded")
+    if multi or layout.checkpointing:
+        stage(t_start, quiet, f"layout: {layout.describe()}")
     opt = make_optimizer(student, cfg.optim)
     batcher = Batcher(data.train, cfg.schedule.batch_size, cfg.schedule.seed)
     held = heldout_batches(data.heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)
@@ -191,7 +204,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     if cfg.output.report_to and dist.is_main():
         trackers = open_trackers(cfg.output.report_to, run_dir, cfg.to_dict(), run_name=run_dir.name)
     return Run(
-        cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, ctx, batcher,
+        cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, layout, ctx, batcher,
         held, counters, start_step, metrics, eval_log, trackers, data.stats if data.documents else {}, tok,
     )  # fmt: skip
 
@@ -268,8 +281,9 @@ def check_vocab(tok_vocab: int, teacher: ModelSpec, student: ModelSpec) -> int |
 
 def check_memory(
     cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, device: torch.device, quiet: bool
-) -> RunConfig:
-    """Compare the plan with the device's free memory before loading anything; refuse, or with
+) -> tuple[RunConfig, Layout]:
+    """Compare the plan with the device's free memory before loading anything: resolve the auto
+    choices (teacher placement, activation checkpointing: `memory.choose_layout`), then refuse, or with
     runtime.auto_fit lower schedule.batch_size until it fits (seq_len is never changed: the error
     names the largest seq_len that fits, for the user to choose). Under torchrun the plan is of one
     process's batch (batch_size / world), and the batch it fits to is a multiple of world."""
@@ -280,10 +294,11 @@ def check_memory(
     else:
         free, _ = torch.cuda.mem_get_info(device)
     budget = int(free * 0.95)
-    need = estimate_memory(teacher, student, cfg, batch=per_process)["total"]
+    layout = choose_layout(teacher, student, cfg, budget, world, per_process)
+    need = estimate_memory(teacher, student, cfg, batch=per_process, layout=layout)["total"]
     if need <= budget:
-        return cfg
-    fit = fit_limits(teacher, student, cfg, budget, batch=per_process)
+        return cfg, layout
+    fit = fit_limits(teacher, student, cfg, budget, batch=per_process, layout=layout)
     fit_batch = fit["batch_size"] * world
     if cfg.runtime.auto_fit and fit_batch > 0:
         if not quiet:
@@ -291,11 +306,13 @@ def check_memory(
                 f"runtime.auto_fit: batch_size {cfg.schedule.batch_size} -> {fit_batch} "
                 f"(plan {need / GIB:.1f} GiB > free {free / GIB:.1f} GiB)"
             )
-        return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, batch_size=fit_batch))
+        return dataclasses.replace(
+            cfg, schedule=dataclasses.replace(cfg.schedule, batch_size=fit_batch)
+        ), layout
     raise UserError(
-        f"the plan needs {need / GIB:.1f} GiB per device but {free / GIB:.1f} GiB is free: the largest that fit "
-        f"are schedule.batch_size={fit_batch} (at seq_len {cfg.data.seq_len}) or data.seq_len="
-        f"{fit['seq_len']} (at batch {cfg.schedule.batch_size}); or set runtime.auto_fit=true"
+        f"the plan needs {need / GIB:.1f} GiB per device ({layout.describe()}) but {free / GIB:.1f} GiB is "
+        f"free: the largest that fit are schedule.batch_size={fit_batch} (at seq_len {cfg.data.seq_len}) or "
+        f"data.seq_len={fit['seq_len']} (at batch {cfg.schedule.batch_size}); or set runtime.auto_fit=true"
     )
 
 
@@ -338,14 +355,22 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
 
 
 def load_models(
-    cfg: RunConfig, student_spec: ModelSpec, device: torch.device, dtype: torch.dtype, trim_rows: int | None
+    cfg: RunConfig,
+    student_spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    trim_rows: int | None,
+    teacher_device: torch.device | None = None,
 ) -> tuple[Decoder | None, Decoder, str]:
     """(frozen teacher in the compute dtype, fp32 student in train mode, how the student began).
-    The teacher is loaded even at alpha=0: held-out evals report its loss and the KL to it. With
+    The teacher is loaded even at alpha=0: held-out evals report its loss and the KL to it; onto
+    teacher_device when given (the host, for a teacher that FSDP2 shards onto the GPUs). With
     teacher.cache it is not loaded at all (None): the cache holds its targets."""
     teacher = None
     if not cfg.teacher.cache:
-        teacher = load_model(cfg.teacher.path, device=device, dtype=dtype, vocab_rows=trim_rows)
+        teacher = load_model(
+            cfg.teacher.path, device=teacher_device or device, dtype=dtype, vocab_rows=trim_rows
+        )
         teacher.eval().requires_grad_(False)
     student_dir = Path(cfg.student.path) if Path(cfg.student.path).is_dir() else None
     init = cfg.student.init
@@ -665,11 +690,14 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         "jit_after_prewarm": run.kernels.jit_after_prewarm(),
         "kernels": run.kernels.summary(),
         "device": str(device),
+        "layout": dataclasses.asdict(run.layout),
         "wall_seconds": time.time() - run.t_start,
     }
     if device.type == "cuda":
         per_process = run.cfg.schedule.batch_size // dist.info().world
-        planned = estimate_memory(run.teacher_spec, run.student_spec, run.cfg, batch=per_process)["total"]
+        planned = estimate_memory(
+            run.teacher_spec, run.student_spec, run.cfg, batch=per_process, layout=run.layout
+        )["total"]
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         summary["planned_memory_gib"] = planned / GIB
     else:

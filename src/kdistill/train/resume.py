@@ -9,9 +9,10 @@ the data position (the batcher's shuffle state), the CPU RNG, the counters below
 resumed run draws the same batches, the same random numbers and continues the same schedule; its
 metrics.jsonl and eval.jsonl keep the lines up to the step resumed from.
 
-Under torchrun (`dist.active()`) the full tensors are gathered (collectives: every process calls
-`save_state`), rank 0 writes them in the single-process format, and `restore_state` loads full tensors into the
-sharded student and optimizer: a checkpoint of N processes resumes on M.
+Under torchrun (`dist.active()`) every process writes its own shards (torch.distributed.checkpoint;
+collective: every process calls `save_state`), nothing gathered. `restore_state` reads either format into
+either kind of run: a sharded checkpoint into a sharded or a one-process student (DCP reshards), a
+one-process checkpoint's full tensors into a sharded student. A checkpoint of N processes resumes on M.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from kdistill.config import RunConfig
 from kdistill.data import Batcher
@@ -51,18 +53,14 @@ def save_state(
         "counters": counters,
         "config": cfg.to_dict(),
     }
-    if dist.active():  # gather full tensors (collective), rank 0 writes them with the same atomic writer
-        weights, opt_state = dist.full_model_state(student), dist.full_optimizer_state(student, opt)
-        if dist.is_main():
-            ckpt.save_checkpoint(
-                run_dir,
-                step,
-                dist.FullState(weights),  # type: ignore[arg-type]
-                dist.FullState(opt_state),  # type: ignore[arg-type]
-                state,
-                cfg.output.keep_checkpoints,
-            )
-        dist.barrier()
+    if dist.active():  # every process writes its own shards (collective), rank 0 commits the folder
+        ckpt.save_sharded_checkpoint(
+            run_dir,
+            step,
+            lambda folder: dist.save_sharded(student, opt, folder),
+            state,
+            cfg.output.keep_checkpoints,
+        )
         return
     # A LoRA student's checkpoint holds its adapters only: the frozen base is student.path's weights.
     held = dist.FullState(adapter_state(student)) if has_lora(student) else student
@@ -91,33 +89,51 @@ def restore_state(
         return 0
     path, (weights, opt_tensors, state) = found
     try:
-        lora = has_lora(student)
-        own = adapter_state(student) if lora else student.state_dict()
-        odd = sorted(set(own) ^ set(weights))
-        if odd:
-            raise ValueError(f"{'unexpected' if odd[0] in weights else 'missing'} tensor {odd[0]!r}")
-        for k, v in weights.items():
-            if v.shape != own[k].shape:
-                raise ValueError(f"tensor {k!r} has shape {list(v.shape)}, expected {list(own[k].shape)}")
-        if multi:
-            holder = dist.FullState({})
-            ckpt.load_optimizer_tensors(holder, opt_tensors, state["optimizer"])  # type: ignore[arg-type]
-            dist.load_full_state(student, opt, weights, holder.loaded)
+        if weights is None or opt_tensors is None:  # a sharded checkpoint, read into any layout
+            if has_lora(student):
+                raise ValueError("a sharded checkpoint of a full student, this run trains LoRA adapters")
+            dist.load_sharded(student, opt, str(path / ckpt.SHARDS))
         else:
-            student.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=not lora)
-            ckpt.load_optimizer_tensors(
-                opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
-            )
+            _load_full(student, opt, weights, opt_tensors, state, device)
         batcher.load_state_dict(state["batcher"])
         torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
         start_step = state["step"]
         if type(start_step) is not int or not 0 <= start_step <= cfg.schedule.steps:
             raise ValueError(f"step {start_step!r}")
         counters.update({k: type(v)(state["counters"][k]) for k, v in counters.items()})
-    except (RuntimeError, KeyError, TypeError, ValueError, AttributeError) as e:
+    except (RuntimeError, KeyError, TypeError, ValueError, AttributeError, CheckpointException) as e:
         # A damaged or foreign checkpoint: names, shapes or state that do not fit this run.
         what = str(e).splitlines()[0][:200] if str(e) else e.__class__.__name__
         raise UserError(f"{path}: checkpoint does not match this run ({what})") from None
     if dist.is_main():
         print(f"resuming from {path} (step {start_step})", file=sys.stderr)
     return start_step
+
+
+def _load_full(
+    student: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    opt_tensors: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    device: torch.device,
+) -> None:
+    """A one-process checkpoint's full tensors into the student (sharded or not) and its optimizer;
+    names and shapes checked first (a ValueError names the first that does not fit)."""
+    lora = has_lora(student)
+    own = adapter_state(student) if lora else student.state_dict()
+    odd = sorted(set(own) ^ set(weights))
+    if odd:
+        raise ValueError(f"{'unexpected' if odd[0] in weights else 'missing'} tensor {odd[0]!r}")
+    for k, v in weights.items():
+        if v.shape != own[k].shape:
+            raise ValueError(f"tensor {k!r} has shape {list(v.shape)}, expected {list(own[k].shape)}")
+    if dist.active():
+        holder = dist.FullState({})
+        ckpt.load_optimizer_tensors(holder, opt_tensors, state["optimizer"])  # type: ignore[arg-type]
+        dist.load_full_state(student, opt, weights, holder.loaded)
+    else:
+        student.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=not lora)
+        ckpt.load_optimizer_tensors(
+            opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
+        )

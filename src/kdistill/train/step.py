@@ -117,10 +117,16 @@ def heldout_eval(
     with_teacher_loss: bool,
 ) -> dict[str, float]:
     """Token-weighted held-out CE of the student, KL(teacher || student) at T=1, and teacher CE.
-    A batch is (input_ids, labels) or, packed conversations, (input_ids, labels, position_ids, doc_ids)."""
+    A batch is (input_ids, labels) or, packed conversations, (input_ids, labels, position_ids, doc_ids).
+    Under torchrun each process evaluates its share of every batch's rows and the sums (loss x tokens,
+    tokens) are added over the processes: the one-process result, in 1/world of the time."""
     tot = {"student": 0.0, "kl": 0.0, "teacher": 0.0}
     tokens = 0
+    multi = dist.active()
     for batch in batches:
+        count = True
+        if multi:
+            batch, count = _eval_rows(tuple(batch))
         input_ids, labels, *docs = (t.to(device) for t in batch)
         flat = labels.flatten()
         with amp:
@@ -134,6 +140,8 @@ def heldout_eval(
             ignore_index=cfg.kd.ignore_index,
             chunk_size=cfg.kd.chunk_size,
         )
+        if not count:  # this process had no rows of the batch: it ran a stand-in row for the collectives
+            continue
         if t_h is not None:
             r = dispatch.kd_loss(s_h, s_w, t_h, t_w, flat, alpha=0.5, **common)
             tot["kl"] += float(r.kd) * r.tokens
@@ -144,6 +152,13 @@ def heldout_eval(
             r = dispatch.kd_loss(s_h, s_w, None, None, flat, alpha=0.0, **common)
         tot["student"] += float(r.ce) * r.tokens
         tokens += r.tokens
+    if multi:
+        dist.reshard(student)  # FSDP2 keeps a root gathered after forward; no backward follows here
+        if teacher is not None:
+            dist.reshard(teacher)
+        sums = dist.all_reduce_sum([tot["student"], tot["kl"], tot["teacher"], float(tokens)])
+        tot = {"student": sums[0], "kl": sums[1], "teacher": sums[2]}
+        tokens = int(sums[3])
     n = max(tokens, 1)
     out = {"student_loss": tot["student"] / n, "tokens": tokens}
     if teacher is not None:
@@ -151,6 +166,19 @@ def heldout_eval(
         if with_teacher_loss:
             out["teacher_loss"] = tot["teacher"] / n
     return out
+
+
+def _eval_rows(batch: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """This process's contiguous share of a held-out batch's rows, and whether it has any. A process
+    without rows (a last batch smaller than world) runs the first row and leaves it out of the sums:
+    every process must run every forward of a sharded model (each is a collective)."""
+    info = dist.info()
+    parts = torch.arange(batch[0].shape[0]).tensor_split(info.world)
+    mine = parts[info.rank]
+    if mine.numel() == 0:
+        return tuple(t[:1] for t in batch), False
+    lo, hi = int(mine[0]), int(mine[-1]) + 1
+    return tuple(t[lo:hi] for t in batch), True
 
 
 # ----------------------------------------------------------------------------------------------

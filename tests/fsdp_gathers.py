@@ -1,0 +1,57 @@
+"""Counts FSDP2's all-gathers in one training step of a sharded tiny student (a helper that
+tests/test_distributed.py launches under torchrun; not a test module).
+
+    torchrun --nproc_per_node=2 --standalone tests/fsdp_gathers.py OUT.json
+
+Writes {"root": n, "blocks": [n, ...]} from rank 0: the all-gathers each FSDP unit issued during a
+forward, the chunked KD loss (many chunks) and the backward, with activation checkpointing on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+
+from kdistill.models.decoder import build_decoder
+from kdistill.train import distributed as dist
+from kdistill.train.step import compute_loss
+from tests.test_contract import make_run, make_spec
+
+
+def main(out: str) -> None:
+    dist.init_from_env("cpu")
+    teacher = build_decoder(make_spec(hidden=32, layers=3), seed=0).eval().requires_grad_(False)
+    student = build_decoder(make_spec(hidden=24, inter=40, layers=3), seed=1)
+    student.checkpoint_blocks(True)
+    dist.shard_student(student)
+    dist.shard_teacher(teacher)
+    counts: dict[str, int] = {}
+    unshard = param_group.FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):  # a real all-gather: not gathered yet, none in flight
+        if not self.is_unsharded and getattr(self, "_all_gather_result", None) is None:
+            if any(m is student or m in student.model.layers for m in self.modules):
+                name = self._module_fqn or "root"
+                counts[name] = counts.get(name, 0) + 1
+        return unshard(self, *args, **kwargs)
+
+    param_group.FSDPParamGroup.unshard = counted
+    run = make_run(batch=2, seq=8, chunk=2)  # 8 chunks of the KD head per process
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 40, (2, 8), generator=g)
+    labels = torch.randint(0, 40, (16,), generator=g)
+    r = compute_loss(student, teacher, ids, labels, run, torch.autocast("cpu", enabled=False))
+    r.loss.backward()
+    dist.reshard(teacher)
+    if dist.is_main():
+        blocks = [counts.get(f"model.layers.{i}", 0) for i in range(3)]
+        with open(out, "w") as f:
+            json.dump({"root": counts.get("root", 0), "blocks": blocks}, f)
+    dist.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,99 @@
+"""The memory planner under FSDP2 and activation checkpointing, the big-teacher presets, and
+`kdistill plan`'s per-process estimate and GPU count."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kdistill.config import RunConfig
+from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, gpus_needed
+from kdistill.models.spec import load_spec
+from tests.test_train_kit import run_cli
+
+
+def _cfg(batch=8, seq=2048, **runtime) -> RunConfig:
+    cfg = RunConfig()
+    cfg.schedule.batch_size, cfg.data.seq_len = batch, seq
+    cfg.runtime = dataclasses.replace(cfg.runtime, **runtime)
+    return cfg
+
+
+def test_presets_have_the_published_sizes():
+    sizes = {"qwen2.5-14b": 14.77e9, "qwen2.5-32b": 32.76e9, "qwen2.5-72b": 72.71e9}
+    for name, total in sizes.items():
+        spec = load_spec(name)
+        assert spec.param_counts()["total"] == pytest.approx(total, rel=1e-3), name
+        assert spec.vocab_size == 152064 and spec.rope_theta == 1e6 and spec.rms_eps == 1e-5
+        assert spec.num_kv_heads == 8 and not spec.tie_word_embeddings
+
+
+def test_sharding_divides_the_student_state_and_the_teacher_by_placement():
+    t, s = load_spec("qwen2.5-7b"), load_spec("qwen2.5-1.5b")
+    cfg = _cfg()
+    one = estimate_memory(t, s, cfg, batch=4)
+    rep = estimate_memory(t, s, cfg, batch=4, layout=Layout(world=4))
+    shard = estimate_memory(t, s, cfg, batch=4, layout=Layout(world=4, teacher_sharded=True))
+    assert rep["student_weights"] == one["student_weights"] // 4
+    assert rep["optimizer_state"] == one["optimizer_state"] // 4
+    assert "autocast_weight_copies" not in rep and rep["student_gathered_units"] > 0
+    assert rep["teacher_weights"] == one["teacher_weights"]
+    assert one["teacher_weights"] // 4 < shard["teacher_weights"] < one["teacher_weights"] // 2
+    assert shard["total"] < rep["total"] < one["total"]
+
+
+def test_checkpointing_makes_the_7b_pair_at_4096_fit_one_80gb_gpu():
+    t, s = load_spec("qwen2.5-7b"), load_spec("qwen2.5-1.5b")
+    budget = int(80 * GIB * 0.95)
+    without = estimate_memory(t, s, _cfg(seq=4096, activation_checkpointing="none"))
+    with_ = estimate_memory(t, s, _cfg(seq=4096, activation_checkpointing="blocks"))
+    assert without["total"] > budget >= with_["total"]
+    assert with_["student_activations"] < without["student_activations"] / 5
+    auto = choose_layout(t, s, _cfg(seq=4096), budget)
+    assert auto == Layout(world=1, teacher_sharded=False, checkpointing=True)
+    assert choose_layout(t, s, _cfg(seq=512), budget) == Layout()  # fits: nothing traded
+
+
+def test_auto_placement_replicates_when_it_fits_and_explicit_choices_hold():
+    t, s = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
+    budget = int(80 * GIB * 0.95)
+    assert choose_layout(t, s, _cfg(), budget, world=2, batch=4) == Layout(2, False, False)
+    shard = choose_layout(t, s, _cfg(teacher_placement="shard"), budget, world=2, batch=4)
+    assert shard == Layout(2, True, False)
+    big = load_spec("qwen2.5-72b")  # 135 GiB in bf16: never whole on one GPU
+    assert choose_layout(big, s, _cfg(), budget, world=2, batch=4).teacher_sharded
+    pinned = choose_layout(big, s, _cfg(teacher_placement="replicate"), budget, world=2, batch=4)
+    assert not pinned.teacher_sharded  # does not fit: the caller refuses, naming the layout
+
+
+def test_gpus_needed_for_big_teachers():
+    s = load_spec("qwen2.5-1.5b")
+    gpu = 80 * GIB
+    assert gpus_needed(load_spec("qwen2.5-7b"), s, _cfg(), gpu) == (1, Layout())
+    world, layout = gpus_needed(load_spec("qwen2.5-32b"), s, _cfg(), gpu)
+    assert world == 2 and layout.teacher_sharded
+    world72, _ = gpus_needed(load_spec("qwen2.5-72b"), s, _cfg(), gpu)
+    assert world72 >= 4
+
+
+def test_plan_command_prints_the_gpus_a_pair_needs(capsys):
+    rc, out, _ = run_cli(capsys, "plan", "qwen2.5-32b:qwen2.5-1.5b", "schedule.batch_size=8", "--nproc", "2")
+    assert rc == 0
+    assert "needs 2 GPUs of 80 GiB with the teacher sharded" in out
+    assert "2 process(es) of batch 4, teacher sharded" in out
+    rc, out, _ = run_cli(
+        capsys,
+        "plan",
+        "qwen2.5-7b:qwen2.5-1.5b",
+        "data.seq_len=4096",
+        "schedule.batch_size=8",
+        "runtime.activation_checkpointing=blocks",
+        "--json",
+    )
+    plan = json.loads(out)
+    assert plan["layout"]["checkpointing"] and plan["memory_gib"]["total"] < 80 * 0.95
+    assert plan["gpus"]["needed"] == 1
+    rc, _, err = run_cli(capsys, "plan", "qwen2.5-7b:qwen2.5-1.5b", "schedule.batch_size=6", "--nproc", "4")
+    assert rc != 0 and "--nproc 4" in err
