@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Callable, Sequence
 
-from kdistill import __version__
+from kdistill import __version__, signals
 from kdistill.commands.eval import eval_command
 from kdistill.commands.inspect import inspect_command
 from kdistill.commands.kernels import build_command, prewarm_command
@@ -42,10 +43,18 @@ def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are the one-line form (a UserError), not a usage block and exit 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        cmd = self.prog.removeprefix("kdistill").strip()
+        raise UserError(
+            f"{cmd + ': ' if cmd else ''}{message} (see kdistill {cmd + ' ' if cmd else ''}--help)"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kdistill", description="Logit knowledge distillation of causal LMs."
-    )
+    parser = _Parser(prog="kdistill", description="Logit knowledge distillation of causal LMs.")
     parser.add_argument("--version", action="version", version=f"kdistill {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     parser.add_argument(
@@ -128,7 +137,32 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `kdistill` script. Returns the process exit code."""
+    """Entry point of the `kdistill` script. Returns the process exit code.
+
+    SIGTERM/SIGINT handlers are active from here to the return: outside the training loop a signal
+    raises `signals.Interrupted` at a safe point, cleanup runs, and the user gets one line."""
+    signals.install()
+    debug = "--debug" in (sys.argv[1:] if argv is None else list(argv))
+    try:
+        return _parse_and_dispatch(argv) or 0
+    except UserError as e:
+        if debug:
+            raise
+        print(f"kdistill: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except signals.Interrupted as e:
+        if debug:
+            raise
+        print(f"kdistill: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("kdistill: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parse_and_dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     # `kdistill run cfg.yaml --quiet a=b`: overrides after an option are still overrides.
     args, extra = parser.parse_known_args(argv)
@@ -137,16 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    try:
-        return _dispatch(args) or 0
-    except UserError as e:
-        if args.debug:
-            raise
-        print(f"kdistill: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("kdistill: interrupted", file=sys.stderr)
-        return 130
+    return _dispatch(args)
 
 
 if __name__ == "__main__":

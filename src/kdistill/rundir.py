@@ -93,7 +93,7 @@ def has_marker(run_dir: Path | str) -> bool:
 # Removal
 
 
-def _protected(resolved: Path) -> str | None:
+def protected_reason(resolved: Path) -> str | None:
     """Why `resolved` must never be removed, or None."""
     if resolved == Path(resolved.anchor):
         return "it is the filesystem root"
@@ -119,7 +119,7 @@ def check_removable(path: Path | str, name: str = "output.dir") -> Path:
     if p.is_symlink():
         raise UserError(f"{name} '{p}' is a symbolic link; refusing to remove it (give the real directory)")
     resolved = p.resolve()
-    why = _protected(resolved)
+    why = protected_reason(resolved)
     if why:
         raise UserError(f"{name} '{p}': refusing to remove it ({why})")
     if not resolved.exists():

@@ -18,14 +18,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kdistill import signals
 from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json
 from kdistill.demo.run import run_demo
 from kdistill.errors import UserError
+from kdistill.rundir import RunLock
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train.recipe import resolve_device, train
-from kdistill.train.rundir import discard_unstarted, prepare_output, print_config, start_run_dir
+from kdistill.train.rundir import Claim, discard_unstarted, prepare_output, print_config, start_run_dir
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -35,7 +37,8 @@ def run_command(args: argparse.Namespace) -> int:
         return run_distributed(args)
     if args.resume:
         cfg, run_dir = resume_config(args)
-        summary = train(cfg, run_dir, resume=True, quiet=args.quiet)
+        with RunLock(run_dir, name="--resume"):
+            summary = train(cfg, run_dir, resume=True, quiet=args.quiet)
         print_summary(summary, args.json)
         return 0
     config_path, overrides = new_run_args(args)
@@ -43,16 +46,19 @@ def run_command(args: argparse.Namespace) -> int:
         return run_demo(overrides, quiet=args.quiet, as_json=args.json)
     cfg = load_config(config_path, overrides).validate()
     run_dir = Path(cfg.output.dir)
-    fresh = not run_dir.exists()
-    prepare_output(run_dir, args.overwrite)
+    claim = prepare_output(run_dir, args.overwrite)  # marker + lock, held for the whole run
     try:
-        print_config(cfg, args.quiet)
-        device, _ = resolve_device(cfg)
-        start_run_dir(cfg, run_dir, str(device))
-        summary = train(cfg, run_dir, quiet=args.quiet)
-    except BaseException:
-        discard_unstarted(run_dir, fresh)
-        raise
+        try:
+            with signals.stage("setup"):
+                print_config(cfg, args.quiet)
+                device, _ = resolve_device(cfg)
+                start_run_dir(cfg, run_dir, str(device))
+            summary = train(cfg, run_dir, quiet=args.quiet)
+        except BaseException:
+            discard_unstarted(run_dir, claim.created)
+            raise
+    finally:
+        claim.release()
     print_summary(summary, args.json)
     return 0
 
@@ -77,25 +83,30 @@ def run_distributed(args: argparse.Namespace) -> int:
     except UserError:
         dist.destroy()
         raise
-    fresh = not run_dir.exists()
+    claims: list[Claim] = []  # rank 0's claim on the run directory (marker and lock)
+
+    def start() -> None:
+        if args.resume:
+            claims.append(Claim(RunLock(run_dir, name="--resume").acquire(), None))
+            return
+        claims.append(prepare_output(run_dir, args.overwrite))
+        with signals.stage("setup"):
+            print_config(cfg, args.quiet)
+            start_run_dir(cfg, run_dir, str(device))
+
     try:
-        if not args.resume:
-
-            def start() -> None:
-                prepare_output(run_dir, args.overwrite)
-                print_config(cfg, args.quiet)
-                start_run_dir(cfg, run_dir, str(device))
-
-            dist.run_on_main(start)
         try:
+            dist.run_on_main(start)
             summary = train(cfg, run_dir, resume=bool(args.resume), quiet=args.quiet)
         except BaseException:
-            if not args.resume and dist.is_main():
-                discard_unstarted(run_dir, fresh)
+            if not args.resume and claims:
+                discard_unstarted(run_dir, claims[0].created)
             raise
         if dist.is_main():
             print_summary(summary, args.json)
     finally:
+        for claim in claims:
+            claim.release()
         dist.destroy()
     return 0
 
@@ -138,9 +149,12 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print_json(summary)
         return
+    def num(v: Any) -> str:
+        return f"{v:.4f}" if isinstance(v, int | float) else "n/a"
+
     h = summary["heldout"]
     print(
-        f"status {summary['status']}: {summary['steps']} steps, loss {summary['initial_loss']:.4f} -> "
-        f"{summary['final_loss']:.4f}, held-out student {h.get('student_loss', float('nan')):.4f}, "
+        f"status {summary['status']}: {summary['steps']} steps, loss {num(summary['initial_loss'])} -> "
+        f"{num(summary['final_loss'])}, held-out student {num(h.get('student_loss'))}, "
         f"jit_after_prewarm {summary['jit_after_prewarm']}"
     )

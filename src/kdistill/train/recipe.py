@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kdistill import signals
 from kdistill.config import RunConfig
 from kdistill.console import progress_bar
 from kdistill.data import Batcher, PreparedData, heldout_batches, prepare_data
@@ -58,7 +59,8 @@ def train(
     cfg: RunConfig, run_dir: Path, *, resume: bool = False, quiet: bool = False, label: str = "kdistill"
 ) -> dict[str, Any]:
     """Run (or resume) one distillation into run_dir and return its summary."""
-    run = setup(cfg, run_dir, resume=resume, quiet=quiet, label=label)
+    with signals.stage("setup"):  # a signal here raises Interrupted; the caller removes what setup made
+        run = setup(cfg, run_dir, resume=resume, quiet=quiet, label=label)
     status, step, last_eval = train_loop(run)
     return finish(run, status, step, last_eval)
 
@@ -477,8 +479,11 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         "initial_loss": initial,
         "final_loss": final,
         "smoke_passed": smoke,
+        # No held-out data (or no eval yet): null, never 0.0.
         "heldout": {
-            k: last_eval.get(k) for k in ("student_loss", "teacher_loss", "kl_to_teacher") if k in last_eval
+            k: last_eval.get(k) if last_eval.get("tokens", 1) else None
+            for k in ("student_loss", "teacher_loss", "kl_to_teacher")
+            if k in last_eval
         },
         "tokens_per_s": counters["tokens_seen"] / counters["train_seconds"]
         if counters["train_seconds"]
