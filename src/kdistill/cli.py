@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="distil a teacher into a student (no CONFIG: the embedded demo)")
     _add_config_args(p, optional=True)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR exactly where it stopped")
+    p.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: continue although the teacher, student, tokenizer or data changed (recorded)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a run already in output.dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")

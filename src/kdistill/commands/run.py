@@ -27,12 +27,21 @@ from kdistill.rundir import RunLock
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train.recipe import resolve_device, train
-from kdistill.train.rundir import Claim, discard_unstarted, prepare_output, print_config, start_run_dir
+from kdistill.train.rundir import (
+    Claim,
+    check_identity,
+    discard_unstarted,
+    prepare_output,
+    print_config,
+    start_run_dir,
+)
 
 
 def run_command(args: argparse.Namespace) -> int:
     """One process: resume, the demo, or a new run from CONFIG; torchrun: `run_distributed`."""
     logging.basicConfig(level=logging.WARNING, format="kdistill: %(message)s")
+    if args.allow_changes and not args.resume:
+        raise UserError("--allow-changes applies to --resume RUN_DIR only")
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return run_distributed(args)
     if args.resume:
@@ -120,6 +129,8 @@ def resume_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     cfg = load_config(cfg_path, [*([args.config] if args.config else []), *args.overrides]).validate()
     if not ckpt.list_checkpoints(run_dir):
         raise UserError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    if os.environ.get("RANK", "0") == "0":
+        check_identity(run_dir, cfg, args.allow_changes)
     saved = load_config(cfg_path)
     if saved.schedule.steps != cfg.schedule.steps and not args.quiet and os.environ.get("RANK", "0") == "0":
         print(
@@ -149,6 +160,7 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print_json(summary)
         return
+
     def num(v: Any) -> str:
         return f"{v:.4f}" if isinstance(v, int | float) else "n/a"
 

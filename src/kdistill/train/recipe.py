@@ -36,13 +36,15 @@ from kdistill.console import progress_bar
 from kdistill.data import Batcher, PreparedData, heldout_batches, prepare_data
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
-from kdistill.fileio import atomic_write_json
+from kdistill.fileio import atomic_write_json, write_guard
+from kdistill.jsonio import short_repr
 from kdistill.kernels import seal
 from kdistill.memory import GIB, estimate_memory, fit_limits
 from kdistill.models.decoder import Decoder, build_decoder
 from kdistill.models.hf_io import has_weights, load_model, save_model
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
+from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.corpus import expand_data_paths
@@ -113,8 +115,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     torch.manual_seed(cfg.schedule.seed)
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
-    if device.type == "cuda":
-        cfg = check_memory(cfg, teacher_spec, student_spec, device, quiet)
+    cfg = check_memory(cfg, teacher_spec, student_spec, device, quiet)  # GPU memory, or RAM on a CPU
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
@@ -190,6 +191,13 @@ def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tok
                 f"({s_tok.identity[:12]} vs {tok.identity[:12]}): teacher and student must share a tokenizer"
             )
     trim_rows = check_vocab(tok.vocab_size, teacher_spec, student_spec)
+    top, token = tok.largest_id()  # once, before training: every id must have an embedding row
+    rows = min(student_spec.vocab_size, trim_rows or teacher_spec.vocab_size)
+    if top >= rows:
+        raise UserError(
+            f"{tok.path}: token id {top} ({short_repr(token)}) is outside the models' embeddings "
+            f"({rows} rows: student vocab_size {student_spec.vocab_size}, teacher {teacher_spec.vocab_size})"
+        )
     if trim_rows is not None and cfg.kd.alpha > 0:
         log.info("teacher vocab %d trimmed to %d rows (padding)", teacher_spec.vocab_size, trim_rows)
         if not quiet:
@@ -236,8 +244,12 @@ def check_memory(
     per_process = cfg.schedule.batch_size // world
     if cfg.runtime.gpu_memory_gib > 0:
         free = int(cfg.runtime.gpu_memory_gib * GIB)
-    else:
+    elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = available_ram()
+        if free is None:
+            return cfg
     budget = int(free * 0.95)
     need = estimate_memory(teacher, student, cfg, batch=per_process)["total"]
     if need <= budget:
@@ -256,6 +268,18 @@ def check_memory(
         f"are schedule.batch_size={fit_batch} (at seq_len {cfg.data.seq_len}) or data.seq_len="
         f"{fit['seq_len']} (at batch {cfg.schedule.batch_size}); or set runtime.auto_fit=true"
     )
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM available to a new allocation (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
@@ -440,21 +464,46 @@ def save(run: Run, step: int) -> None:
 # finish
 # ----------------------------------------------------------------------------------------------
 def finish(run: Run, status: str, step: int, last_eval: dict[str, Any]) -> dict[str, Any]:
-    """Export the student (a completed run), then write summary.json and loss.png; return the summary."""
+    """Export the student (a completed run), then write summary.json and loss.png; return the summary.
+
+    A signal during the export stops it (no temp folder left) and the run ends "interrupted" with its
+    final checkpoint: `--resume` goes straight to the export. A write fault is one line naming what is
+    intact."""
     run_dir = run.run_dir
+    export = None
     if status == "completed":
-        export_student(run)
+        try:
+            with signals.stage("export"):
+                export_student(run)
+        except signals.Interrupted as e:
+            status, export = "interrupted", "interrupted"
+            print(
+                f"kdistill: {e.signame} received during the export: training is complete (checkpoint at "
+                f"step {step}); `kdistill run --resume {run_dir}` writes the export",
+                file=sys.stderr,
+            )
+        except UserError as e:
+            raise UserError(
+                f"{e}; training is complete, {ckpt.intact_text(run_dir)} (--resume writes the export)"
+            ) from None
     summary = make_summary(run, status, step, last_eval)
+    if export:
+        summary["export"] = export
     if dist.active():
         summary["world_size"] = dist.info().world
         if dist.is_main():
-            atomic_write_json(run_dir / "summary.json", summary)
-            plot_losses(run_dir, title=run.label)
+            write_summary(run_dir, summary, run.label)
         dist.barrier()
         return summary
-    atomic_write_json(run_dir / "summary.json", summary)
-    plot_losses(run_dir, title=run.label)
+    write_summary(run_dir, summary, run.label)
     return summary
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any], label: str) -> None:
+    """summary.json and loss.png, as one line on a disk-full, read-only or permission fault."""
+    with write_guard(run_dir / "summary.json", what="write the summary", intact=ckpt.intact_text(run_dir)):
+        atomic_write_json(run_dir / "summary.json", summary)
+        plot_losses(run_dir, title=label)
 
 
 def export_student(run: Run) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import platform
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from kdistill.rundir import (
     write_marker,
 )
 from kdistill.train import checkpoint as ckpt
-from kdistill.train.evidence import make_manifest, read_metrics
+from kdistill.train.evidence import make_manifest, read_metrics, run_identity
 
 RUN_FILES = ("manifest.json", "config.yaml", "metrics.jsonl", "eval.jsonl")
 
@@ -152,3 +153,35 @@ def discard_unstarted(run_dir: Path, created: Path | None) -> None:
         with contextlib.suppress(OSError):
             (run_dir / name).unlink(missing_ok=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
+def check_identity(run_dir: Path, cfg: RunConfig, allow_changes: bool) -> list[str]:
+    """Compare the teacher, student (tokenizer included) and data the run started from (manifest.json)
+    with the current config's. A change is a one-line error unless `allow_changes`, which records the
+    changes in the manifest. Returns the changes."""
+    path = run_dir / "manifest.json"
+    manifest = read_json(path, max_bytes=16 << 20, what="a kdistill manifest.json")
+    now = run_identity(cfg.to_dict())
+    changes = []
+    for key, what in (("teacher_files", "teacher"), ("student_files", "student"), ("data_files", "data")):
+        before = manifest.get(key)
+        if not isinstance(before, dict):
+            continue  # a manifest from before this entry existed
+        differ = sorted(k for k in set(before) | set(now[key]) if before.get(k) != now[key].get(k))
+        if differ:
+            names = ", ".join(Path(k).name for k in differ[:3]) + (" ..." if len(differ) > 3 else "")
+            changes.append(f"{what} ({names})")
+    if not changes:
+        return []
+    if not allow_changes:
+        raise UserError(
+            f"--resume {run_dir}: the run's inputs changed since it started: {'; '.join(changes)} "
+            "differ from manifest.json; use --resume with --allow-changes to continue anyway"
+        )
+    history = manifest.get("resume_changes")
+    history = history if isinstance(history, list) else []
+    history.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "changed": changes})
+    manifest.update(now, resume_changes=history)
+    with write_guard(path, what="record the changes in the manifest"):
+        atomic_write_json(path, manifest)
+    return changes
