@@ -146,10 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     SIGTERM/SIGINT handlers are active from here to the return: outside the training loop a signal
     raises `signals.Interrupted` at a safe point, cleanup runs, and the user gets one line."""
-    signals.install()
     debug = "--debug" in (sys.argv[1:] if argv is None else list(argv))
     try:
-        return _parse_and_dispatch(argv) or 0
+        with signals.installed():  # restored on return (main called in-process, e.g. by tests)
+            return _parse_and_dispatch(argv) or 0
     except UserError as e:
         if debug:
             raise

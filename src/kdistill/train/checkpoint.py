@@ -139,7 +139,9 @@ def why_unloadable(run_dir: Path) -> str:
             load_checkpoint(path)
             parts.append(f"{path.name}: loads")
         except UserError as e:
-            parts.append(f"{path.name}: {str(e).removeprefix(str(path) + ': ')}")
+            parts.append(
+                f"{path.name}: {str(e).removeprefix(str(path) + ': ').removeprefix(str(path) + '/')}"
+            )
     return "; ".join(parts) or "none"
 
 
