@@ -21,6 +21,7 @@ from kdistill import __version__
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_text, fault_point, file_sha256, write_guard
 from kdistill.jsonio import check_int, iter_jsonl, short_repr, type_name
+from kdistill.train.checkpoint import intact_text
 
 
 def model_hashes(model_dir: str) -> dict[str, str]:
@@ -102,8 +103,6 @@ class MetricsWriter:
             self._f = open(path, "a", encoding="utf-8")
 
     def _guard(self) -> Any:
-        from kdistill.train.checkpoint import intact_text
-
         return write_guard(self.path, what="write metrics", intact=intact_text(self.path.parent))
 
     def write(self, row: dict[str, Any]) -> None:
