@@ -21,7 +21,18 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kdistill"
 LAYERS: list[tuple[str, ...]] = [
     # foundation: leaves that every layer uses (errors, files, dtypes, console output, the run
     # config and the architecture spec read from config.json)
-    ("errors", "fileio", "dtypes", "console", "jsonio", "config", "models.spec", "models.presets"),
+    (
+        "errors",
+        "fileio",
+        "signals",
+        "dtypes",
+        "console",
+        "jsonio",
+        "rundir",
+        "config",
+        "models.spec",
+        "models.presets",
+    ),
     ("ops",),
     ("kernels",),
     ("dispatch",),

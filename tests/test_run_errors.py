@@ -309,7 +309,7 @@ def test_disk_full_while_writing_a_checkpoint(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(ckpt, "save_checkpoint", save_and_snapshot)
     assert _error(capsys, "run", str(cfg), "--quiet") == (
         f"{run / 'checkpoints' / 'step-0000004'}: cannot write checkpoint (No space left on device); "
-        "earlier checkpoints are intact"
+        "last good checkpoint: step 2"
     )
     assert set(snap) == {
         f"step-0000002/{n}" for n in ("student.safetensors", "optimizer.safetensors", "state.json")

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Callable, Sequence
 
 import torch
 
-from kdistill import __version__
+from kdistill import __version__, signals
 from kdistill.commands.data import preview_command
 from kdistill.commands.eval import eval_command
 from kdistill.commands.export import export_command
@@ -52,6 +53,16 @@ def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are the one-line form (a UserError), not a usage block and exit 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        cmd = self.prog.removeprefix("kdistill").strip()
+        raise UserError(
+            f"{cmd + ': ' if cmd else ''}{message} (see kdistill {cmd + ' ' if cmd else ''}--help)"
+        )
+
+
 def version_text() -> str:
     """`kdistill --version`: kdistill, torch, Triton (or "not installed") and CUDA (torch's build, or "none")."""
     try:
@@ -73,9 +84,7 @@ class VersionAction(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kdistill", description="Logit knowledge distillation of causal LMs."
-    )
+    parser = _Parser(prog="kdistill", description="Logit knowledge distillation of causal LMs.")
     parser.add_argument(
         "--version", action=VersionAction, nargs=0, help="show kdistill, torch, Triton and CUDA versions"
     )
@@ -90,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="distil a teacher into a student (no CONFIG: the embedded demo)")
     _add_config_args(p, optional=True)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR exactly where it stopped")
+    p.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: continue although the teacher, student, tokenizer or data changed (recorded)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a run already in output.dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
@@ -215,7 +229,32 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `kdistill` script. Returns the process exit code."""
+    """Entry point of the `kdistill` script. Returns the process exit code.
+
+    SIGTERM/SIGINT handlers are active from here to the return: outside the training loop a signal
+    raises `signals.Interrupted` at a safe point, cleanup runs, and the user gets one line."""
+    debug = "--debug" in (sys.argv[1:] if argv is None else list(argv))
+    try:
+        with signals.installed():  # restored on return (main called in-process, e.g. by tests)
+            return _parse_and_dispatch(argv) or 0
+    except UserError as e:
+        if debug:
+            raise
+        print(f"kdistill: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except signals.Interrupted as e:
+        if debug:
+            raise
+        print(f"kdistill: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("kdistill: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parse_and_dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     # `kdistill run cfg.yaml --quiet a=b`: overrides after an option are still overrides.
     args, extra = parser.parse_known_args(argv)
@@ -224,16 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    try:
-        return _dispatch(args) or 0
-    except UserError as e:
-        if args.debug:
-            raise
-        print(f"kdistill: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("kdistill: interrupted", file=sys.stderr)
-        return 130
+    return _dispatch(args)
 
 
 if __name__ == "__main__":

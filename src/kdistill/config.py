@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kdistill.dtypes import LONG_NAMES
 from kdistill.errors import UserError
+from kdistill.jsonio import check_seed, cut, parse_yaml, read_yaml, short_repr
+from kdistill.rundir import check_path_value
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # output.report_to (kdistill.train.trackers opens them)
@@ -178,6 +179,7 @@ class ScheduleConfig:
         for name in ("eval_every", "checkpoint_every", "sample_prompts"):
             if getattr(self, name) < 0:
                 raise UserError(f"schedule.{name} is {getattr(self, name)}, expected 0 or a positive integer")
+        check_seed("schedule.seed", self.seed)
 
 
 @dataclasses.dataclass
@@ -187,6 +189,7 @@ class OutputConfig:
     report_to: list[str] = dataclasses.field(default_factory=list)  # tensorboard, wandb, mlflow
 
     def validate(self) -> None:
+        check_path_value("output.dir", self.dir)  # empty or blank would mean the working directory
         _positive("output.keep_checkpoints", self.keep_checkpoints)
         for name in self.report_to:
             if name not in TRACKERS:
@@ -244,6 +247,7 @@ class RunConfig:
     def validate(self, need_paths: bool = True) -> RunConfig:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
+            _check_numbers(section, f.name)
             if hasattr(section, "validate"):
                 section.validate()
         if need_paths:
@@ -257,18 +261,33 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+# Integers beyond this are no sane step count, size or id; they would only overflow a tensor or a range.
+_INT_LIMIT = 2**62
+
+
+def _check_numbers(section: Any, prefix: str) -> None:
+    """Every float option finite (NaN would pass every `<` check: grad_clip=nan must not mean 'no
+    clipping'), every integer option within int64 range, before the per-field ranges."""
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"{prefix}.{f.name} is {v}, expected a finite number")
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= _INT_LIMIT:
+            raise UserError(f"{prefix}.{f.name} is {short_repr(v)}, expected an integer below 2**62")
+
+
 def _positive(name: str, value: Any) -> None:
     if not value > 0:
-        raise UserError(f"{name} is {value}, expected a positive number")
+        raise UserError(f"{name} is {short_repr(value)}, expected a positive number")
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise UserError(f"{name} is '{value}', expected one of: {', '.join(choices)}")
+        raise UserError(f"{name} is {short_repr(value)}, expected one of: {', '.join(choices)}")
 
 
 def _closest(name: str, options: list[str]) -> str:
-    best = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    best = difflib.get_close_matches(cut(name, 200), options, n=1, cutoff=0.5)
     return f" (did you mean '{best[0]}'?)" if best else f" (valid: {', '.join(options)})"
 
 
@@ -279,39 +298,39 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
         if not isinstance(value, list):
-            raise UserError(f"{where} is {value!r}, expected a list")
+            raise UserError(f"{where} is {short_repr(value)}, expected a list")
         return [str(_coerce(v, str, where)) for v in value]
     if hint is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
-        raise UserError(f"{where} is {value!r}, expected true or false")
+        raise UserError(f"{where} is {short_repr(value)}, expected true or false")
     if hint is int:
         if isinstance(value, bool):
-            raise UserError(f"{where} is {value!r}, expected an integer")
+            raise UserError(f"{where} is {short_repr(value)}, expected an integer")
         if isinstance(value, float) and value.is_integer():
             return int(value)
         try:
             return int(value) if not isinstance(value, float) else _fail_int(where, value)
-        except (TypeError, ValueError):
-            raise UserError(f"{where} is {value!r}, expected an integer") from None
+        except (TypeError, ValueError, OverflowError):
+            raise UserError(f"{where} is {short_repr(value)}, expected an integer") from None
     if hint is float:
         if isinstance(value, bool):
-            raise UserError(f"{where} is {value!r}, expected a number")
+            raise UserError(f"{where} is {short_repr(value)}, expected a number")
         try:
             return float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"{where} is {value!r}, expected a number") from None
+        except (TypeError, ValueError, OverflowError):
+            raise UserError(f"{where} is {short_repr(value)}, expected a number") from None
     if hint is str:
         if isinstance(value, dict | list):
-            raise UserError(f"{where} is {value!r}, expected a string")
+            raise UserError(f"{where} is {short_repr(value)}, expected a string")
         return "" if value is None else str(value)
     return value
 
 
 def _fail_int(where: str, value: Any) -> int:
-    raise UserError(f"{where} is {value!r}, expected an integer")
+    raise UserError(f"{where} is {short_repr(value)}, expected an integer")
 
 
 def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
@@ -320,22 +339,17 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
     for key, value in data.items():
         where = f"{prefix}{key}"
         if key not in names:
-            raise UserError(f"unknown config key '{where}'{_closest(str(key), names)}")
+            raise UserError(f"unknown config key '{cut(where, 80)}'{_closest(str(key), names)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise UserError(f"{where} is {value!r}, expected a mapping of its fields")
+                raise UserError(f"{where} is {short_repr(value)}, expected a mapping of its fields")
             _apply(current, value, f"{where}.")
         else:
             hint = hints[key]
             if isinstance(hint, types.UnionType):
                 hint = str
             setattr(obj, key, _coerce(value, hint, where))
-
-
-# What yaml.safe_load raises besides YAMLError: bad dates (ValueError), a bare '!!float' tag (IndexError),
-# deep nesting (RecursionError).
-_YAML_FAILURES = (yaml.YAMLError, ValueError, IndexError, TypeError, OverflowError, RecursionError)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -346,9 +360,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise UserError(f"override '{text}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except _YAML_FAILURES:
-        value = raw
+        value = parse_yaml(raw, where=f"override '{cut(key, 80)}'") if raw.strip() else ""
+    except UserError:
+        value = raw  # not a YAML scalar: the text itself (type checks follow)
     return key.split("."), value
 
 
@@ -361,22 +375,11 @@ def load_config(
         _apply(cfg, base, "")
     if path is not None:
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise UserError(f"{p}: no such config file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"{p}: cannot read ({e.__class__.__name__})") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f"line {mark.line + 1}: " if mark is not None else ""
-            raise UserError(
-                f"{p}: {line}not valid YAML ({getattr(e, 'problem', None) or 'syntax error'})"
-            ) from None
-        except _YAML_FAILURES as e:  # a scalar the YAML constructors reject (e.g. date 2024-13-45)
-            raise UserError(f"{p}: not valid YAML ({e.__class__.__name__}: {e})") from None
+        if not p.exists():
+            raise UserError(f"{p}: no such config file")
+        data = read_yaml(p, what="a YAML run config")  # duplicate keys (sections given twice) refused
+        if data is None:
+            data = {}
         if not isinstance(data, dict):
             raise UserError(
                 f"{p}: expected a mapping of sections (teacher, student, data, kd, ...) at the top"

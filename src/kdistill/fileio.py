@@ -1,20 +1,172 @@
 """Durable file writes and content hashes: the only copies in the package.
 
-atomic_write_text(path, text)       # temp file in the same folder, fsync, rename, fsync the folder
-atomic_write_json(path, obj)
-write_json_durable(path, obj)       # write + fsync in place (inside a temp folder renamed later)
-fsync_dir(folder)
-file_sha256(path)
+    atomic_write_text(path, text)       # temp file in the same folder, fsync, rename, fsync the folder
+    atomic_write_json(path, obj)
+    write_json_durable(path, obj)       # write + fsync in place (inside a temp folder renamed later)
+    fsync_dir(folder)
+    file_sha256(path)
+
+Write faults become one line:
+
+    with write_guard(ckpt_dir, what="write checkpoint", intact="last good checkpoint: step 2",
+                     temps=[tmp_dir]):
+        ...                              # ENOSPC/EROFS/EACCES/EDQUOT/... -> UserError, temps removed
+
+Fault injection for tests: every write through this module (and every other write site that calls
+`fault_point(path)`) counts as one write; the N-th can be made to fail with a chosen errno, in-process
+(`inject_write_faults("ENOSPC", nth=3)`) or in a child process through the environment
+(KDISTILL_TEST_WRITE_FAULT="ENOSPC@3", "EROFS@2-" for the 2nd and every later write, or a list
+"ENOSPC@3,EACCES@5"). KDISTILL_TEST_WRITE_LOG=FILE appends one line per write (its number and path),
+so a test can enumerate the write sites of a run and then fail each in turn.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as errno_mod
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from kdistill.errors import UserError
+
+# ----------------------------------------------------------------------------------------------
+# Fault injection (tests only; inert unless asked for)
+
+FAULT_ENV = "KDISTILL_TEST_WRITE_FAULT"
+WRITE_LOG_ENV = "KDISTILL_TEST_WRITE_LOG"
+
+
+class _Faults:
+    count = 0  # writes seen since the process started (or since the last inject_write_faults)
+    rules: list[tuple[int, bool, int]] | None = None  # (nth, and_later, errno); None: read the env
+    env_seen: str | None = None
+
+
+def _parse_faults(spec: str) -> list[tuple[int, bool, int]]:
+    rules = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, at = part.partition("@")
+        code = getattr(errno_mod, name.strip().upper(), None)
+        later = at.endswith("-")
+        at = at.rstrip("-") or "1"
+        if not isinstance(code, int) or not at.isdigit():
+            raise ValueError(f"{FAULT_ENV}: bad rule {part!r} (expected e.g. ENOSPC@3 or EROFS@2-)")
+        rules.append((int(at), later, code))
+    return rules
+
+
+def fault_point(path: Path | str) -> None:
+    """Count one write to `path`; raise the injected OSError if this write is the one chosen to fail.
+
+    Called by every write in this module; other write sites (safetensors, appends) call it before they
+    write so that tests can fail them too. A no-op costing one env lookup when no faults are set.
+    """
+    if _Faults.rules is None:
+        spec = os.environ.get(FAULT_ENV, "")
+        log = os.environ.get(WRITE_LOG_ENV, "")
+        if not spec and not log:
+            return
+        if spec != _Faults.env_seen:
+            _Faults.env_seen = spec
+            _Faults.count = 0
+        rules = _parse_faults(spec)
+    else:
+        rules = _Faults.rules
+    _Faults.count += 1
+    n = _Faults.count
+    log = os.environ.get(WRITE_LOG_ENV, "")
+    if log:
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"{n}\t{path}\n")
+    for nth, later, code in rules:
+        if n == nth or (later and n > nth):
+            raise OSError(code, os.strerror(code), str(path))
+
+
+@contextlib.contextmanager
+def inject_write_faults(errno_name: str, nth: int = 1, *, and_later: bool = False) -> Iterator[None]:
+    """Within the block, the `nth` write (counted from the block's start) raises OSError(errno_name);
+    with and_later=True every write after it too. Restores the previous state on exit."""
+    code = getattr(errno_mod, errno_name.upper())
+    saved = (_Faults.rules, _Faults.count)
+    _Faults.rules, _Faults.count = [(nth, and_later, code)], 0
+    try:
+        yield
+    finally:
+        _Faults.rules, _Faults.count = saved
+
+
+def writes_counted() -> int:
+    """Writes counted so far (in-process injection or with the env hooks set)."""
+    return _Faults.count
+
+
+# ----------------------------------------------------------------------------------------------
+# Write faults as one line
+
+# OS errors on a write that are the machine's state, not a bug: reported as one line.
+WRITE_FAULTS = {
+    errno_mod.ENOSPC,
+    errno_mod.EDQUOT,
+    errno_mod.EFBIG,
+    errno_mod.EROFS,
+    errno_mod.EACCES,
+    errno_mod.EPERM,
+    errno_mod.EIO,
+}
+
+
+def remove_quietly(paths: Iterable[Path | str]) -> None:
+    """Remove files or folders (temp leftovers); errors ignored, since the caller is already failing."""
+    for p in paths:
+        p = Path(p)
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def write_guard(
+    path: Path | str,
+    *,
+    what: str = "write",
+    intact: str | None = None,
+    temps: Iterable[Path | str] = (),
+) -> Iterator[list[Path]]:
+    """Turn a disk-full, quota, read-only or permission fault inside the block into one UserError:
+    '<path>: cannot <what> (<OS reason>); <intact>', after removing `temps` (and any path appended to
+    the yielded list inside the block). Other exceptions pass through; temps are removed for them too.
+
+        with write_guard(out, what="write checkpoint", intact="earlier checkpoints are intact") as tmp:
+            tmp.append(tmp_dir := out.with_name(out.name + ".tmp"))
+            ...
+    """
+    made: list[Path] = [Path(t) for t in temps]
+    try:
+        yield made
+    except OSError as e:
+        remove_quietly(made)
+        if e.errno not in WRITE_FAULTS:
+            raise
+        reason = e.strerror or os.strerror(e.errno)
+        tail = f"; {intact}" if intact else ""
+        raise UserError(f"{path}: cannot {what} ({reason}){tail}") from None
+    except BaseException:
+        remove_quietly(made)
+        raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -33,6 +185,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_json_durable(path: Path, obj: Any, indent: int = 2) -> None:
     """Write JSON to `path` and fsync it (callers write into a temp folder that is renamed later)."""
+    fault_point(path)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=indent)
         f.write("\n")
@@ -48,6 +201,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            fault_point(path)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

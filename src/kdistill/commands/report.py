@@ -9,11 +9,11 @@ With samples.jsonl (the eval samples), the student's latest answers are printed 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from kdistill.console import print_json
 from kdistill.errors import UserError
+from kdistill.jsonio import Fields, read_json
 from kdistill.train.checkpoint import list_checkpoints
 from kdistill.train.evidence import read_metrics, smoke_contract
 
@@ -24,7 +24,7 @@ def report_command(args: argparse.Namespace) -> int:
     if not (run_dir / "manifest.json").is_file():
         raise UserError(f"{run_dir}: not a kdistill run directory (no manifest.json)")
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = read_summary(summary_path) if summary_path.is_file() else {}
     rows = read_metrics(run_dir / "metrics.jsonl")
     evals = read_metrics(run_dir / "eval.jsonl")
     ckpts = [p.name for p in list_checkpoints(run_dir)]
@@ -32,7 +32,7 @@ def report_command(args: argparse.Namespace) -> int:
     report = {
         "run_dir": str(run_dir),
         "status": summary.get("status", "running or killed (no summary.json)"),
-        "steps_done": rows[-1]["step"] if rows else 0,
+        "steps_done": rows[-1].get("step", 0) if rows else 0,
         "initial_loss": summary.get("initial_loss", initial),
         "final_loss": summary.get("final_loss", final),
         "smoke_passed": summary.get("smoke_passed", ok),
@@ -48,7 +48,7 @@ def report_command(args: argparse.Namespace) -> int:
     print(f"run         {run_dir}")
     print(f"status      {report['status']}")
     print(f"steps       {report['steps_done']}")
-    if report["initial_loss"] is not None:
+    if report["initial_loss"] is not None and report["final_loss"] is not None:
         print(
             f"loss        {report['initial_loss']:.4f} -> {report['final_loss']:.4f} "
             f"({'smoke passed' if report['smoke_passed'] else 'smoke NOT passed'})"
@@ -95,3 +95,19 @@ def latest_samples(path: Path) -> list[dict]:
         for r in student
         if r.get("step") == last
     ]
+
+
+def read_summary(path: Path) -> dict:
+    """summary.json through the one JSON reader; the fields the report prints are type-checked."""
+    data = read_json(path, max_bytes=16 << 20, what="a kdistill summary.json")
+    f = Fields(data, str(path))
+    f.optional("status", "str", max_len=200)
+    f.optional("smoke_passed", "bool")
+    for key in ("initial_loss", "final_loss", "tokens_per_s"):
+        f.optional(key, "float", finite=False)
+    f.optional("jit_after_prewarm", "int")
+    held = f.optional("heldout", "obj")
+    if held is not None:
+        for key in held.keys():
+            held.optional(key, "float", finite=False)
+    return data

@@ -20,25 +20,37 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kdistill import signals
 from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json
 from kdistill.demo.run import run_demo
 from kdistill.errors import UserError
 from kdistill.models.hub import resolve_run_models
+from kdistill.rundir import RunLock
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train.recipe import resolve_device, train
-from kdistill.train.rundir import discard_unstarted, prepare_output, print_config, start_run_dir
+from kdistill.train.rundir import (
+    Claim,
+    check_identity,
+    discard_unstarted,
+    prepare_output,
+    print_config,
+    start_run_dir,
+)
 
 
 def run_command(args: argparse.Namespace) -> int:
     """One process: resume, the demo, or a new run from CONFIG; torchrun: `run_distributed`."""
     logging.basicConfig(level=logging.WARNING, format="kdistill: %(message)s")
+    if args.allow_changes and not args.resume:
+        raise UserError("--allow-changes applies to --resume RUN_DIR only")
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return run_distributed(args)
     if args.resume:
         cfg, run_dir = resume_config(args)
-        summary = train(cfg, run_dir, resume=True, quiet=args.quiet)
+        with RunLock(run_dir, name="--resume"):
+            summary = train(cfg, run_dir, resume=True, quiet=args.quiet)
         print_summary(summary, args.json)
         return 0
     config_path, overrides = new_run_args(args)
@@ -56,16 +68,19 @@ def new_run(cfg: RunConfig, *, overwrite: bool = False, quiet: bool = False) -> 
     A run that fails before its first step leaves nothing behind."""
     hub = resolve_run_models(cfg)
     run_dir = Path(cfg.output.dir)
-    fresh = not run_dir.exists()
-    prepare_output(run_dir, overwrite)
+    claim = prepare_output(run_dir, overwrite)  # marker + lock, held for the whole run
     try:
-        print_config(cfg, quiet)
-        device, _ = resolve_device(cfg)
-        start_run_dir(cfg, run_dir, str(device), hub)
-        return train(cfg, run_dir, quiet=quiet)
-    except BaseException:
-        discard_unstarted(run_dir, fresh)
-        raise
+        try:
+            with signals.stage("setup"):
+                print_config(cfg, quiet)
+                device, _ = resolve_device(cfg)
+                start_run_dir(cfg, run_dir, str(device), hub)
+            return train(cfg, run_dir, quiet=quiet)
+        except BaseException:
+            discard_unstarted(run_dir, claim.created)
+            raise
+    finally:
+        claim.release()
 
 
 def run_distributed(args: argparse.Namespace) -> int:
@@ -95,25 +110,30 @@ def run_distributed(args: argparse.Namespace) -> int:
     except UserError:
         dist.destroy()
         raise
-    fresh = not run_dir.exists()
+    claims: list[Claim] = []  # rank 0's claim on the run directory (marker and lock)
+
+    def start() -> None:
+        if args.resume:
+            claims.append(Claim(RunLock(run_dir, name="--resume").acquire(), None))
+            return
+        claims.append(prepare_output(run_dir, args.overwrite))
+        with signals.stage("setup"):
+            print_config(cfg, args.quiet)
+            start_run_dir(cfg, run_dir, str(device), hub)
+
     try:
-        if not args.resume:
-
-            def start() -> None:
-                prepare_output(run_dir, args.overwrite)
-                print_config(cfg, args.quiet)
-                start_run_dir(cfg, run_dir, str(device), hub)
-
-            dist.run_on_main(start)
         try:
+            dist.run_on_main(start)
             summary = train(cfg, run_dir, resume=bool(args.resume), quiet=args.quiet)
         except BaseException:
-            if not args.resume and dist.is_main():
-                discard_unstarted(run_dir, fresh)
+            if not args.resume and claims:
+                discard_unstarted(run_dir, claims[0].created)
             raise
         if dist.is_main():
             print_summary(summary, args.json)
     finally:
+        for claim in claims:
+            claim.release()
         dist.destroy()
     return 0
 
@@ -141,6 +161,8 @@ def resume_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     cfg = load_config(cfg_path, [*([args.config] if args.config else []), *args.overrides]).validate()
     if not ckpt.list_checkpoints(run_dir):
         raise UserError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    if os.environ.get("RANK", "0") == "0":
+        check_identity(run_dir, cfg, args.allow_changes)
     saved = load_config(cfg_path)
     if saved.schedule.steps != cfg.schedule.steps and not args.quiet and os.environ.get("RANK", "0") == "0":
         print(
@@ -170,9 +192,13 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print_json(summary)
         return
+
+    def num(v: Any) -> str:
+        return f"{v:.4f}" if isinstance(v, int | float) else "n/a"
+
     h = summary["heldout"]
     print(
-        f"status {summary['status']}: {summary['steps']} steps, loss {summary['initial_loss']:.4f} -> "
-        f"{summary['final_loss']:.4f}, held-out student {h.get('student_loss', float('nan')):.4f}, "
+        f"status {summary['status']}: {summary['steps']} steps, loss {num(summary['initial_loss'])} -> "
+        f"{num(summary['final_loss'])}, held-out student {num(h.get('student_loss'))}, "
         f"jit_after_prewarm {summary['jit_after_prewarm']}"
     )

@@ -26,7 +26,7 @@ def run_demo(overrides: list[str], quiet: bool = False, as_json: bool = False) -
     """The embedded default: KD student and CE-only student on the stdlib, then a held-out table."""
     cfg = load_config(DEMO_YAML, overrides).validate()
     run_dir = Path(cfg.output.dir)
-    prepare_output(run_dir, overwrite=True)  # the demo always starts afresh
+    prepare_output(run_dir, overwrite=True, lock=False)  # the demo always starts afresh
     print_config(cfg, quiet)
     device, _ = resolve_device(cfg)
     start_run_dir(cfg, run_dir, str(device))
@@ -37,7 +37,7 @@ def run_demo(overrides: list[str], quiet: bool = False, as_json: bool = False) -
         output=dataclasses.replace(cfg.output, dir=str(run_dir / "baseline_ce")),
     )
     base_dir = run_dir / "baseline_ce"
-    prepare_output(base_dir, overwrite=True)
+    prepare_output(base_dir, overwrite=True, lock=False)
     start_run_dir(base_cfg, base_dir, str(device))
     base_summary = train(base_cfg, base_dir, quiet=quiet, label="CE-only student")
     # The KD run's student_loss, teacher_loss and kl_to_teacher, plus the CE-only student's.

@@ -32,7 +32,8 @@ from safetensors.torch import save_file
 
 from kdistill.dtypes import SAFETENSORS, long_name, torch_dtype
 from kdistill.errors import UserError
-from kdistill.fileio import fsync_dir, write_json_durable
+from kdistill.fileio import fault_point, fsync_dir, write_json_durable
+from kdistill.jsonio import short_repr
 from kdistill.models.decoder import Decoder
 from kdistill.models.spec import read_config_json, spec_from_hf_config
 
@@ -260,12 +261,12 @@ def weight_files(model_dir: Path) -> list[Path]:
         for name, fname in weight_map.items():
             if not isinstance(fname, str) or not fname or Path(fname).name != fname or fname in (".", ".."):
                 raise UserError(
-                    f"{index}: weight_map[{name!r}] is {str(fname)[:80]!r}, expected a file name inside {model_dir}"
+                    f"{index}: weight_map[{short_repr(name)}] is {short_repr(fname)}, expected a file name inside {model_dir}"
                 )
             shard = model_dir / fname
             if not shard.is_file():
                 raise UserError(
-                    f"{index}: weight_map[{name!r}] names {fname}, which does not exist in {model_dir}"
+                    f"{index}: weight_map[{short_repr(name)}] names {fname}, which does not exist in {model_dir}"
                 )
             if shard not in files:
                 files.append(shard)
@@ -517,6 +518,7 @@ def save_model(
                 t = t.clone()
             seen.add(t.untyped_storage().data_ptr())
             tensors[name] = t
+        fault_point(tmp / WEIGHTS_NAME)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         with open(tmp / WEIGHTS_NAME, "rb+") as f:
             os.fsync(f.fileno())

@@ -11,12 +11,12 @@ without any file:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from kdistill.errors import UserError
+from kdistill.jsonio import Fields, MiB, read_json, short_repr, type_name
 from kdistill.models.presets import PRESETS
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -156,122 +156,144 @@ class ModelSpec:
         return cfg
 
 
-def _need(cfg: dict[str, Any], key: str, kind: type, where: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise UserError(f"{where}: field '{key}' is missing (expected {kind.__name__})")
-    value = cfg[key]
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise UserError(f"{where}: field '{key}' is {value!r}, expected an integer")
-    if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
-        raise UserError(f"{where}: field '{key}' is {value!r}, expected a number")
-    if kind in (int, float) and not value > 0:
-        raise UserError(f"{where}: field '{key}' is {value!r}, expected a positive number")
-    return kind(value)
+def _model_type(f: Fields) -> str:
+    """model_type (and architectures[0], when given) of a supported architecture, else a one-line error."""
+    model_type = f.raw("model_type", None)
+    archs = f.raw("architectures", None)
+    if archs is not None and not isinstance(archs, list):
+        raise UserError(
+            f"{f.where}: architectures is {short_repr(archs)} ({type_name(archs)}), expected a list"
+        )
+    first = archs[0] if archs else None
+    if first is not None and not isinstance(first, str):
+        raise UserError(
+            f"{f.where}: architectures[0] is {short_repr(first)} ({type_name(first)}), expected a string"
+        )
+    if not isinstance(model_type, str) or model_type not in SUPPORTED:
+        named = model_type if isinstance(model_type, str) and model_type else (first or "none given")
+        raise UserError(
+            f"{f.where}: architecture {short_repr(named)} is not supported "
+            f"(supported model_type: {', '.join(SUPPORTED)})"
+        )
+    if first is not None and first != SUPPORTED[model_type]:
+        raise UserError(
+            f"{f.where}: architectures[0] is {short_repr(first)}, expected '{SUPPORTED[model_type]}'"
+        )
+    return model_type
+
+
+def _rope(f: Fields) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None) from rope_parameters (new) or rope_theta / rope_scaling (old)."""
+    rope = f.optional("rope_parameters", "obj") or Fields({}, f.where, "rope_parameters")
+    legacy = f.optional("rope_scaling", "obj") or Fields({}, f.where, "rope_scaling")
+    if rope.raw("rope_theta", None) is not None:
+        theta = rope.float("rope_theta", min_exclusive=0)
+    else:
+        theta = (
+            f.float("rope_theta", default=10000.0, min_exclusive=0)
+            if f.raw("rope_theta", None) is not None
+            else 10000.0
+        )
+    kinds = ("default", "llama3")
+    rope_type = "default"
+    for src, key in ((rope, "rope_type"), (legacy, "rope_type"), (legacy, "type")):
+        if src.raw(key, None) is not None:
+            rope_type = src.str(key, max_len=64)
+            break
+    if rope_type not in kinds:
+        raise UserError(
+            f"{f.where}: rope_type {short_repr(rope_type)} is not supported (expected 'default' or 'llama3')"
+        )
+    if rope_type != "llama3":
+        return theta, None
+    src = rope if rope.has("factor") else legacy
+    low = src.float("low_freq_factor", min_exclusive=0)
+    return theta, RopeScaling(
+        factor=src.float("factor", min_exclusive=0),
+        low_freq_factor=low,
+        high_freq_factor=src.float("high_freq_factor", min_exclusive=low),
+        original_max_position_embeddings=src.int("original_max_position_embeddings", min=1, max=_BIG),
+    )
+
+
+# Sizes beyond these are no real model; they would only make the planner allocate or overflow.
+_BIG = 1 << 31
 
 
 def spec_from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> ModelSpec:
-    """Build a ModelSpec from a Hugging Face config dict; refuses unsupported architectures by name."""
-    if not isinstance(cfg, dict):
-        raise UserError(f"{where}: expected a JSON object")
-    model_type = cfg.get("model_type")
-    archs = cfg.get("architectures") or []
-    if model_type not in SUPPORTED:
-        named = model_type or (archs[0] if archs else "none given")
-        raise UserError(
-            f"{where}: architecture '{named}' is not supported (supported model_type: {', '.join(SUPPORTED)})"
-        )
-    if archs and archs[0] != SUPPORTED[model_type]:
-        raise UserError(f"{where}: architectures[0] is '{archs[0]}', expected '{SUPPORTED[model_type]}'")
-    act = cfg.get("hidden_act", "silu")
+    """Build a ModelSpec from a Hugging Face config dict; refuses unsupported architectures by name and
+    every field of the wrong type or out of range (sizes that feed a division or an allocation) as one line."""
+    f = Fields(cfg, where)
+    model_type = _model_type(f)
+    act = f.str("hidden_act", default="silu", max_len=64)
     if act not in ("silu", "swish"):
-        raise UserError(f"{where}: field 'hidden_act' is '{act}', expected 'silu'")
-    if cfg.get("mlp_bias"):
+        raise UserError(f"{where}: field 'hidden_act' is {short_repr(act)}, expected 'silu'")
+    if f.raw("mlp_bias", None):
         raise UserError(f"{where}: field 'mlp_bias' is true, expected false (MLP biases are not supported)")
-    if cfg.get("use_sliding_window"):
+    if f.raw("use_sliding_window", None):
         raise UserError(f"{where}: field 'use_sliding_window' is true, expected false")
 
-    hidden = _need(cfg, "hidden_size", int, where)
-    heads = _need(cfg, "num_attention_heads", int, where)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    if kv_heads <= 0 or heads % kv_heads:
+    hidden = f.int("hidden_size", min=1, max=_BIG)
+    heads = f.int("num_attention_heads", min=1, max=_BIG)
+    kv_heads = f.optional("num_key_value_heads", "int", min=1, max=_BIG) or heads
+    if heads % kv_heads:
         raise UserError(
             f"{where}: field 'num_key_value_heads' is {kv_heads}, expected a divisor of num_attention_heads ({heads})"
         )
-    head_dim = cfg.get("head_dim")
+    head_dim = f.optional("head_dim", "int", min=1, max=_BIG)
     if head_dim is None:
         if hidden % heads:
             raise UserError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
         head_dim = hidden // heads
-    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+    if head_dim % 2:
         raise UserError(f"{where}: field 'head_dim' is {head_dim!r}, expected a positive even integer")
+    theta, scaling = _rope(f)
+    eps = (
+        f.float("rms_norm_eps", default=1e-6, min_exclusive=0, max_exclusive=1)
+        if f.raw("rms_norm_eps", None) is not None
+        else 1e-6
+    )
 
-    rope = cfg.get("rope_parameters") or {}
-    legacy = cfg.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
-        raise UserError(f"{where}: field 'rope_theta' is {theta!r}, expected a positive number")
-    rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-    scaling = None
-    if rope_type == "llama3":
-        src = rope if "factor" in rope else legacy
-        try:
-            scaling = RopeScaling(
-                factor=float(src["factor"]),
-                low_freq_factor=float(src["low_freq_factor"]),
-                high_freq_factor=float(src["high_freq_factor"]),
-                original_max_position_embeddings=int(src["original_max_position_embeddings"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"{where}: llama3 rope scaling lacks a valid field {e}") from None
-    elif rope_type != "default":
-        raise UserError(f"{where}: rope_type '{rope_type}' is not supported (expected 'default' or 'llama3')")
-
-    eps = cfg.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (0 < eps < 1):
-        raise UserError(f"{where}: field 'rms_norm_eps' is {eps!r}, expected a number in (0, 1)")
-
-    eos = cfg.get("eos_token_id")
+    eos = f.raw("eos_token_id", None)
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    bos = f.raw("bos_token_id", None)
+    dtype = f.raw("dtype", None) or f.raw("torch_dtype", None) or "float32"
+    max_pos = f.optional("max_position_embeddings", "int", min=1, max=_BIG) or 2048
+    tie = f.raw("tie_word_embeddings", model_type != "llama")
+    bias = f.raw("attention_bias", False)
     return ModelSpec(
         arch=model_type,
-        vocab_size=_need(cfg, "vocab_size", int, where),
+        vocab_size=f.int("vocab_size", min=1, max=_BIG),
         hidden_size=hidden,
-        intermediate_size=_need(cfg, "intermediate_size", int, where),
-        num_layers=_need(cfg, "num_hidden_layers", int, where),
+        intermediate_size=f.int("intermediate_size", min=1, max=_BIG),
+        num_layers=f.int("num_hidden_layers", min=1, max=1 << 16),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_eps=float(eps),
         rope_theta=float(theta),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
-        attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=f.bool("tie_word_embeddings")
+        if tie is not None and not isinstance(tie, bool)
+        else bool(tie),
+        attention_bias=True
+        if model_type == "qwen2"
+        else (f.bool("attention_bias") if not isinstance(bias, bool) and bias is not None else bool(bias)),
         qk_norm=model_type == "qwen3",
         rope_scaling=scaling,
-        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
-        eos_token_id=eos if isinstance(eos, int) else None,
-        torch_dtype=str(dtype),
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < _BIG else None,
+        eos_token_id=eos if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < _BIG else None,
+        torch_dtype=dtype if isinstance(dtype, str) and len(dtype) < 32 else "float32",
         name=where,
     )
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
-    """Read a config.json with one-line errors for a missing or malformed file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file (expected a Hugging Face config.json)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read ({e.__class__.__name__}: {e})") from None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{path}: expected a JSON object at the top level")
-    return cfg
+    """Read a config.json through the one JSON reader (size and depth limits, one-line errors)."""
+    if not path.exists():
+        raise UserError(f"{path}: no such file (expected a Hugging Face config.json)")
+    return read_json(path, max_bytes=16 * MiB, what="a Hugging Face config.json")
 
 
 def load_spec(ref: str | Path) -> ModelSpec:

@@ -46,11 +46,29 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens (no BOS/EOS added)."""
-        return list(self._tk.encode(text, add_special_tokens=False).ids)
+        try:
+            return list(self._tk.encode(text, add_special_tokens=False).ids)
+        except Exception as e:  # the Rust library raises plain Exception subclasses
+            raise self._failed(e) from None
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """encode() of each text, in parallel inside the `tokenizers` library."""
-        return [list(e.ids) for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]
+        try:
+            return [list(e.ids) for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]
+        except Exception as e:
+            raise self._failed(e) from None
+
+    def _failed(self, e: Exception) -> UserError:
+        first = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+        return UserError(f"{self.path}: the tokenizer failed to encode text ({first[:200]})")
+
+    def largest_id(self) -> tuple[int, str]:
+        """(the largest token id, its token) over the vocabulary and added tokens."""
+        vocab = self._tk.get_vocab(with_added_tokens=True)
+        if not vocab:
+            return -1, ""
+        token, tid = max(vocab.items(), key=lambda kv: kv[1])
+        return int(tid), token
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens are kept."""

@@ -19,7 +19,6 @@ the model, sharded or not (train/resume.py).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable
@@ -30,8 +29,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from kdistill import signals
 from kdistill.errors import UserError
-from kdistill.fileio import fsync_dir, write_json_durable
+from kdistill.fileio import fault_point, fsync_dir, write_guard, write_json_durable
+from kdistill.jsonio import read_json
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 
@@ -69,32 +70,31 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `step` atomically and keep only the newest `keep` ones."""
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:07d}"
     tmp = root / f".tmp-{_PREFIX}{step:07d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    with write_guard(final, what="write checkpoint", intact=intact_text(run_dir), temps=[tmp]):
+        fault_point(root)
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
         weights = {k: v.detach().to("cpu").contiguous() for k, v in student.state_dict().items()}
+        fault_point(tmp / "student.safetensors")
         save_file(weights, str(tmp / "student.safetensors"))
         faults.checkpoint_pause("between-files")
         opt_t, opt_meta = optimizer_tensors(opt)
+        fault_point(tmp / "optimizer.safetensors")
         save_file(opt_t, str(tmp / "optimizer.safetensors"))
         write_json_durable(tmp / "state.json", {"step": step, "optimizer": opt_meta, **state})
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with signals.deferred():  # the swap of the same step's folder is not cut in half by a signal
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         fsync_dir(root)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(
-            f"{final}: cannot write checkpoint ({e.strerror or e}); earlier checkpoints are intact"
-        ) from None
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -151,12 +151,24 @@ def is_sharded(path: Path) -> bool:
     return (path / SHARDS / ".metadata").is_file()
 
 
+def intact_text(run_dir: Path) -> str:
+    """What a failed write leaves intact, for its one-line error: 'last good checkpoint: step N'."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return "no checkpoint has been written yet"
+    return f"last good checkpoint: step {int(found[-1].name[len(_PREFIX) :])}"
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first (a folder without state.json is incomplete)."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / "state.json").is_file()]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit() and (p / "state.json").is_file()
+    ]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -165,8 +177,8 @@ def load_checkpoint(
 ) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None, dict[str, Any]]:
     """(student weights, optimizer tensors, state) of one checkpoint, with one-line errors; a sharded
     checkpoint's tensors are None (read them with distributed.load_sharded)."""
+    state = read_json(path / "state.json", max_bytes=256 << 20, what="a checkpoint state.json")
     try:
-        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
         if state.get("format") == "sharded":
             if not is_sharded(path):
                 raise OSError(f"no {SHARDS}/.metadata")
@@ -186,6 +198,20 @@ def latest_loadable(run_dir: Path) -> tuple[Path, tuple] | None:
         except UserError:
             continue
     return None
+
+
+def why_unloadable(run_dir: Path) -> str:
+    """Each checkpoint found and why it does not load, for the 'no loadable checkpoint' error."""
+    parts = []
+    for path in list_checkpoints(run_dir)[-4:]:
+        try:
+            load_checkpoint(path)
+            parts.append(f"{path.name}: loads")
+        except UserError as e:
+            parts.append(
+                f"{path.name}: {str(e).removeprefix(str(path) + ': ').removeprefix(str(path) + '/')}"
+            )
+    return "; ".join(parts) or "none"
 
 
 def clean_partial(run_dir: Path) -> None:

@@ -7,6 +7,7 @@ initial, final, passed = smoke_contract(read_metrics(run_dir / "metrics.jsonl"))
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -17,7 +18,10 @@ from typing import Any
 import torch
 
 from kdistill import __version__
-from kdistill.fileio import atomic_write_text, file_sha256
+from kdistill.errors import UserError
+from kdistill.fileio import atomic_write_text, fault_point, file_sha256, write_guard
+from kdistill.jsonio import check_int, iter_jsonl, short_repr, type_name
+from kdistill.train.checkpoint import intact_text
 
 
 def model_hashes(model_dir: str) -> dict[str, str]:
@@ -58,40 +62,85 @@ def make_manifest(cfg_dict: dict[str, Any], device: str, device_name: str) -> di
         "device": device,
         "device_name": device_name,
         "config": cfg_dict,
+        **run_identity(cfg_dict),
+    }
+
+
+def data_identity(paths: list[str]) -> dict[str, int]:
+    """Size in bytes of each data file given (a directory: of each file below it), by path."""
+    out: dict[str, int] = {}
+    for p in map(Path, paths):
+        files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+        for q in files:
+            with contextlib.suppress(OSError):
+                out[str(q)] = q.stat().st_size
+    return out
+
+
+def run_identity(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint was trained from: the teacher's and student's files (sha256, the tokenizer
+    included) and the data files (sizes). --resume compares it with the current config."""
+    data = cfg_dict["data"]
+    return {
         "teacher_files": model_hashes(cfg_dict["teacher"]["path"]),
         "student_files": model_hashes(cfg_dict["student"]["path"]),
+        "data_files": data_identity([*data["train"], *data["heldout"]]),
     }
 
 
 class MetricsWriter:
-    """Appends one JSON line per step to metrics.jsonl (flushed each line)."""
+    """Appends one JSON line per step to metrics.jsonl (flushed each line). A disk-full, read-only or
+    permission fault is one line naming the file and the last good checkpoint."""
 
     def __init__(self, path: Path, keep_until_step: int | None = None) -> None:
         self.path = path
-        if keep_until_step is not None and path.exists():
-            # On resume, drop lines written after the checkpoint we continue from.
-            kept = [ln for ln in read_metrics(path) if ln.get("step", 0) <= keep_until_step]
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._f = open(path, "a", encoding="utf-8")
+        with self._guard():
+            if keep_until_step is not None and path.exists():
+                # On resume, drop lines written after the checkpoint we continue from.
+                kept = [ln for ln in read_metrics(path) if ln.get("step", 0) <= keep_until_step]
+                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+            fault_point(path)
+            self._f = open(path, "a", encoding="utf-8")
+
+    def _guard(self) -> Any:
+        return write_guard(self.path, what="write metrics", intact=intact_text(self.path.parent))
 
     def write(self, row: dict[str, Any]) -> None:
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        try:
+            fault_point(self.path)
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
+        except OSError:
+            with self._guard():
+                raise
 
     def close(self) -> None:
-        self._f.close()
+        with contextlib.suppress(OSError):
+            self._f.close()
+
+
+_NUMBER_FIELDS = ("loss", "ce", "kd", "student_loss", "teacher_loss", "kl_to_teacher")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a .jsonl file (none if it is missing); a line cut by a kill is skipped."""
-    rows = []
+    """The rows of a .jsonl file (none if it is missing); a last line cut by a kill is skipped; a row that
+    is not an object, or whose step or losses are not numbers, is a one-line error naming the line."""
+    rows: list[dict[str, Any]] = []
     if not path.exists():
         return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
+    for lineno, row in iter_jsonl(path, skip_torn_tail=True):
+        where = f"{path} line {lineno}"
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: {short_repr(row)} ({type_name(row)}), expected a JSON object")
+        if "step" in row:
+            check_int("'step'", row["step"], min=0, prefix=f"{where}: ")
+        for k in _NUMBER_FIELDS:
+            v = row.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise UserError(
+                    f"{where}: '{k}' is {short_repr(v)} ({type_name(v)}), expected a number or null"
+                )
+        rows.append(row)
     return rows
 
 
@@ -127,9 +176,15 @@ def plot_losses(run_dir: Path, title: str = "kdistill") -> Path | None:
     fig.tight_layout()
     out = run_dir / "loss.png"
     tmp = run_dir / ".loss.tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        fault_point(tmp)
+        fig.savefig(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return out
 
 

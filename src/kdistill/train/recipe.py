@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kdistill import signals
 from kdistill.config import RunConfig
 from kdistill.console import progress_bar
 from kdistill.data import Batcher, PreparedData, heldout_batches, prepare_data
@@ -38,8 +39,9 @@ from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import ChatTemplate, load_chat_template, template_mismatch
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
-from kdistill.fileio import atomic_write_json
+from kdistill.fileio import atomic_write_json, write_guard
 from kdistill.generate import answer_rows, sample_prompts, stop_token_ids
+from kdistill.jsonio import short_repr
 from kdistill.kernels import seal
 from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_limits
 from kdistill.models.decoder import Decoder, build_decoder
@@ -48,6 +50,7 @@ from kdistill.models.lora import apply_lora, has_lora, save_adapter
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 from kdistill.teacher_cache import TeacherCache, run_identity
+from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.corpus import expand_data_paths
@@ -65,7 +68,8 @@ def train(
     cfg: RunConfig, run_dir: Path, *, resume: bool = False, quiet: bool = False, label: str = "kdistill"
 ) -> dict[str, Any]:
     """Run (or resume) one distillation into run_dir and return its summary."""
-    run = setup(cfg, run_dir, resume=resume, quiet=quiet, label=label)
+    with signals.stage("setup"):  # a signal here raises Interrupted; the caller removes what setup made
+        run = setup(cfg, run_dir, resume=resume, quiet=quiet, label=label)
     try:
         status, step, last_eval = train_loop(run)
         summary = finish(run, status, step, last_eval)
@@ -135,15 +139,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     torch.manual_seed(cfg.schedule.seed)
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
-    if device.type == "cuda":
-        cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet)
-    else:  # no memory to plan against: auto means shard the teacher and keep every activation
-        rt = cfg.runtime
-        layout = Layout(
-            dist.info().world,
-            multi and rt.teacher_placement != "replicate",
-            rt.activation_checkpointing == "blocks",
-        )
+    cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet)  # GPU memory, or RAM
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
@@ -244,6 +240,13 @@ def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tok
                 f"({s_tok.identity[:12]} vs {tok.identity[:12]}): teacher and student must share a tokenizer"
             )
     trim_rows = check_vocab(tok.vocab_size, teacher_spec, student_spec)
+    top, token = tok.largest_id()  # once, before training: every id must have an embedding row
+    rows = min(student_spec.vocab_size, trim_rows or teacher_spec.vocab_size)
+    if top >= rows:
+        raise UserError(
+            f"{tok.path}: token id {top} ({short_repr(token)}) is outside the models' embeddings "
+            f"({rows} rows: student vocab_size {student_spec.vocab_size}, teacher {teacher_spec.vocab_size})"
+        )
     if trim_rows is not None and cfg.kd.alpha > 0:
         log.info("teacher vocab %d trimmed to %d rows (padding)", teacher_spec.vocab_size, trim_rows)
         if not quiet:
@@ -282,20 +285,33 @@ def check_vocab(tok_vocab: int, teacher: ModelSpec, student: ModelSpec) -> int |
 def check_memory(
     cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, device: torch.device, quiet: bool
 ) -> tuple[RunConfig, Layout]:
-    """Compare the plan with the device's free memory before loading anything: resolve the auto
-    choices (teacher placement, activation checkpointing: `memory.choose_layout`), then refuse, or with
-    runtime.auto_fit lower schedule.batch_size until it fits (seq_len is never changed: the error
-    names the largest seq_len that fits, for the user to choose). Under torchrun the plan is of one
-    process's batch (batch_size / world), and the batch it fits to is a multiple of world."""
+    """Compare the plan with the device's free memory (the GPU's, or the RAM a CPU run can still
+    allocate) before loading anything: on a GPU resolve the auto choices (teacher placement,
+    activation checkpointing: `memory.choose_layout`), then refuse, or with runtime.auto_fit lower
+    schedule.batch_size until it fits (seq_len is never changed: the error names the largest seq_len
+    that fits, for the user to choose). Under torchrun the plan is of one process's batch
+    (batch_size / world), and the batch it fits to is a multiple of world. On a CPU `auto` means a
+    sharded teacher (several processes) and no checkpointing."""
     world = dist.info().world
     per_process = cfg.schedule.batch_size // world
-    if cfg.runtime.gpu_memory_gib > 0:
-        free = int(cfg.runtime.gpu_memory_gib * GIB)
-    else:
+    gpu = device.type == "cuda"
+    rt = cfg.runtime
+    layout = Layout(
+        world, world > 1 and rt.teacher_placement != "replicate", rt.activation_checkpointing == "blocks"
+    )
+    if rt.gpu_memory_gib > 0:
+        free: int | None = int(rt.gpu_memory_gib * GIB)
+    elif gpu:
         free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = available_ram()
+    if free is None:
+        return cfg, layout
     budget = int(free * 0.95)
-    layout = choose_layout(teacher, student, cfg, budget, world, per_process)
-    need = estimate_memory(teacher, student, cfg, batch=per_process, layout=layout)["total"]
+    kind = "cuda" if gpu else "cpu"
+    if gpu:
+        layout = choose_layout(teacher, student, cfg, budget, world, per_process)
+    need = estimate_memory(teacher, student, cfg, kind, per_process, layout)["total"]
     if need <= budget:
         return cfg, layout
     fit = fit_limits(teacher, student, cfg, budget, batch=per_process, layout=layout)
@@ -314,6 +330,18 @@ def check_memory(
         f"free: the largest that fit are schedule.batch_size={fit_batch} (at seq_len {cfg.data.seq_len}) or "
         f"data.seq_len={fit['seq_len']} (at batch {cfg.schedule.batch_size}); or set runtime.auto_fit=true"
     )
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM available to a new allocation (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
@@ -631,21 +659,46 @@ def save(run: Run, step: int) -> None:
 # finish
 # ----------------------------------------------------------------------------------------------
 def finish(run: Run, status: str, step: int, last_eval: dict[str, Any]) -> dict[str, Any]:
-    """Export the student (a completed run), then write summary.json and loss.png; return the summary."""
+    """Export the student (a completed run), then write summary.json and loss.png; return the summary.
+
+    A signal during the export stops it (no temp folder left) and the run ends "interrupted" with its
+    final checkpoint: `--resume` goes straight to the export. A write fault is one line naming what is
+    intact."""
     run_dir = run.run_dir
+    export = None
     if status == "completed":
-        export_student(run)
+        try:
+            with signals.stage("export"):
+                export_student(run)
+        except signals.Interrupted as e:
+            status, export = "interrupted", "interrupted"
+            print(
+                f"kdistill: {e.signame} received during the export: training is complete (checkpoint at "
+                f"step {step}); `kdistill run --resume {run_dir}` writes the export",
+                file=sys.stderr,
+            )
+        except UserError as e:
+            raise UserError(
+                f"{e}; training is complete, {ckpt.intact_text(run_dir)} (--resume writes the export)"
+            ) from None
     summary = make_summary(run, status, step, last_eval)
+    if export:
+        summary["export"] = export
     if dist.active():
         summary["world_size"] = dist.info().world
         if dist.is_main():
-            atomic_write_json(run_dir / "summary.json", summary)
-            plot_losses(run_dir, title=run.label)
+            write_summary(run_dir, summary, run.label)
         dist.barrier()
         return summary
-    atomic_write_json(run_dir / "summary.json", summary)
-    plot_losses(run_dir, title=run.label)
+    write_summary(run_dir, summary, run.label)
     return summary
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any], label: str) -> None:
+    """summary.json and loss.png, as one line on a disk-full, read-only or permission fault."""
+    with write_guard(run_dir / "summary.json", what="write the summary", intact=ckpt.intact_text(run_dir)):
+        atomic_write_json(run_dir / "summary.json", summary)
+        plot_losses(run_dir, title=label)
 
 
 def export_student(run: Run) -> None:
@@ -676,8 +729,11 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         "initial_loss": initial,
         "final_loss": final,
         "smoke_passed": smoke,
+        # No held-out data (or no eval yet): null, never 0.0.
         "heldout": {
-            k: last_eval.get(k) for k in ("student_loss", "teacher_loss", "kl_to_teacher") if k in last_eval
+            k: last_eval.get(k) if last_eval.get("tokens", 1) else None
+            for k in ("student_loss", "teacher_loss", "kl_to_teacher")
+            if k in last_eval
         },
         "tokens_per_s": counters["tokens_seen"] / counters["train_seconds"]
         if counters["train_seconds"]

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from kdistill.config import RunConfig
 from kdistill.data import Batcher
 from kdistill.errors import UserError
+from kdistill.jsonio import cut, short_repr
 from kdistill.models.lora import adapter_state, has_lora
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
@@ -85,8 +86,8 @@ def restore_state(
     else:
         ckpt.clean_partial(run_dir)
     found = ckpt.latest_loadable(run_dir)
-    if found is None:
-        return 0
+    if found is None:  # never a silent restart from step 0
+        raise UserError(f"--resume {run_dir}: no loadable checkpoint (found: {ckpt.why_unloadable(run_dir)})")
     path, (weights, opt_tensors, state) = found
     try:
         if weights is None or opt_tensors is None:  # a sharded checkpoint, read into any layout
@@ -101,10 +102,19 @@ def restore_state(
         if type(start_step) is not int or not 0 <= start_step <= cfg.schedule.steps:
             raise ValueError(f"step {start_step!r}")
         counters.update({k: type(v)(state["counters"][k]) for k, v in counters.items()})
-    except (RuntimeError, KeyError, TypeError, ValueError, AttributeError, CheckpointException) as e:
+    except (
+        RuntimeError,
+        KeyError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        IndexError,
+        OverflowError,
+        CheckpointException,
+    ) as e:
         # A damaged or foreign checkpoint: names, shapes or state that do not fit this run.
         what = str(e).splitlines()[0][:200] if str(e) else e.__class__.__name__
-        raise UserError(f"{path}: checkpoint does not match this run ({what})") from None
+        raise UserError(f"{path}: checkpoint does not match this run ({cut(what, 200)})") from None
     if dist.is_main():
         print(f"resuming from {path} (step {start_step})", file=sys.stderr)
     return start_step
@@ -124,7 +134,7 @@ def _load_full(
     own = adapter_state(student) if lora else student.state_dict()
     odd = sorted(set(own) ^ set(weights))
     if odd:
-        raise ValueError(f"{'unexpected' if odd[0] in weights else 'missing'} tensor {odd[0]!r}")
+        raise ValueError(f"{'unexpected' if odd[0] in weights else 'missing'} tensor {short_repr(odd[0])}")
     for k, v in weights.items():
         if v.shape != own[k].shape:
             raise ValueError(f"tensor {k!r} has shape {list(v.shape)}, expected {list(own[k].shape)}")
@@ -133,7 +143,21 @@ def _load_full(
         ckpt.load_optimizer_tensors(holder, opt_tensors, state["optimizer"])  # type: ignore[arg-type]
         dist.load_full_state(student, opt, weights, holder.loaded)
     else:
+        check_optimizer_shapes(opt, opt_tensors)
         student.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=not lora)
         ckpt.load_optimizer_tensors(
             opt, {k: v.to(device) for k, v in opt_tensors.items()}, state["optimizer"]
         )
+
+
+def check_optimizer_shapes(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """Every saved optimizer tensor '<param index>.<name>' names a parameter of this run and has its shape
+    (or is a scalar, like AdamW's step); else a ValueError naming the tensor."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for key, t in tensors.items():
+        idx, _, name = key.partition(".")
+        if not idx.isdigit() or not name or int(idx) >= len(params):
+            raise ValueError(f"unexpected optimizer tensor {short_repr(key)}")
+        want = list(params[int(idx)].shape)
+        if t.dim() > 0 and list(t.shape) != want:
+            raise ValueError(f"optimizer tensor {key!r} has shape {list(t.shape)}, expected {want}")
