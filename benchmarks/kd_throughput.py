@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -204,7 +205,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": _version("triton"),
         "transformers": _version("transformers"),
-        "liger_kernel": _version("liger_kernel"),
+        "liger_kernel": _version("liger-kernel"),
         "pair": a.pair,
         "seq_len": a.seq_len,
         "matmul_tflops_measured": peak,
@@ -271,10 +272,11 @@ def print_table(name: str, pair: str, batch: int, seq: int, floor_s: float, rows
         )
 
 
-def _version(module: str) -> str | None:
+def _version(dist_name: str) -> str | None:
+    """An installed distribution's version (liger-kernel has no __version__ attribute)."""
     try:
-        return __import__(module).__version__
-    except Exception:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
