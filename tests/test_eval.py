@@ -1,4 +1,4 @@
-"""kdistill.evaluate and `kdistill eval` (kdistill.commands.eval): cross-entropy equals transformers' loss with
+"""kdistill.scoring and `kdistill eval` (kdistill.commands.eval): cross-entropy equals transformers' loss with
 labels=input_ids."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kdistill.cli import main
-from kdistill.evaluate import evaluate
 from kdistill.models.hf_io import load_model
 from kdistill.models.tokenizer import load_tokenizer
+from kdistill.scoring import evaluate
 from tests.tiny import corpus_text, load_hf, make_tiny_model
 
 
@@ -121,7 +121,7 @@ def test_evaluate_api_array_and_list_agree(model_dir):
 
 
 def test_evaluate_chunked_logits(model_dir, monkeypatch):
-    import kdistill.evaluate as E
+    import kdistill.scoring as E
 
     model = load_model(model_dir)
     seqs = np.random.default_rng(2).integers(0, 320, size=(3, 20)).astype(np.int64)

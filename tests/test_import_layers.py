@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),
     ("models",),
     ("data", "memory"),
-    ("train", "evaluate", "generate", "teacher_cache"),
+    ("train", "scoring", "generate", "teacher_cache"),
     ("api", "demo", "commands"),
     ("cli", "__main__", "__init__"),
 ]

@@ -220,7 +220,7 @@ def test_sigterm_during_setup_leaves_nothing_and_a_rerun_works(tmp_path, capsys,
     cfg = write_config(tmp_path, steps=2)
     _kill_self_in(monkeypatch, recipe, "load_data")
     rc, _, err = run_cli(capsys, "run", str(cfg), "--quiet")
-    assert rc == 143 and err.strip() == "kdistill: interrupted by SIGTERM during setup", err
+    assert rc == 2 and err.strip() == "kdistill: error: interrupted by SIGTERM during setup", err
     assert not (tmp_path / "run").exists()
     monkeypatch.undo()
     assert run_cli(capsys, "run", str(cfg), "--quiet")[0] == 0

@@ -23,9 +23,6 @@ _API = {"distill", "load", "evaluate", "plan", "DistillResult", "RunConfig"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "evaluate":
-        # kdistill.evaluate is also the scoring module; calling it calls kdistill.api.evaluate.
-        return importlib.import_module("kdistill.evaluate")
     if name in _API:
         return getattr(importlib.import_module("kdistill.api"), name)
     raise AttributeError(f"module 'kdistill' has no attribute {name!r}")

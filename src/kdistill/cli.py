@@ -243,10 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kdistill: error: {e}", file=sys.stderr)
         return e.exit_code
     except signals.Interrupted as e:
+        # a signal during set-up or export: what it interrupted was removed (nothing half-written),
+        # so it ends like any other run that could not complete: one line, exit 2
         if debug:
             raise
-        print(f"kdistill: {e}", file=sys.stderr)
-        return e.exit_code
+        print(f"kdistill: error: {e}", file=sys.stderr)
+        return UserError.exit_code
     except KeyboardInterrupt:
         if debug:
             raise

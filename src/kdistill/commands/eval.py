@@ -3,7 +3,7 @@
     kdistill eval --model DIR --data FILE [FILE ...] [--seq-len 512] [--no-pack] [--json]
 
 Loads the model and its tokenizer (or, without tokenizer.json, reads token-id data only), reads the data
-through the token cache, scores it with kdistill.evaluate and prints a table or one JSON object.
+through the token cache, scores it with kdistill.scoring and prints a table or one JSON object.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from kdistill.console import print_json
 from kdistill.data import TokenCache, cache_dir, load_files
 from kdistill.dtypes import long_name
 from kdistill.errors import UserError
-from kdistill.evaluate import eval_sequences, evaluate
 from kdistill.models.hf_io import load_model
 from kdistill.models.spec import load_spec
 from kdistill.models.tokenizer import IdsOnlyTokenizer, load_tokenizer
+from kdistill.scoring import eval_sequences, evaluate
 from kdistill.train.corpus import expand_data_paths
 
 

@@ -76,6 +76,12 @@ def _kd_loss_rows_kernel(
     NEED_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    """One program per row: CE, the divergence and (NEED_GRAD) the logits gradient of one token.
+
+    Long on purpose (about 170 lines): the three passes over the row (online max/sum-exp, the
+    divergence's second pass, the gradient) share per-row statistics in registers; split into separate
+    kernels they would re-read the (c, V) logits from memory each time, and as @triton.jit helper
+    functions they would need a dozen scalars threaded through every call for no gain in clarity."""
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * V
     t_row = t_ptr + row * V

@@ -13,10 +13,8 @@ shifted tokens of all sequences together.
 
 from __future__ import annotations
 
-import importlib
 import math
 import sys
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,14 +143,3 @@ def _cap(seqs: list[np.ndarray], max_tokens: int) -> list[np.ndarray]:
             out.append(take)
             left -= len(take) - 1
     return out
-
-
-class _CallableModule(types.ModuleType):
-    """`kdistill.evaluate` names this module and the Python API's evaluate at once: calling the module
-    calls `kdistill.api.evaluate(model, data, ...)`; its names import as before."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return importlib.import_module("kdistill.api").evaluate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
