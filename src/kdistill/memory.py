@@ -30,7 +30,12 @@ ACT_COEF_CPU = {"hidden": 28.0, "inter": 12.0, "q": 12.0, "kv": 24.0}  # fp32 ev
 
 
 def estimate_memory(
-    teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, device: str = "cuda", batch: int | None = None
+    teacher: ModelSpec,
+    student: ModelSpec,
+    cfg: RunConfig,
+    device: str = "cuda",
+    batch: int | None = None,
+    extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
 ) -> dict[str, int]:
     """Peak memory of one training step on one device, by term, in bytes.
 
@@ -44,6 +49,10 @@ def estimate_memory(
     own forward runs before the student's activations exist, and the student's gradients replace its
     activations during the backward pass, so neither adds to this peak unless it is larger:
     `optimizer_phase` covers the end of the backward pass.)
+
+    `extra_teachers`: the other teachers of a mixture (`teachers:`): their weights, their final hidden
+    states, and two more [chunk x vocab] fp32 buffers (the mixture's running logaddexp and the
+    teacher being added).
     """
     gpu = device != "cpu"
     rows = cfg.schedule.batch_size if batch is None else batch
@@ -66,6 +75,7 @@ def estimate_memory(
     # autocast copy: autocast caches casts of trainable leaves only) and fp32 adapters that train.
     trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else ps
     base_bytes = (2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4
+    pt += sum(t.param_counts()["total"] for t in extra_teachers)
     fixed = {
         "teacher_weights": 0 if cached else pt * act_bytes,
         "student_weights": ps * base_bytes + (trainable * 4 if lora.enabled else 0),
@@ -79,8 +89,10 @@ def estimate_memory(
         # largest mode) and no teacher at all
         "teacher_hidden": n * vocab * 2 if cached else n * teacher.hidden_size * act_bytes,
         "loss_gradients": n * student.hidden_size * 4 + head_grad,
-        "loss_chunk_logits": 2 * chunk * vocab * 4,
+        "loss_chunk_logits": (4 if extra_teachers else 2) * chunk * vocab * 4,
     }
+    if extra_teachers:
+        forward_peak["teacher_hidden"] += sum(n * t.hidden_size * act_bytes for t in extra_teachers)
     if lora.enabled:  # per adapter: x A^T saved for B's gradient, and dropout's output and mask
         shapes = student.linear_shapes()
         per_tok = sum(
@@ -98,7 +110,12 @@ def estimate_memory(
 
 
 def fit_limits(
-    teacher: ModelSpec, student: ModelSpec, cfg: RunConfig, budget: int, batch: int | None = None
+    teacher: ModelSpec,
+    student: ModelSpec,
+    cfg: RunConfig,
+    budget: int,
+    batch: int | None = None,
+    extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
 ) -> dict[str, int]:
     """Largest batch (at the configured seq_len) and seq_len (at the configured batch) that fit in
     `budget` bytes on one device. `batch` is the device's batch as in `estimate_memory` (default
@@ -107,7 +124,7 @@ def fit_limits(
 
     def peak(bs: int, sl: int) -> int:
         c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=sl))
-        return estimate_memory(teacher, student, c, batch=bs)["total"]
+        return estimate_memory(teacher, student, c, batch=bs, extra_teachers=extra_teachers)["total"]
 
     best_bs = 0
     for bs in range(1, rows + 1):

@@ -103,6 +103,7 @@ class Run:
     trackers: Trackers  # output.report_to, open on rank 0 only (none elsewhere)
     data_stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # conversations: packing
     tokenizer: Any = None  # decodes the eval samples (samples.jsonl)
+    extra_specs: list[ModelSpec] = dataclasses.field(default_factory=list)  # teachers[1:] of a mixture
     # this process's steps after its first WARMUP_STEPS: [seconds, tokens, steps] (not resumed)
     steady: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
 
@@ -135,8 +136,10 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     torch.manual_seed(cfg.schedule.seed)
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
+    extras = check_teachers(cfg, tok, student_spec)  # teachers[1:] of a mixture: [(spec, trim rows)]
+    extra_specs = [spec for spec, _ in extras]
     if device.type == "cuda":
-        cfg = check_memory(cfg, teacher_spec, student_spec, device, quiet)
+        cfg = check_memory(cfg, teacher_spec, student_spec, device, quiet, extra_specs)
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
@@ -158,18 +161,23 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         quiet=quiet,
         batch=per_process,
         documents=data.documents,
+        extra_teachers=extra_specs,
     )
 
     cache = open_teacher_cache(cfg, tok, data) if cfg.teacher.cache else None
     teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows)
+    mixture = load_mixture(cfg, teacher, [trim for _, trim in extras], device, dtype)
     who = f"teacher cache ({cache.mode}, {cfg.teacher.cache})" if cache else f"teacher ({teacher_spec.name})"
+    if mixture is not None:
+        who = f"{len(mixture)} teachers ({', '.join(f'{w:.3g}' for _, w in mixture)})"
     stage(t_start, quiet, f"loaded {who} and student ({init}) on {device}")
     if multi:
         if cfg.student.lora.enabled:
             raise UserError("student.lora runs in one process for now: run it without torchrun")
         dist.shard_student(student)
         if teacher is not None and os.environ.get("KDISTILL_REPLICATE_TEACHER") != "1":
-            dist.shard_teacher(teacher)
+            for t in [t for t, _ in mixture] if mixture else [teacher]:
+                dist.shard_teacher(t)
         stage(t_start, quiet, f"FSDP2 over {dist.info().world} processes: student and teacher sharded")
     opt = make_optimizer(student, cfg.optim)
     batcher = Batcher(data.train, cfg.schedule.batch_size, cfg.schedule.seed)
@@ -185,7 +193,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=keep)
         eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=keep)
     dist.barrier()
-    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache)
+    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture)
     # Last in setup, so nothing after it can fail before train() takes over closing them.
     trackers = Trackers()
     if cfg.output.report_to and dist.is_main():
@@ -193,6 +201,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     return Run(
         cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, ctx, batcher,
         held, counters, start_step, metrics, eval_log, trackers, data.stats if data.documents else {}, tok,
+        extra_specs,
     )  # fmt: skip
 
 
@@ -247,6 +256,40 @@ def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tok
     return teacher_spec, student_spec, tok, trim_rows
 
 
+def check_teachers(
+    cfg: RunConfig, tok: Tokenizer, student_spec: ModelSpec
+) -> list[tuple[ModelSpec, int | None]]:
+    """The other teachers of a mixture (`teachers[1:]`): (spec, rows to trim to or None) each, after
+    checking that each is a model directory with the first teacher's tokenizer and a vocabulary that
+    covers the student's, and supports data.seq_len."""
+    out = []
+    for i, entry in enumerate(cfg.teachers[1:], start=1):
+        where = f"teachers[{i}].path"
+        if not Path(entry.path).is_dir():
+            raise UserError(
+                f"{where} '{entry.path}' is not a model directory (weights, config.json, tokenizer.json)"
+            )
+        spec = load_spec(entry.path)
+        if not (Path(entry.path) / "tokenizer.json").is_file():
+            raise UserError(
+                f"{where} '{entry.path}' has no tokenizer.json: teachers must share the student's tokenizer"
+            )
+        theirs = load_tokenizer(entry.path)
+        if theirs.identity != tok.identity:
+            raise UserError(
+                f"{Path(entry.path) / 'tokenizer.json'}: tokenizer differs from teachers[0]'s "
+                f"({theirs.identity[:12]} vs {tok.identity[:12]}): every teacher must share one tokenizer"
+            )
+        trim = check_vocab(tok.vocab_size, spec, student_spec)
+        if cfg.data.seq_len > spec.max_position_embeddings:
+            raise UserError(
+                f"data.seq_len {cfg.data.seq_len} exceeds {where}'s max_position_embeddings "
+                f"({spec.max_position_embeddings})"
+            )
+        out.append((spec, trim))
+    return out
+
+
 def check_vocab(tok_vocab: int, teacher: ModelSpec, student: ModelSpec) -> int | None:
     """Rows to trim the teacher to (padded vocab), or None. Any other mismatch is an error."""
     if student.vocab_size < tok_vocab:
@@ -267,7 +310,12 @@ def check_vocab(tok_vocab: int, teacher: ModelSpec, student: ModelSpec) -> int |
 
 
 def check_memory(
-    cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, device: torch.device, quiet: bool
+    cfg: RunConfig,
+    teacher: ModelSpec,
+    student: ModelSpec,
+    device: torch.device,
+    quiet: bool,
+    extra_teachers: list[ModelSpec] | None = None,
 ) -> RunConfig:
     """Compare the plan with the device's free memory before loading anything; refuse, or with
     runtime.auto_fit lower schedule.batch_size until it fits (seq_len is never changed: the error
@@ -280,10 +328,11 @@ def check_memory(
     else:
         free, _ = torch.cuda.mem_get_info(device)
     budget = int(free * 0.95)
-    need = estimate_memory(teacher, student, cfg, batch=per_process)["total"]
+    extras = extra_teachers or []
+    need = estimate_memory(teacher, student, cfg, batch=per_process, extra_teachers=extras)["total"]
     if need <= budget:
         return cfg
-    fit = fit_limits(teacher, student, cfg, budget, batch=per_process)
+    fit = fit_limits(teacher, student, cfg, budget, batch=per_process, extra_teachers=extras)
     fit_batch = fit["batch_size"] * world
     if cfg.runtime.auto_fit and fit_batch > 0:
         if not quiet:
@@ -335,6 +384,25 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
         if warning:
             log.warning("%s", warning)
     return template
+
+
+def load_mixture(
+    cfg: RunConfig,
+    teacher: Decoder | None,
+    trims: list[int | None],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[tuple[Decoder, float]] | None:
+    """Several teachers (`teachers:`): [(teacher, normalised weight), ...], the first being the one
+    load_models loaded, the others loaded here, each frozen in the compute dtype. None for one teacher."""
+    if len(cfg.teachers) < 2 or teacher is None:
+        return None
+    out = [(teacher, cfg.teachers[0].weight)]
+    for entry, trim in zip(cfg.teachers[1:], trims):
+        t = load_model(entry.path, device=device, dtype=dtype, vocab_rows=trim)
+        t.eval().requires_grad_(False)
+        out.append((t, entry.weight))
+    return out
 
 
 def load_models(
@@ -537,7 +605,7 @@ class Evaluator:
         ctx.student.eval()
         res: dict[str, Any] = heldout_eval(
             ctx.student, ctx.teacher, run.held, run.cfg, ctx.device, ctx.amp,
-            with_teacher_loss=self.teacher_loss is None,
+            with_teacher_loss=self.teacher_loss is None, mixture=ctx.mixture,
         )  # fmt: skip
         ctx.student.train()
         if "teacher_loss" in res:
@@ -669,7 +737,9 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
     }
     if device.type == "cuda":
         per_process = run.cfg.schedule.batch_size // dist.info().world
-        planned = estimate_memory(run.teacher_spec, run.student_spec, run.cfg, batch=per_process)["total"]
+        planned = estimate_memory(
+            run.teacher_spec, run.student_spec, run.cfg, batch=per_process, extra_teachers=run.extra_specs
+        )["total"]
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         summary["planned_memory_gib"] = planned / GIB
     else:

@@ -58,13 +58,17 @@ def compute_loss(
     targets: torch.Tensor | None = None,
     cache_mode: str = "exact",
     cache_k: int = 0,
+    mixture: list[tuple[Decoder, float]] | None = None,
 ) -> dispatch.KDLossResult:
     """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult.
     position_ids, doc_ids (B, T): packed conversations (see Decoder.forward); None for raw text.
     targets (B, T, X): the batch's rows of a teacher cache (kdistill.teacher_cache) of `cache_mode`
     instead of a teacher forward: exact log-probs go to the KD head as teacher_logprobs, topk and
-    sampled targets to kdistill.ops.kd_sparse."""
+    sampled targets to kdistill.ops.kd_sparse. mixture [(teacher, weight), ...]: several teachers
+    (`teachers:`), whose mixture in probability space is the target (`teacher` is then ignored)."""
     kd = cfg.kd
+    if mixture is not None:
+        return _mixture_loss(student, mixture, input_ids, labels, cfg, amp, position_ids, doc_ids)
     if targets is not None:
         with amp:
             s_hidden = student(input_ids, position_ids, doc_ids).flatten(0, 1)  # (N, Hs)
@@ -106,6 +110,46 @@ def compute_loss(
     )
 
 
+def teacher_operands(
+    mixture: list[tuple[Decoder, float]],
+    input_ids: torch.Tensor,
+    amp: contextlib.AbstractContextManager,
+    *docs: torch.Tensor,
+) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """[(hidden (N, Ht_i), lm_head (Vt_i, Ht_i), weight), ...] of each teacher (forward without grad)."""
+    parts = []
+    for teacher, weight in mixture:
+        with torch.no_grad(), amp:
+            h = teacher(input_ids, *docs).flatten(0, 1)  # (N, Ht_i)
+            h, w = head_operands(h, teacher.lm_head_weight)
+        parts.append((h, w, weight))
+    return parts
+
+
+def _mixture_loss(
+    student: Decoder,
+    mixture: list[tuple[Decoder, float]],
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: RunConfig,
+    amp: contextlib.AbstractContextManager,
+    position_ids: torch.Tensor | None,
+    doc_ids: torch.Tensor | None,
+) -> dispatch.KDLossResult:
+    """compute_loss with several teachers: every teacher's forward, then the KD head on their mixture."""
+    kd = cfg.kd
+    docs = (position_ids, doc_ids)
+    parts = teacher_operands(mixture, input_ids, amp, *docs) if kd.alpha > 0 else None
+    with amp:
+        s_hidden = student(input_ids, *docs).flatten(0, 1)  # (N, Hs)
+        s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
+    return dispatch.kd_loss(
+        s_hidden, s_weight, None, None, labels.flatten(), alpha=kd.alpha, temperature=kd.temperature,
+        divergence=kd.divergence, beta=kd.beta, ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
+        teacher_mixture=parts,
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def heldout_eval(
     student: Decoder,
@@ -115,9 +159,11 @@ def heldout_eval(
     device: torch.device,
     amp: contextlib.AbstractContextManager,
     with_teacher_loss: bool,
+    mixture: list[tuple[Decoder, float]] | None = None,
 ) -> dict[str, float]:
     """Token-weighted held-out CE of the student, KL(teacher || student) at T=1, and teacher CE.
-    A batch is (input_ids, labels) or, packed conversations, (input_ids, labels, position_ids, doc_ids)."""
+    A batch is (input_ids, labels) or, packed conversations, (input_ids, labels, position_ids, doc_ids).
+    mixture (several teachers): the KL is to their mixture; the teacher CE is the first teacher's."""
     tot = {"student": 0.0, "kl": 0.0, "teacher": 0.0}
     tokens = 0
     for batch in batches:
@@ -134,8 +180,12 @@ def heldout_eval(
             ignore_index=cfg.kd.ignore_index,
             chunk_size=cfg.kd.chunk_size,
         )
-        if t_h is not None:
+        if t_h is not None and mixture is not None:
+            parts = teacher_operands(mixture, input_ids, amp, *docs)
+            r = dispatch.kd_loss(s_h, s_w, None, None, flat, alpha=0.5, teacher_mixture=parts, **common)
+        elif t_h is not None:
             r = dispatch.kd_loss(s_h, s_w, t_h, t_w, flat, alpha=0.5, **common)
+        if t_h is not None:
             tot["kl"] += float(r.kd) * r.tokens
             if with_teacher_loss:
                 rt = dispatch.kd_loss(t_h, t_w, None, None, flat, alpha=0.0, **common)
@@ -168,6 +218,7 @@ class StepContext:
     amp: contextlib.AbstractContextManager
     rows: slice | None
     cache: Any = None  # a kdistill.teacher_cache.TeacherCache (teacher.cache), else None
+    mixture: list[tuple[Decoder, float]] | None = None  # several teachers: [(teacher, weight), ...]
 
 
 @dataclasses.dataclass
@@ -266,6 +317,8 @@ def _accumulate(
             if multi:
                 targets = targets[ctx.rows]
             cached = dict(targets=targets, cache_mode=ctx.cache.mode, cache_k=ctx.cache.k)
+        if ctx.mixture is not None:
+            cached = dict(mixture=ctx.mixture)
         input_ids, labels, *docs = (t.to(ctx.device) for t in batch)
         r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
         loss_value = float(r.loss.detach())
@@ -282,8 +335,9 @@ def _accumulate(
             return sums, step_tokens, degenerate, f"loss is {loss_value}"
         if multi:
             (r.loss * (weight / cfg.schedule.grad_accum)).backward()
-            if ctx.teacher is not None:
-                dist.reshard(ctx.teacher)  # after backward: the KD head's backward reads its lm_head
+            for teacher in [t for t, _ in ctx.mixture] if ctx.mixture else [ctx.teacher]:
+                if teacher is not None:
+                    dist.reshard(teacher)  # after backward: the KD head's backward reads its lm_head
         else:
             (r.loss / cfg.schedule.grad_accum).backward()
         sums[0] += loss_value
