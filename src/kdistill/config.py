@@ -34,6 +34,8 @@ from kdistill.dtypes import LONG_NAMES
 from kdistill.errors import UserError
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+# kd.attention_weight builds (batch, heads, seq_len, seq_len) attention maps: refused above this length
+ATTENTION_MAX_SEQ_LEN = 1024
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # output.report_to (kdistill.train.trackers opens them)
 
 
@@ -278,6 +280,7 @@ class RunConfig:
             if hasattr(section, "validate"):
                 section.validate()
         self._validate_teachers()
+        self._validate_kd_options()
         if need_paths:
             if not self.teacher.path:
                 raise UserError("teacher.path is empty, expected a model directory or preset name")
@@ -307,6 +310,22 @@ class RunConfig:
         for t in self.teachers:
             t.weight = t.weight / total
         self.teacher.path = first
+
+    def _validate_kd_options(self) -> None:
+        """What layer maps and cross-tokenizer distillation need from the rest of the config."""
+        kd = self.kd
+        if kd.attention_weight > 0 and self.data.seq_len > ATTENTION_MAX_SEQ_LEN:
+            raise UserError(
+                f"kd.attention_weight is {kd.attention_weight} with data.seq_len {self.data.seq_len}: attention "
+                f"maps are (seq_len x seq_len) per head, supported up to seq_len {ATTENTION_MAX_SEQ_LEN}"
+            )
+        live = "one live teacher (teacher.path, no teacher.cache or teachers)"
+        if kd.layers_on and (self.teacher.cache or self.teachers):
+            raise UserError(f"kd.layer_map needs {live}: its hidden states are read at every step")
+        if kd.cross_tokenizer and (self.teacher.cache or self.teachers):
+            raise UserError(f"kd.cross_tokenizer needs {live}")
+        if kd.cross_tokenizer and kd.layers_on:
+            raise UserError("kd.cross_tokenizer and kd.layer_map cannot be combined (positions differ)")
 
     @property
     def teacher_paths(self) -> list[str]:

@@ -100,6 +100,19 @@ def estimate_memory(
             for t in lora.targets
         )
         forward_peak["lora_activations"] = n * student.num_layers * per_tok
+    kd = cfg.kd
+    if kd.layers_on:  # kd.layer_map: projections (fp32, trained), collected layer outputs, attention maps
+        pairs = len(kd.layer_map)
+        proj = (
+            pairs * student.hidden_size * teacher.hidden_size
+            if student.hidden_size != teacher.hidden_size
+            else 0
+        )
+        fixed["layer_projections"] = proj * (4 + 8 + 4)  # weights, AdamW moments, gradients
+        states = n * pairs * (student.hidden_size + teacher.hidden_size) * 4  # fp32 copies compared
+        # (B, H, T, T) fp32 scores, log-probs and the head-averaged map, student (kept for backward) and teacher
+        maps = rows * cfg.data.seq_len**2 * (student.num_heads + teacher.num_heads) * 4 * 3 * pairs
+        forward_peak["layer_map"] = states + (maps if kd.attention_weight > 0 else 0)
     optimizer_phase = trainable * 4 * 2  # gradients plus AdamW's foreach temporaries
     terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())

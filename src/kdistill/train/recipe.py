@@ -53,6 +53,7 @@ from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.corpus import expand_data_paths
 from kdistill.train.evidence import MetricsWriter, NullWriter, plot_losses, read_metrics, smoke_contract
+from kdistill.train.layers import attach_projections, check_layer_map
 from kdistill.train.optim import make_optimizer
 from kdistill.train.resume import new_counters, restore_state, save_state
 from kdistill.train.signals import SignalGuard
@@ -136,6 +137,8 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     torch.manual_seed(cfg.schedule.seed)
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
+    if cfg.kd.layers_on:
+        check_layer_map(cfg, teacher_spec, student_spec)
     extras = check_teachers(cfg, tok, student_spec)  # teachers[1:] of a mixture: [(spec, trim rows)]
     extra_specs = [spec for spec, _ in extras]
     if device.type == "cuda":
@@ -179,6 +182,8 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
             for t in [t for t, _ in mixture] if mixture else [teacher]:
                 dist.shard_teacher(t)
         stage(t_start, quiet, f"FSDP2 over {dist.info().world} processes: student and teacher sharded")
+    if cfg.kd.layers_on:  # kd.layer_map: the student's projections train with it
+        attach_projections(student, teacher_spec, cfg, seed=cfg.schedule.seed)
     opt = make_optimizer(student, cfg.optim)
     batcher = Batcher(data.train, cfg.schedule.batch_size, cfg.schedule.seed)
     held = heldout_batches(data.heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)

@@ -28,7 +28,7 @@ from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder
 from kdistill.ops import kd_sparse
 from kdistill.train import distributed as dist
-from kdistill.train import faults
+from kdistill.train import faults, layers
 from kdistill.train.optim import lr_at
 
 log = logging.getLogger("kdistill")
@@ -85,6 +85,8 @@ def compute_loss(
         return kd_sparse.kd_loss_sparse(
             s_hidden, s_weight, flat, labels.flatten(), mode=cache_mode, k=cache_k, **common
         )
+    if kd.layers_on and teacher is not None:
+        return _layer_map_loss(student, teacher, input_ids, labels, cfg, amp, position_ids, doc_ids)
     t_hidden, t_weight = None, None
     if teacher is not None and kd.alpha > 0:
         with torch.no_grad(), amp:
@@ -108,6 +110,35 @@ def compute_loss(
         ignore_index=kd.ignore_index,
         chunk_size=kd.chunk_size,
     )
+
+
+def _layer_map_loss(
+    student: Decoder,
+    teacher: Decoder,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: RunConfig,
+    amp: contextlib.AbstractContextManager,
+    position_ids: torch.Tensor | None,
+    doc_ids: torch.Tensor | None,
+) -> dispatch.KDLossResult:
+    """compute_loss with kd.layer_map: the KD head's loss plus the weighted layer loss
+    (kdistill.train.layers), which `loss` includes and `ce`, `kd` do not."""
+    kd = cfg.kd
+    extra, s_hidden, t_hidden = layers.layer_kd(
+        student, teacher, input_ids, labels, cfg, amp, position_ids, doc_ids
+    )
+    with amp:
+        s_hidden, s_weight = head_operands(s_hidden.flatten(0, 1), student.lm_head_weight)
+        t_hidden, t_weight = head_operands(t_hidden.flatten(0, 1), teacher.lm_head_weight)
+    if kd.alpha == 0:
+        t_hidden = t_weight = None
+    r = dispatch.kd_loss(
+        s_hidden, s_weight, t_hidden, t_weight, labels.flatten(), alpha=kd.alpha,
+        temperature=kd.temperature, divergence=kd.divergence, beta=kd.beta,
+        ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
+    )  # fmt: skip
+    return r._replace(loss=r.loss + extra.to(r.loss.dtype))
 
 
 def teacher_operands(
