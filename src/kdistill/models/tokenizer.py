@@ -52,6 +52,11 @@ class Tokenizer:
         """encode() of each text, in parallel inside the `tokenizers` library."""
         return [list(e.ids) for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, the character offset where each token ends) of `text` (no special tokens added)."""
+        enc = self._tk.encode(text, add_special_tokens=False)
+        return list(enc.ids), [int(end) for _, end in enc.offsets]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens are kept."""
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -52,6 +52,7 @@ from kdistill.teacher_cache import TeacherCache, run_identity
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.corpus import expand_data_paths
+from kdistill.train.cross_tok import CrossTokenizer
 from kdistill.train.evidence import MetricsWriter, NullWriter, plot_losses, read_metrics, smoke_contract
 from kdistill.train.layers import attach_projections, check_layer_map
 from kdistill.train.optim import make_optimizer
@@ -198,7 +199,12 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=keep)
         eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=keep)
     dist.barrier()
-    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture)
+    cross = None
+    if cfg.kd.cross_tokenizer:
+        if data.documents:
+            raise UserError("kd.cross_tokenizer runs on text data, not packed conversations")
+        cross = CrossTokenizer(tok, load_tokenizer(cfg.teacher.path), teacher_spec.max_position_embeddings)
+    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross)
     # Last in setup, so nothing after it can fail before train() takes over closing them.
     trackers = Trackers()
     if cfg.output.report_to and dist.is_main():
@@ -237,6 +243,8 @@ def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tok
         )
     tok = load_tokenizer(cfg.teacher.path)
     student_dir = Path(cfg.student.path)
+    if cfg.kd.cross_tokenizer:
+        return check_cross_tokenizer(cfg, teacher_spec, student_spec, tok)
     if student_dir.is_dir() and (student_dir / "tokenizer.json").exists():
         s_tok = load_tokenizer(student_dir)
         if s_tok.identity != tok.identity:
@@ -259,6 +267,30 @@ def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tok
             f"data.seq_len {cfg.data.seq_len} exceeds the models' max_position_embeddings ({limit})"
         )
     return teacher_spec, student_spec, tok, trim_rows
+
+
+def check_cross_tokenizer(
+    cfg: RunConfig, teacher_spec: ModelSpec, student_spec: ModelSpec, teacher_tok: Tokenizer
+) -> tuple[ModelSpec, ModelSpec, Tokenizer, int | None]:
+    """check_models for kd.cross_tokenizer: the data is tokenized with the student's own tokenizer
+    (student.path must hold tokenizer.json); the teacher keeps its vocabulary (padding rows trimmed)."""
+    student_dir = Path(cfg.student.path)
+    if not (student_dir.is_dir() and (student_dir / "tokenizer.json").is_file()):
+        raise UserError(
+            f"kd.cross_tokenizer needs the student's tokenizer, but '{cfg.student.path}' has no tokenizer.json"
+        )
+    tok = load_tokenizer(student_dir)
+    if student_spec.vocab_size < tok.vocab_size:
+        raise UserError(
+            f"student vocab_size {student_spec.vocab_size} is smaller than its tokenizer's vocabulary ({tok.vocab_size})"
+        )
+    limit = min(student_spec.max_position_embeddings, teacher_spec.max_position_embeddings)
+    if cfg.data.seq_len > limit:
+        raise UserError(
+            f"data.seq_len {cfg.data.seq_len} exceeds the models' max_position_embeddings ({limit})"
+        )
+    trim = teacher_tok.vocab_size if teacher_spec.vocab_size > teacher_tok.vocab_size else None
+    return teacher_spec, student_spec, tok, trim
 
 
 def check_teachers(
@@ -608,8 +640,9 @@ class Evaluator:
     def __call__(self, step: int) -> dict[str, Any]:
         run, ctx = self.run, self.run.ctx
         ctx.student.eval()
+        teacher = None if ctx.cross is not None else ctx.teacher  # other vocabulary: the student's CE only
         res: dict[str, Any] = heldout_eval(
-            ctx.student, ctx.teacher, run.held, run.cfg, ctx.device, ctx.amp,
+            ctx.student, teacher, run.held, run.cfg, ctx.device, ctx.amp,
             with_teacher_loss=self.teacher_loss is None, mixture=ctx.mixture,
         )  # fmt: skip
         ctx.student.train()
@@ -654,7 +687,7 @@ class Samples:
             return
         ctx, tokens, stops = self.run.ctx, self.run.cfg.schedule.sample_tokens, self.stops()
         models = [("student", ctx.student)]
-        if not self.teacher_done and ctx.teacher is not None:
+        if not self.teacher_done and ctx.teacher is not None and ctx.cross is None:
             models.append(("teacher", ctx.teacher))
         lines = []
         for name, model in models:

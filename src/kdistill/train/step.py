@@ -29,6 +29,7 @@ from kdistill.models.decoder import Decoder
 from kdistill.ops import kd_sparse
 from kdistill.train import distributed as dist
 from kdistill.train import faults, layers
+from kdistill.train.cross_tok import cross_tokenizer_loss
 from kdistill.train.optim import lr_at
 
 log = logging.getLogger("kdistill")
@@ -59,14 +60,18 @@ def compute_loss(
     cache_mode: str = "exact",
     cache_k: int = 0,
     mixture: list[tuple[Decoder, float]] | None = None,
+    cross: Any = None,
 ) -> dispatch.KDLossResult:
     """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult.
     position_ids, doc_ids (B, T): packed conversations (see Decoder.forward); None for raw text.
     targets (B, T, X): the batch's rows of a teacher cache (kdistill.teacher_cache) of `cache_mode`
     instead of a teacher forward: exact log-probs go to the KD head as teacher_logprobs, topk and
     sampled targets to kdistill.ops.kd_sparse. mixture [(teacher, weight), ...]: several teachers
-    (`teachers:`), whose mixture in probability space is the target (`teacher` is then ignored)."""
+    (`teachers:`), whose mixture in probability space is the target (`teacher` is then ignored).
+    cross: a CrossTokenizer (kd.cross_tokenizer): the ULD loss over character-aligned positions."""
     kd = cfg.kd
+    if cross is not None:  # kd.cross_tokenizer: a kdistill.train.cross_tok.CrossTokenizer
+        return cross_tokenizer_loss(student, teacher, input_ids, labels, cfg, amp, cross)
     if mixture is not None:
         return _mixture_loss(student, mixture, input_ids, labels, cfg, amp, position_ids, doc_ids)
     if targets is not None:
@@ -250,6 +255,7 @@ class StepContext:
     rows: slice | None
     cache: Any = None  # a kdistill.teacher_cache.TeacherCache (teacher.cache), else None
     mixture: list[tuple[Decoder, float]] | None = None  # several teachers: [(teacher, weight), ...]
+    cross: Any = None  # kd.cross_tokenizer: a kdistill.train.cross_tok.CrossTokenizer
 
 
 @dataclasses.dataclass
@@ -350,6 +356,8 @@ def _accumulate(
             cached = dict(targets=targets, cache_mode=ctx.cache.mode, cache_k=ctx.cache.k)
         if ctx.mixture is not None:
             cached = dict(mixture=ctx.mixture)
+        if ctx.cross is not None:
+            cached = dict(cross=ctx.cross)
         input_ids, labels, *docs = (t.to(ctx.device) for t in batch)
         r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
         loss_value = float(r.loss.detach())
