@@ -93,3 +93,23 @@ def test_without_the_flag_a_tokenizer_mismatch_is_one_line(tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
     assert rc != 0 and "tokenizer differs from the teacher's" in one_error_line(err)
+
+
+def test_cross_tokenizer_config_errors(tmp_path, capsys):
+    import pytest
+
+    from kdistill.config import load_config
+    from kdistill.errors import UserError
+
+    with pytest.raises(UserError, match="kd.cross_tokenizer needs one live teacher"):
+        load_config(None, base={"teachers": [{"path": "a"}], "kd": {"cross_tokenizer": True}}).validate()
+    with pytest.raises(UserError, match="cannot be combined"):
+        load_config(None, base={"kd": {"cross_tokenizer": True, "layer_map": [[0, 0]]}}).validate(
+            need_paths=False
+        )
+    cfg = base_config(tmp_path / "run", steps=2)  # the student is a config.json: no tokenizer of its own
+    cfg["kd"]["cross_tokenizer"] = True
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc != 0 and "kd.cross_tokenizer needs the student's tokenizer" in one_error_line(err)
