@@ -22,8 +22,10 @@ FUZZ = settings(
 )
 
 _HINTS = typing.get_type_hints(RunConfig)
-SECTIONS = {
-    f.name: [g.name for g in dataclasses.fields(_HINTS[f.name])] for f in dataclasses.fields(RunConfig)
+SECTIONS = {  # the mapping sections (not `teachers`, a list of sections: fuzzed through _FRAGMENTS)
+    f.name: [g.name for g in dataclasses.fields(_HINTS[f.name])]
+    for f in dataclasses.fields(RunConfig)
+    if dataclasses.is_dataclass(_HINTS[f.name])
 }
 KEYS = [f"{s}.{k}" for s, ks in SECTIONS.items() for k in ks]
 
@@ -31,6 +33,7 @@ KEYS = [f"{s}.{k}" for s, ks in SECTIONS.items() for k in ks]
 # merge keys, huge numbers, NaN/inf, tabs, non-ASCII, unbalanced brackets.
 _FRAGMENTS = [
     "teacher:",
+    "teachers:",
     "student:",
     "kd:",
     "optim:",

@@ -69,6 +69,9 @@ def build_config(config: ConfigLike = None, *overrides: str, **keywords: Any) ->
         nested: dict[str, Any] = cfg.to_dict()
         for key, value in keywords.items():
             parts = key.split(".")
+            if len(parts) == 1 and isinstance(value, list):  # a list of sections: teachers=[{...}, ...]
+                nested[key] = value
+                continue
             if len(parts) == 1 and isinstance(value, dict):
                 nested.setdefault(key, {}).update(value)
                 continue

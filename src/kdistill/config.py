@@ -3,10 +3,12 @@
 A run config is YAML with these sections (every field has a default except the model paths):
 
     teacher:  {path: DIR, cache: DIR (a teacher cache: the teacher is not loaded)}
+    teachers: [{path: DIR, weight: W}, ...]  (instead of teacher.path: a mixture of several teachers)
     student:  {path: DIR | config.json | preset, init: auto|pretrained|random|teacher_layers,
                lora: {rank, alpha, dropout, targets, base_dtype}}
     data:     {train: [PATH, ...], heldout: [PATH, ...], heldout_fraction, seq_len, max_tokens}
-    kd:       {alpha, temperature, divergence, beta, chunk_size, ignore_index}
+    kd:       {alpha, temperature, divergence, beta, chunk_size, ignore_index, layer_map, hidden_weight,
+               hidden_loss, attention_weight, cross_tokenizer}
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
@@ -33,6 +35,8 @@ from kdistill.jsonio import check_seed, cut, parse_yaml, read_yaml, short_repr
 from kdistill.rundir import check_path_value
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+# kd.attention_weight builds (batch, heads, seq_len, seq_len) attention maps: refused above this length
+ATTENTION_MAX_SEQ_LEN = 1024
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # output.report_to (kdistill.train.trackers opens them)
 
 
@@ -41,6 +45,14 @@ class TeacherConfig:
     path: str = ""
     # A teacher cache (kdistill teacher-cache --out DIR): train on its targets, the teacher never loaded
     cache: str = ""
+
+
+@dataclasses.dataclass
+class TeacherEntry:
+    """One of several teachers (`teachers:`): its model directory and its weight in the mixture."""
+
+    path: str = ""
+    weight: float = 1.0
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -125,6 +137,14 @@ class KDConfig:
     beta: float = 0.5  # JSD mixing / skew weight
     chunk_size: int = 1024  # tokens per lm_head chunk in the loss
     ignore_index: int = -100
+    # Intermediate layers: [[teacher_layer, student_layer], ...] (0-based, the output of that block);
+    # hidden_weight * hidden_loss(student -> projection, teacher) is added to the loss.
+    layer_map: list[list[int]] = dataclasses.field(default_factory=list)
+    hidden_weight: float = 1.0
+    hidden_loss: str = "mse"  # mse | cosine
+    attention_weight: float = 0.0  # attention-map transfer on the mapped layers (0: off)
+    # Teacher and student with different tokenizers: ULD loss over character-aligned positions
+    cross_tokenizer: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.alpha <= 1:
@@ -134,6 +154,26 @@ class KDConfig:
         if not 0 < self.beta < 1:
             raise UserError(f"kd.beta is {self.beta}, expected a number in (0, 1)")
         _positive("kd.chunk_size", self.chunk_size)
+        for i, pair in enumerate(self.layer_map):
+            if len(pair) != 2 or any(x < 0 for x in pair):
+                raise UserError(
+                    f"kd.layer_map[{i}] is {pair}, expected a pair [teacher_layer, student_layer] of "
+                    "layer indices >= 0"
+                )
+        _choice("kd.hidden_loss", self.hidden_loss, ("mse", "cosine"))
+        for name in ("hidden_weight", "attention_weight"):
+            if not getattr(self, name) >= 0:
+                raise UserError(f"kd.{name} is {getattr(self, name)}, expected a number >= 0")
+        if self.attention_weight > 0 and not self.layer_map:
+            raise UserError(
+                f"kd.attention_weight is {self.attention_weight} but kd.layer_map is empty: attention "
+                "maps are transferred on mapped layers only"
+            )
+
+    @property
+    def layers_on(self) -> bool:
+        """Intermediate-layer distillation is on: a layer map with a positive hidden or attention weight."""
+        return bool(self.layer_map) and (self.hidden_weight > 0 or self.attention_weight > 0)
 
 
 @dataclasses.dataclass
@@ -236,6 +276,7 @@ class RuntimeConfig:
 @dataclasses.dataclass
 class RunConfig:
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    teachers: list[TeacherEntry] = dataclasses.field(default_factory=list)
     student: StudentConfig = dataclasses.field(default_factory=StudentConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     kd: KDConfig = dataclasses.field(default_factory=KDConfig)
@@ -250,12 +291,58 @@ class RunConfig:
             _check_numbers(section, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self._validate_teachers()
+        self._validate_kd_options()
         if need_paths:
             if not self.teacher.path:
                 raise UserError("teacher.path is empty, expected a model directory or preset name")
             if not self.student.path:
                 raise UserError("student.path is empty, expected a model directory, config.json or preset")
         return self
+
+    def _validate_teachers(self) -> None:
+        """`teachers:` (several teachers) stands instead of teacher.path: the first teacher becomes
+        teacher.path (its tokenizer, chat template and config are the run's), weights are normalised."""
+        if not self.teachers:
+            return
+        first = self.teachers[0].path
+        if self.teacher.path and self.teacher.path != first:
+            raise UserError(
+                "teacher.path and teachers are both set: give one teacher as teacher.path, or several as "
+                "teachers: [{path, weight}, ...]"
+            )
+        if self.teacher.cache:
+            raise UserError("teacher.cache holds one teacher's targets: it cannot be combined with teachers")
+        for i, t in enumerate(self.teachers):
+            if not t.path:
+                raise UserError(f"teachers[{i}].path is empty, expected a model directory")
+            if not (t.weight > 0 and t.weight < float("inf")):
+                raise UserError(f"teachers[{i}].weight is {t.weight}, expected a positive number")
+        total = sum(t.weight for t in self.teachers)
+        for t in self.teachers:
+            t.weight = t.weight / total
+        self.teacher.path = first
+
+    def _validate_kd_options(self) -> None:
+        """What layer maps and cross-tokenizer distillation need from the rest of the config."""
+        kd = self.kd
+        if kd.attention_weight > 0 and self.data.seq_len > ATTENTION_MAX_SEQ_LEN:
+            raise UserError(
+                f"kd.attention_weight is {kd.attention_weight} with data.seq_len {self.data.seq_len}: attention "
+                f"maps are (seq_len x seq_len) per head, supported up to seq_len {ATTENTION_MAX_SEQ_LEN}"
+            )
+        live = "one live teacher (teacher.path, no teacher.cache or teachers)"
+        if kd.layers_on and (self.teacher.cache or self.teachers):
+            raise UserError(f"kd.layer_map needs {live}: its hidden states are read at every step")
+        if kd.cross_tokenizer and (self.teacher.cache or self.teachers):
+            raise UserError(f"kd.cross_tokenizer needs {live}")
+        if kd.cross_tokenizer and kd.layers_on:
+            raise UserError("kd.cross_tokenizer and kd.layer_map cannot be combined (positions differ)")
+
+    @property
+    def teacher_paths(self) -> list[str]:
+        """Every teacher's path: the teachers of a mixture, or teacher.path alone."""
+        return [t.path for t in self.teachers] if self.teachers else [self.teacher.path]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -294,6 +381,11 @@ def _closest(name: str, options: list[str]) -> str:
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Convert a YAML or command-line value to the field's type, with a one-line error."""
     origin = typing.get_origin(hint)
+    item = (typing.get_args(hint) or (str,))[0]
+    if origin is list and item is not str:  # a list of sections (teachers) or of lists (kd.layer_map)
+        if not isinstance(value, list):
+            raise UserError(f"{where} is {value!r}, expected a list")
+        return [_coerce_item(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is list:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
@@ -327,6 +419,19 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise UserError(f"{where} is {short_repr(value)}, expected a string")
         return "" if value is None else str(value)
     return value
+
+
+def _coerce_item(value: Any, hint: Any, where: str) -> Any:
+    """One item of a list field: a section (a mapping of its fields) or a value of the item's type."""
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise UserError(f"{where} is {value!r}, expected a mapping of its fields")
+        obj = hint()
+        _apply(obj, value, f"{where}.")
+        return obj
+    if typing.get_origin(hint) is list and not isinstance(value, list):
+        raise UserError(f"{where} is {value!r}, expected a list")
+    return _coerce(value, hint, where)
 
 
 def _fail_int(where: str, value: Any) -> int:
@@ -405,6 +510,8 @@ def _rebase_paths(cfg: RunConfig, folder: Path) -> None:
 
     cfg.teacher.path = rebase(cfg.teacher.path)
     cfg.teacher.cache = rebase(cfg.teacher.cache)
+    for t in cfg.teachers:
+        t.path = rebase(t.path)
     cfg.student.path = rebase(cfg.student.path)
     cfg.data.train = [rebase(p) for p in cfg.data.train]
     cfg.data.heldout = [rebase(p) for p in cfg.data.heldout]

@@ -418,11 +418,14 @@ def kd_loss(
     ignore_index: int = -100,
     chunk_size: int,
     teacher_logprobs: torch.Tensor | None = None,
+    teacher_mixture: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None,
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads (see
     kdistill.ops.kd_loss), each chunk on the KD head kernel or its reference. With teacher_logprobs
     (N, Vt) (a teacher cache) the chunk's teacher logits are those rows instead of t_hidden x t_weight;
-    the KD head kernel takes teacher logits either way, so the kernel and its key are the same."""
+    the KD head kernel takes teacher logits either way, so the kernel and its key are the same; so
+    with teacher_mixture [(t_hidden_i, t_weight_i, weight_i), ...] (several teachers: each chunk's
+    teacher logits are T log of their mixture in probability space)."""
     return kd_ops.kd_loss(
         s_hidden,
         s_weight,
@@ -437,4 +440,5 @@ def kd_loss(
         chunk_size=chunk_size,
         chunk_fn=_kd_chunk,
         teacher_logprobs=teacher_logprobs,
+        teacher_mixture=teacher_mixture,
     )

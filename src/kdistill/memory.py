@@ -60,6 +60,7 @@ def estimate_memory(
     device: str = "cuda",
     batch: int | None = None,
     layout: Layout | None = None,
+    extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
 ) -> dict[str, int]:
     """Peak memory of one training step on one device, by term, in bytes.
 
@@ -79,6 +80,10 @@ def estimate_memory(
     own forward runs before the student's activations exist, and the student's gradients replace its
     activations during the backward pass, so neither adds to this peak unless it is larger:
     `optimizer_phase` covers the end of the backward pass.)
+
+    `extra_teachers`: the other teachers of a mixture (`teachers:`): their weights, their final hidden
+    states, and two more [chunk x vocab] fp32 buffers (the mixture's running logaddexp and the
+    teacher being added).
     """
     gpu = device != "cpu"
     if layout is None:
@@ -103,6 +108,7 @@ def estimate_memory(
     # autocast copy: autocast caches casts of trainable leaves only) and fp32 adapters that train.
     trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else ps
     base_bytes = (2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4
+    pt += sum(t.param_counts()["total"] for t in extra_teachers)
     fixed = {
         "teacher_weights": 0 if cached else pt * act_bytes,
         "student_weights": ps * base_bytes + (trainable * 4 if lora.enabled else 0),
@@ -135,8 +141,10 @@ def estimate_memory(
         # largest mode) and no teacher at all
         "teacher_hidden": n * vocab * 2 if cached else n * teacher.hidden_size * act_bytes,
         "loss_gradients": n * student.hidden_size * 4 + head_grad,
-        "loss_chunk_logits": 2 * chunk * vocab * 4,
+        "loss_chunk_logits": (4 if extra_teachers else 2) * chunk * vocab * 4,
     }
+    if extra_teachers:
+        forward_peak["teacher_hidden"] += sum(n * t.hidden_size * act_bytes for t in extra_teachers)
     if lora.enabled:  # per adapter: x A^T saved for B's gradient, and dropout's output and mask
         shapes = student.linear_shapes()
         per_tok = sum(
@@ -144,6 +152,19 @@ def estimate_memory(
             for t in lora.targets
         )
         forward_peak["lora_activations"] = n * student.num_layers * per_tok
+    kd = cfg.kd
+    if kd.layers_on:  # kd.layer_map: projections (fp32, trained), collected layer outputs, attention maps
+        pairs = len(kd.layer_map)
+        proj = (
+            pairs * student.hidden_size * teacher.hidden_size
+            if student.hidden_size != teacher.hidden_size
+            else 0
+        )
+        fixed["layer_projections"] = proj * (4 + 8 + 4)  # weights, AdamW moments, gradients
+        states = n * pairs * (student.hidden_size + teacher.hidden_size) * 4  # fp32 copies compared
+        # (B, H, T, T) fp32 scores, log-probs and the head-averaged map, student (kept for backward) and teacher
+        maps = rows * cfg.data.seq_len**2 * (student.num_heads + teacher.num_heads) * 4 * 3 * pairs
+        forward_peak["layer_map"] = states + (maps if kd.attention_weight > 0 else 0)
     optimizer_phase = trainable * 4 * 2 // w  # gradients plus AdamW's foreach temporaries
     terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())
@@ -210,6 +231,7 @@ def fit_limits(
     budget: int,
     batch: int | None = None,
     layout: Layout | None = None,
+    extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
 ) -> dict[str, int]:
     """Largest batch (at the configured seq_len) and seq_len (at the configured batch) that fit in
     `budget` bytes on one device. `batch` is the device's batch as in `estimate_memory` (default
@@ -218,7 +240,9 @@ def fit_limits(
 
     def peak(bs: int, sl: int) -> int:
         c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=sl))
-        return estimate_memory(teacher, student, c, batch=bs, layout=layout)["total"]
+        return estimate_memory(teacher, student, c, batch=bs, layout=layout, extra_teachers=extra_teachers)[
+            "total"
+        ]
 
     best_bs = 0
     for bs in range(1, rows + 1):

@@ -172,13 +172,15 @@ def required_kernels(
     batch: int | None = None,
     documents: bool = False,
     sharded: bool = False,
+    extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
 ) -> set[keys.KernelKey]:
     """Every kernel key (Triton and library) the run launches: teacher forward without grad, student
     forward with and without grad and its backward (no teacher forward with teacher.cache) (a LoRA student: its frozen base in
     student.lora.base_dtype and the adapters' GEMMs), the KD loss head; for `arch` (e.g. 'sm_90').
     batch: the per-process batch (under torchrun batch_size / world); default run.schedule.batch_size.
     documents: the data is packed conversations (attention masked by document).
-    sharded: the student is sharded with FSDP2 (torchrun), its weights gathered in the compute dtype."""
+    sharded: the student is sharded with FSDP2 (torchrun), its weights gathered in the compute dtype.
+    extra_teachers: the other teachers of a mixture (`teachers:`), each run forward without grad."""
     arch = arch if arch == "cpu" else keys.normalize_arch(arch)
     prec = precision(run, arch, sharded)
     b, t = batch or run.schedule.batch_size, run.data.seq_len
@@ -194,6 +196,9 @@ def required_kernels(
     out |= gemm_kernels(student_spec, arch, prec.compute, grad=True, tokens=b * t, chunk=run.kd.chunk_size)
     out |= lora_gemm_kernels(student_spec, run, arch, prec.compute, tokens=b * t)
     out |= kd_kernels(teacher_spec, student_spec, run, arch, prec)
+    for extra in extra_teachers:  # the KD head's key depends on the student's vocab only
+        out |= model_kernels(extra, arch, prec, prec.teacher_weights, grad=False, **m)
+        out |= gemm_kernels(extra, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
     return out
 
 

@@ -338,16 +338,25 @@ def start(
     batch: int | None = None,
     documents: bool = False,
     sharded: bool = False,
+    extra_teachers: tuple | list = (),
 ) -> KernelSession:
     """Configure the dispatcher from cfg.runtime; on a GPU in triton mode compile the whole plan and
     seal the cache (before any weight is on the device). `dtype` is the compute dtype the loop chose
     (the plan derives the same from cfg.runtime.dtype). batch: the per-process batch (under torchrun
-    batch_size / world); default cfg.schedule.batch_size. documents, sharded: see required_kernels."""
+    batch_size / world); default cfg.schedule.batch_size. documents, sharded: see required_kernels.
+    extra_teachers: the other teachers' specs of a mixture (`teachers:`)."""
     rt = configure(cfg, device=device)
     session = KernelSession(rt.mode, rt.arch, rt.strict)
     if rt.mode == "triton" and torch.device(device).type == "cuda":
         plan = required_kernels(
-            teacher, student, cfg, rt.arch, batch=batch, documents=documents, sharded=sharded
+            teacher,
+            student,
+            cfg,
+            rt.arch,
+            batch=batch,
+            documents=documents,
+            sharded=sharded,
+            extra_teachers=extra_teachers,
         )
         session.planned = len(plan)
         session.report = prewarm(plan, device)

@@ -8,6 +8,7 @@ so the checkpoint weight map is the identity and an exported student loads in tr
     hidden = model(input_ids, position_ids, doc_ids)   # packed conversations: positions restart per
                                                        # conversation, attention stays inside it
     logits = model.logits(input_ids)        # (B, T, V): only for eval/tests; the KD loss never needs them
+    hidden, states = model(input_ids, collect={0, 2})   # and {layer: that block's output (B, T, H)}
 
     cache = KVCache.empty(spec, batch=B, max_len=P + N, device=..., dtype=...)   # inference only
     hidden = model.forward_cached(ids, positions, valid, cache)   # prefill (B, P), then one token (B, 1)
@@ -48,6 +49,10 @@ from kdistill.dispatch import (
 )
 from kdistill.models.spec import ModelSpec, rope_inv_freq
 from kdistill.ops.attention import document_mask
+
+# Modules of the student that exist for distillation only (e.g. `kd_layer_proj`, the layer map's
+# projections): trained and checkpointed with the student, left out of every exported model.
+KD_ONLY_PREFIX = "kd_"
 
 
 def rope_tables(
@@ -125,6 +130,7 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps)
+        self.capture: list | None = None  # attention-map transfer: (q, k) after RoPE appended here
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, T, q_size), k and v (B, T, kv_size) from one GEMM against [Wq; Wk; Wv].
@@ -161,6 +167,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = apply_rope(q, k, cos, sin)
+        if self.capture is not None:
+            self.capture.append((q, k))  # (B, Hq, T, D), (B, Hkv, T, D)
         o = attention(q, k, v, mask)  # (B, Hq, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.q_size))
 
@@ -317,12 +325,15 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        collect: set[int] | frozenset[int] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """input_ids (B, T) -> final-normed hidden states (B, T, H).
 
         position_ids (B, T): per-token positions (restarting per packed conversation), None: 0..T-1.
         doc_ids (B, T): document of each token (-1: padding); attention never crosses documents.
-        None: plain causal attention over the whole row."""
+        None: plain causal attention over the whole row.
+        collect: layer indices whose outputs (the residual stream after that block, as transformers'
+        hidden_states[i + 1]) are returned too: (hidden, {i: (B, T, H)}). None: hidden alone."""
         eps = self.spec.rms_eps
         cos, sin = self.rope(input_ids.shape[1], input_ids.device)  # (T, D) each
         if position_ids is not None:
@@ -330,11 +341,16 @@ class Decoder(nn.Module):
         mask = document_mask(doc_ids) if doc_ids is not None else None  # (B, 1, T, T) bool
         delta = self.model.embed_tokens(input_ids)  # (B, T, H)
         residual = None
-        for block in self.model.layers:
+        states: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.model.layers):
             delta, residual = block(delta, residual, cos, sin, mask)
+            if collect is not None and i in collect:
+                states[i] = delta + residual  # (B, T, H): this block's output
         if residual is None:  # no layers
-            return rmsnorm(delta, self.model.norm.weight, eps)
-        return add_rmsnorm(delta, residual, self.model.norm.weight, eps)[0]
+            out = rmsnorm(delta, self.model.norm.weight, eps)
+        else:
+            out = add_rmsnorm(delta, residual, self.model.norm.weight, eps)[0]
+        return out if collect is None else (out, states)
 
     @torch.no_grad()
     def forward_cached(

@@ -34,7 +34,7 @@ from kdistill.dtypes import SAFETENSORS, long_name, torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import fault_point, fsync_dir, write_json_durable
 from kdistill.jsonio import short_repr
-from kdistill.models.decoder import Decoder
+from kdistill.models.decoder import KD_ONLY_PREFIX, Decoder
 from kdistill.models.spec import read_config_json, spec_from_hf_config
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -511,6 +511,8 @@ def save_model(
         seen: set[int] = set()
         for name, t in model.state_dict().items():
             if model.spec.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if name.startswith(KD_ONLY_PREFIX):  # distillation-only modules (layer-map projections)
                 continue
             t = t.detach().to(device="cpu", dtype=dtype).contiguous()
             ptr = t.untyped_storage().data_ptr()

@@ -70,6 +70,11 @@ class Tokenizer:
         token, tid = max(vocab.items(), key=lambda kv: kv[1])
         return int(tid), token
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, the character offset where each token ends) of `text` (no special tokens added)."""
+        enc = self._tk.encode(text, add_special_tokens=False)
+        return list(enc.ids), [int(end) for _, end in enc.offsets]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens are kept."""
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)

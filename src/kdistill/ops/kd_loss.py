@@ -55,6 +55,18 @@ therefore::
 Every quantity needs only per-row statistics (logsumexp of s, s/T, t/T) and, for jsd, tvd and the
 skew divergences, one more per-row sum (<q, g> and D) that needs the normalised probabilities.
 
+Several teachers (a mixture in probability space)
+--------------------------------------------------
+With `teacher_mixture=[(h_1, W_1, w_1), ...]` the target is the weighted mixture of the teachers'
+distributions, each softened at T first (weights normalised to sum to 1)::
+
+    p = sum_i w_i softmax(t_i / T),    t_i = h_i W_i[:V]^T
+    KD_i = T^2 * D(p || q),            q = softmax(s / T)     (the same T^2 as one teacher)
+
+Per chunk the mixture is handed to the chunk function as teacher logits t = T log p (so that
+softmax(t / T) = p exactly), computed teacher by teacher with a running logaddexp: a few (c, V)
+buffers, never an (N, V) tensor. One teacher of weight 1 gives exactly the single-teacher loss.
+
 Chunking (no [N x V] tensor)
 ----------------------------
 `kd_loss` walks the tokens in chunks of `chunk_size` rows. Per chunk it computes the (c, V) logits
@@ -348,8 +360,10 @@ def _chunk_loop(
     chunk_fn: ChunkFn,
     need_h: bool,
     need_w: bool,
+    target_fn: Callable[[int, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Sums over chunks; grad_h (N, Hs) in h's dtype and grad_W (V, Hs) (fp32 for half weights)."""
+    """Sums over chunks; grad_h (N, Hs) in h's dtype and grad_W (V, Hs) (fp32 for half weights).
+    target_fn(start, end): the chunk's (c, V) teacher logits (a mixture of teachers) instead of th, tw."""
     n = h.shape[0]
     need_grad = need_h or need_w
     acc_dtype = torch.promote_types(h.dtype, torch.float32)
@@ -363,7 +377,9 @@ def _chunk_loop(
         end = min(start + chunk_size, n)
         hc = h[start:end]  # (c, Hs)
         s = _logits(hc, w)  # (c, V)
-        if th is None:
+        if target_fn is not None:
+            t = target_fn(start, end)  # (c, V), a fresh buffer
+        elif th is None:
             t = None
         elif tw is None:  # precomputed teacher log-probs: a copy, since chunk_fn may overwrite it
             t = th[start:end].to(acc_dtype, copy=True)  # (c, V)
@@ -398,7 +414,7 @@ class _ChunkedKDLoss(torch.autograd.Function):
     """forward runs the chunk loop and keeps grad_h, grad_W; backward scales them by grad_output."""
 
     @staticmethod
-    def forward(ctx, h, w, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn):
+    def forward(ctx, h, w, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn, target_fn=None):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.h_dtype, ctx.w_dtype = h.dtype, w.dtype
         ctx.h_shape, ctx.w_shape = h.shape, w.shape
@@ -409,7 +425,7 @@ class _ChunkedKDLoss(torch.autograd.Function):
             ctx.mark_non_differentiable(ce, kd)
             return z, ce, kd
         loss, ce, kd, grad_h, grad_w = _chunk_loop(
-            h, w, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn, need_h, need_w
+            h, w, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn, need_h, need_w, target_fn
         )
         ctx.save_for_backward(grad_h, grad_w)
         ctx.mark_non_differentiable(ce, kd)
@@ -424,7 +440,7 @@ class _ChunkedKDLoss(torch.autograd.Function):
             gh = _scaled(grad_h, grad_loss, ctx.h_dtype, ctx.h_shape, dev)
         if ctx.needs_input_grad[1]:
             gw = _scaled(grad_w, grad_loss, ctx.w_dtype, ctx.w_shape, dev)
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None
 
 
 def _scaled(saved, grad_out, dtype, shape, device) -> torch.Tensor:
@@ -449,6 +465,7 @@ def _validate(
     beta,
     chunk_size,
     teacher_logprobs=None,
+    teacher_mixture=None,
 ) -> bool:
     """Checks arguments; returns whether the KD term (and so the teacher) is active."""
     if divergence not in DIVERGENCES:
@@ -476,7 +493,9 @@ def _validate(
             f"got {labels.dtype} {tuple(labels.shape)}"
         )
     has_kd = alpha > 0
-    if has_kd and teacher_logprobs is not None:
+    if has_kd and teacher_mixture is not None:
+        _validate_mixture(student_hidden, student_weight, teacher_hidden, teacher_logprobs, teacher_mixture)
+    elif has_kd and teacher_logprobs is not None:
         if (
             teacher_hidden is not None
             or teacher_logprobs.dim() != 2
@@ -509,6 +528,48 @@ def _validate(
     return has_kd
 
 
+def _validate_mixture(student_hidden, student_weight, teacher_hidden, teacher_logprobs, mixture) -> None:
+    """Checks `teacher_mixture`: (hidden (N, Ht_i), weight (Vt_i >= V, Ht_i), mixture weight > 0) each."""
+    if teacher_hidden is not None or teacher_logprobs is not None or not mixture:
+        raise ValueError(
+            "kd_loss: teacher_mixture needs at least one teacher, and no teacher_hidden/logprobs"
+        )
+    n, v = student_hidden.shape[0], student_weight.shape[0]
+    for i, (th, tw, wt) in enumerate(mixture):
+        if th.dim() != 2 or tw.dim() != 2 or th.shape[1] != tw.shape[1] or th.shape[0] != n:
+            raise ValueError(
+                f"kd_loss: teacher_mixture[{i}] hidden {tuple(th.shape)} and weight {tuple(tw.shape)} must "
+                f"be (N, Ht) and (Vt, Ht) with N = {n}"
+            )
+        if tw.shape[0] < v:
+            raise UserError(
+                f"teachers[{i}] lm_head has {tw.shape[0]} rows, expected at least the student's "
+                f"vocabulary size {v}"
+            )
+        if not (math.isfinite(wt) and wt > 0):
+            raise UserError(f"teachers[{i}].weight is {wt}, expected a positive number")
+
+
+class MixtureTarget:
+    """Per-chunk teacher logits of a mixture of teachers: rows start:end of T log sum_i w_i
+    softmax(h_i W_i^T / T), (c, V) in at least fp32. softmax(result / T) is the mixture itself, so the
+    chunk functions (reference and kernel) take it as ordinary teacher logits."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, float]], temperature: float) -> None:
+        total = sum(w for _, _, w in parts)
+        self.parts = [(h, w, math.log(wt / total)) for h, w, wt in parts]  # (N, Ht), (V, Ht), log w
+        self.temperature = temperature
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        acc = None
+        for h, w, log_w in self.parts:
+            a = _logits(h[start:end], w).div_(self.temperature)  # (c, V), fresh
+            a -= torch.logsumexp(a, dim=-1, keepdim=True) - log_w  # log(w_i p_i)
+            acc = a if acc is None else torch.logaddexp(acc, a, out=acc)
+            del a
+        return acc.mul_(self.temperature)
+
+
 def kd_loss(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -524,6 +585,7 @@ def kd_loss(
     chunk_size: int = 1024,
     chunk_fn: ChunkFn | None = None,
     teacher_logprobs: torch.Tensor | None = None,
+    teacher_mixture: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None,
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads.
 
@@ -541,6 +603,9 @@ def kd_loss(
             e.g. bf16 from a teacher cache) instead of teacher_hidden x teacher_weight. Each chunk's
             rows are renormalised after the temperature (log_softmax(log p / T) = log_softmax(z / T)),
             so they give the live teacher's loss; columns past V are dropped as padding is.
+        teacher_mixture: several teachers [(hidden (N, Ht_i), lm_head (Vt_i, Ht_i), weight > 0), ...]
+            instead of teacher_hidden x teacher_weight: the target is their weighted mixture in
+            probability space, each softened at T (see "Several teachers" in the module docstring).
 
     Returns:
         KDLossResult(loss, ce, kd, tokens): loss differentiable w.r.t. student_hidden and
@@ -558,6 +623,7 @@ def kd_loss(
         beta,
         chunk_size,
         teacher_logprobs,
+        teacher_mixture,
     )
     vocab = student_weight.shape[0]
     valid = labels != ignore_index
@@ -569,7 +635,10 @@ def kd_loss(
             f"labels hold token id {first} outside the student vocabulary [0, {vocab}) ({n_bad} such tokens)"
         )
     th = tw = None
-    if has_kd and teacher_logprobs is not None:
+    parts: list = []
+    if has_kd and teacher_mixture is not None:
+        parts = [(h.detach(), w.detach()[:vocab], float(wt)) for h, w, wt in teacher_mixture]
+    elif has_kd and teacher_logprobs is not None:
         th = teacher_logprobs.detach()[:, :vocab]  # (N, V); tw stays None: the chunk loop slices th
     elif has_kd:
         th = teacher_hidden.detach()
@@ -581,8 +650,11 @@ def kd_loss(
         student_hidden, labels = student_hidden.index_select(0, rows), labels.index_select(0, rows)
         if th is not None:
             th = th.index_select(0, rows)
+        parts = [(h.index_select(0, rows), w, wt) for h, w, wt in parts]
     if tw is not None and th.dtype != tw.dtype:
         th = th.to(tw.dtype)
+    parts = [(h if h.dtype == w.dtype else h.to(w.dtype), w, wt) for h, w, wt in parts]
+    target_fn = MixtureTarget(parts, temperature) if parts else None
     h = student_hidden
     if h.dtype != student_weight.dtype:
         h = h.to(student_weight.dtype)
@@ -592,7 +664,7 @@ def kd_loss(
     chunk_fn = chunk_fn or chunk_divergence_reference
     if torch.is_grad_enabled() and (h.requires_grad or student_weight.requires_grad):
         loss, ce, kd = _ChunkedKDLoss.apply(
-            h, student_weight, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn
+            h, student_weight, th, tw, labels, n_tokens, opts, chunk_size, chunk_fn, target_fn
         )
     elif n_tokens == 0:
         loss = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
@@ -610,5 +682,6 @@ def kd_loss(
             chunk_fn,
             False,
             False,
+            target_fn,
         )
     return KDLossResult(loss, ce.detach(), kd.detach(), int(n_tokens))

@@ -54,7 +54,9 @@ from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.corpus import expand_data_paths
+from kdistill.train.cross_tok import CrossTokenizer
 from kdistill.train.evidence import MetricsWriter, NullWriter, plot_losses, read_metrics, smoke_contract
+from kdistill.train.layers import attach_projections, check_layer_map
 from kdistill.train.optim import make_optimizer
 from kdistill.train.resume import new_counters, restore_state, save_state
 from kdistill.train.signals import SignalGuard
@@ -107,6 +109,7 @@ class Run:
     trackers: Trackers  # output.report_to, open on rank 0 only (none elsewhere)
     data_stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # conversations: packing
     tokenizer: Any = None  # decodes the eval samples (samples.jsonl)
+    extra_specs: list[ModelSpec] = dataclasses.field(default_factory=list)  # teachers[1:] of a mixture
     # this process's steps after its first WARMUP_STEPS: [seconds, tokens, steps] (not resumed)
     steady: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
 
@@ -139,7 +142,11 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     torch.manual_seed(cfg.schedule.seed)
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
-    cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet)  # GPU memory, or RAM
+    if cfg.kd.layers_on:
+        check_layer_map(cfg, teacher_spec, student_spec)
+    extras = check_teachers(cfg, tok, student_spec)  # teachers[1:] of a mixture: [(spec, trim rows)]
+    extra_specs = [spec for spec, _ in extras]
+    cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet, extra_specs)  # GPU or RAM
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
@@ -162,6 +169,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         batch=per_process,
         documents=data.documents,
         sharded=multi,
+        extra_teachers=extra_specs,
     )
 
     cache = open_teacher_cache(cfg, tok, data) if cfg.teacher.cache else None
@@ -169,7 +177,10 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     # time, so no process ever holds a whole teacher that does not fit there.
     teacher_device = torch.device("cpu") if multi and layout.teacher_sharded else device
     teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows, teacher_device)
+    mixture = load_mixture(cfg, teacher, [trim for _, trim in extras], device, dtype)
     who = f"teacher cache ({cache.mode}, {cfg.teacher.cache})" if cache else f"teacher ({teacher_spec.name})"
+    if mixture is not None:
+        who = f"{len(mixture)} teachers ({', '.join(f'{w:.3g}' for _, w in mixture)})"
     stage(t_start, quiet, f"loaded {who} and student ({init}) on {device}")
     student.checkpoint_blocks(layout.checkpointing)
     if multi:
@@ -177,9 +188,12 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
             raise UserError("student.lora runs in one process for now: run it without torchrun")
         dist.shard_student(student, dtype)
         if teacher is not None and layout.teacher_sharded:
-            dist.shard_teacher(teacher)
+            for t in [t for t, _ in mixture] if mixture else [teacher]:
+                dist.shard_teacher(t)
     if multi or layout.checkpointing:
         stage(t_start, quiet, f"layout: {layout.describe()}")
+    if cfg.kd.layers_on:  # kd.layer_map: the student's projections train with it
+        attach_projections(student, teacher_spec, cfg, seed=cfg.schedule.seed)
     opt = make_optimizer(student, cfg.optim)
     batcher = Batcher(data.train, cfg.schedule.batch_size, cfg.schedule.seed)
     held = heldout_batches(data.heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)
@@ -194,7 +208,12 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         metrics = MetricsWriter(run_dir / "metrics.jsonl", keep_until_step=keep)
         eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=keep)
     dist.barrier()
-    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache)
+    cross = None
+    if cfg.kd.cross_tokenizer:
+        if data.documents:
+            raise UserError("kd.cross_tokenizer runs on text data, not packed conversations")
+        cross = CrossTokenizer(tok, load_tokenizer(cfg.teacher.path), teacher_spec.max_position_embeddings)
+    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross)
     # Last in setup, so nothing after it can fail before train() takes over closing them.
     trackers = Trackers()
     if cfg.output.report_to and dist.is_main():
@@ -202,6 +221,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     return Run(
         cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, layout, ctx, batcher,
         held, counters, start_step, metrics, eval_log, trackers, data.stats if data.documents else {}, tok,
+        extra_specs,
     )  # fmt: skip
 
 
@@ -232,6 +252,8 @@ def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tok
         )
     tok = load_tokenizer(cfg.teacher.path)
     student_dir = Path(cfg.student.path)
+    if cfg.kd.cross_tokenizer:
+        return check_cross_tokenizer(cfg, teacher_spec, student_spec, tok)
     if student_dir.is_dir() and (student_dir / "tokenizer.json").exists():
         s_tok = load_tokenizer(student_dir)
         if s_tok.identity != tok.identity:
@@ -263,6 +285,64 @@ def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tok
     return teacher_spec, student_spec, tok, trim_rows
 
 
+def check_cross_tokenizer(
+    cfg: RunConfig, teacher_spec: ModelSpec, student_spec: ModelSpec, teacher_tok: Tokenizer
+) -> tuple[ModelSpec, ModelSpec, Tokenizer, int | None]:
+    """check_models for kd.cross_tokenizer: the data is tokenized with the student's own tokenizer
+    (student.path must hold tokenizer.json); the teacher keeps its vocabulary (padding rows trimmed)."""
+    student_dir = Path(cfg.student.path)
+    if not (student_dir.is_dir() and (student_dir / "tokenizer.json").is_file()):
+        raise UserError(
+            f"kd.cross_tokenizer needs the student's tokenizer, but '{cfg.student.path}' has no tokenizer.json"
+        )
+    tok = load_tokenizer(student_dir)
+    if student_spec.vocab_size < tok.vocab_size:
+        raise UserError(
+            f"student vocab_size {student_spec.vocab_size} is smaller than its tokenizer's vocabulary ({tok.vocab_size})"
+        )
+    limit = min(student_spec.max_position_embeddings, teacher_spec.max_position_embeddings)
+    if cfg.data.seq_len > limit:
+        raise UserError(
+            f"data.seq_len {cfg.data.seq_len} exceeds the models' max_position_embeddings ({limit})"
+        )
+    trim = teacher_tok.vocab_size if teacher_spec.vocab_size > teacher_tok.vocab_size else None
+    return teacher_spec, student_spec, tok, trim
+
+
+def check_teachers(
+    cfg: RunConfig, tok: Tokenizer, student_spec: ModelSpec
+) -> list[tuple[ModelSpec, int | None]]:
+    """The other teachers of a mixture (`teachers[1:]`): (spec, rows to trim to or None) each, after
+    checking that each is a model directory with the first teacher's tokenizer and a vocabulary that
+    covers the student's, and supports data.seq_len."""
+    out = []
+    for i, entry in enumerate(cfg.teachers[1:], start=1):
+        where = f"teachers[{i}].path"
+        if not Path(entry.path).is_dir():
+            raise UserError(
+                f"{where} '{entry.path}' is not a model directory (weights, config.json, tokenizer.json)"
+            )
+        spec = load_spec(entry.path)
+        if not (Path(entry.path) / "tokenizer.json").is_file():
+            raise UserError(
+                f"{where} '{entry.path}' has no tokenizer.json: teachers must share the student's tokenizer"
+            )
+        theirs = load_tokenizer(entry.path)
+        if theirs.identity != tok.identity:
+            raise UserError(
+                f"{Path(entry.path) / 'tokenizer.json'}: tokenizer differs from teachers[0]'s "
+                f"({theirs.identity[:12]} vs {tok.identity[:12]}): every teacher must share one tokenizer"
+            )
+        trim = check_vocab(tok.vocab_size, spec, student_spec)
+        if cfg.data.seq_len > spec.max_position_embeddings:
+            raise UserError(
+                f"data.seq_len {cfg.data.seq_len} exceeds {where}'s max_position_embeddings "
+                f"({spec.max_position_embeddings})"
+            )
+        out.append((spec, trim))
+    return out
+
+
 def check_vocab(tok_vocab: int, teacher: ModelSpec, student: ModelSpec) -> int | None:
     """Rows to trim the teacher to (padded vocab), or None. Any other mismatch is an error."""
     if student.vocab_size < tok_vocab:
@@ -283,7 +363,12 @@ def check_vocab(tok_vocab: int, teacher: ModelSpec, student: ModelSpec) -> int |
 
 
 def check_memory(
-    cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, device: torch.device, quiet: bool
+    cfg: RunConfig,
+    teacher: ModelSpec,
+    student: ModelSpec,
+    device: torch.device,
+    quiet: bool,
+    extra_teachers: list[ModelSpec] | None = None,
 ) -> tuple[RunConfig, Layout]:
     """Compare the plan with the device's free memory (the GPU's, or the RAM a CPU run can still
     allocate) before loading anything: on a GPU resolve the auto choices (teacher placement,
@@ -309,12 +394,13 @@ def check_memory(
         return cfg, layout
     budget = int(free * 0.95)
     kind = "cuda" if gpu else "cpu"
+    extras = extra_teachers or []
     if gpu:
         layout = choose_layout(teacher, student, cfg, budget, world, per_process)
-    need = estimate_memory(teacher, student, cfg, kind, per_process, layout)["total"]
+    need = estimate_memory(teacher, student, cfg, kind, per_process, layout, extra_teachers=extras)["total"]
     if need <= budget:
         return cfg, layout
-    fit = fit_limits(teacher, student, cfg, budget, batch=per_process, layout=layout)
+    fit = fit_limits(teacher, student, cfg, budget, batch=per_process, layout=layout, extra_teachers=extras)
     fit_batch = fit["batch_size"] * world
     if cfg.runtime.auto_fit and fit_batch > 0:
         if not quiet:
@@ -380,6 +466,25 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
         if warning:
             log.warning("%s", warning)
     return template
+
+
+def load_mixture(
+    cfg: RunConfig,
+    teacher: Decoder | None,
+    trims: list[int | None],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[tuple[Decoder, float]] | None:
+    """Several teachers (`teachers:`): [(teacher, normalised weight), ...], the first being the one
+    load_models loaded, the others loaded here, each frozen in the compute dtype. None for one teacher."""
+    if len(cfg.teachers) < 2 or teacher is None:
+        return None
+    out = [(teacher, cfg.teachers[0].weight)]
+    for entry, trim in zip(cfg.teachers[1:], trims):
+        t = load_model(entry.path, device=device, dtype=dtype, vocab_rows=trim)
+        t.eval().requires_grad_(False)
+        out.append((t, entry.weight))
+    return out
 
 
 def load_models(
@@ -588,9 +693,10 @@ class Evaluator:
     def __call__(self, step: int) -> dict[str, Any]:
         run, ctx = self.run, self.run.ctx
         ctx.student.eval()
+        teacher = None if ctx.cross is not None else ctx.teacher  # other vocabulary: the student's CE only
         res: dict[str, Any] = heldout_eval(
-            ctx.student, ctx.teacher, run.held, run.cfg, ctx.device, ctx.amp,
-            with_teacher_loss=self.teacher_loss is None,
+            ctx.student, teacher, run.held, run.cfg, ctx.device, ctx.amp,
+            with_teacher_loss=self.teacher_loss is None, mixture=ctx.mixture,
         )  # fmt: skip
         ctx.student.train()
         if "teacher_loss" in res:
@@ -634,7 +740,7 @@ class Samples:
             return
         ctx, tokens, stops = self.run.ctx, self.run.cfg.schedule.sample_tokens, self.stops()
         models = [("student", ctx.student)]
-        if not self.teacher_done and ctx.teacher is not None:
+        if not self.teacher_done and ctx.teacher is not None and ctx.cross is None:
             models.append(("teacher", ctx.teacher))
         lines = []
         for name, model in models:
@@ -752,7 +858,12 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
     if device.type == "cuda":
         per_process = run.cfg.schedule.batch_size // dist.info().world
         planned = estimate_memory(
-            run.teacher_spec, run.student_spec, run.cfg, batch=per_process, layout=run.layout
+            run.teacher_spec,
+            run.student_spec,
+            run.cfg,
+            batch=per_process,
+            layout=run.layout,
+            extra_teachers=run.extra_specs,
         )["total"]
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         summary["planned_memory_gib"] = planned / GIB

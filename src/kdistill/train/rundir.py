@@ -138,12 +138,14 @@ def print_config(cfg: RunConfig, quiet: bool) -> None:
 def config_diff(cfg: RunConfig) -> dict[str, Any]:
     """{"section.field": value} for every field whose value differs from RunConfig()'s, in config order."""
     defaults = RunConfig().to_dict()
-    return {
-        f"{section}.{field}": value
-        for section, fields in cfg.to_dict().items()
-        for field, value in fields.items()
-        if defaults.get(section, {}).get(field) != value
-    }
+    out: dict[str, Any] = {}
+    for section, fields in cfg.to_dict().items():
+        if not isinstance(fields, dict):  # a list of sections (teachers)
+            if fields != defaults.get(section):
+                out[section] = fields
+            continue
+        out.update({f"{section}.{k}": v for k, v in fields.items() if defaults.get(section, {}).get(k) != v})
+    return out
 
 
 def start_run_dir(cfg: RunConfig, run_dir: Path, device: str, hub: Mapping[str, Any] | None = None) -> None:

@@ -28,7 +28,8 @@ from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder
 from kdistill.ops import kd_sparse
 from kdistill.train import distributed as dist
-from kdistill.train import faults
+from kdistill.train import faults, layers
+from kdistill.train.cross_tok import cross_tokenizer_loss
 from kdistill.train.optim import lr_at
 
 log = logging.getLogger("kdistill")
@@ -58,13 +59,21 @@ def compute_loss(
     targets: torch.Tensor | None = None,
     cache_mode: str = "exact",
     cache_k: int = 0,
+    mixture: list[tuple[Decoder, float]] | None = None,
+    cross: Any = None,
 ) -> dispatch.KDLossResult:
     """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult.
     position_ids, doc_ids (B, T): packed conversations (see Decoder.forward); None for raw text.
     targets (B, T, X): the batch's rows of a teacher cache (kdistill.teacher_cache) of `cache_mode`
     instead of a teacher forward: exact log-probs go to the KD head as teacher_logprobs, topk and
-    sampled targets to kdistill.ops.kd_sparse."""
+    sampled targets to kdistill.ops.kd_sparse. mixture [(teacher, weight), ...]: several teachers
+    (`teachers:`), whose mixture in probability space is the target (`teacher` is then ignored).
+    cross: a CrossTokenizer (kd.cross_tokenizer): the ULD loss over character-aligned positions."""
     kd = cfg.kd
+    if cross is not None:  # kd.cross_tokenizer: a kdistill.train.cross_tok.CrossTokenizer
+        return cross_tokenizer_loss(student, teacher, input_ids, labels, cfg, amp, cross)
+    if mixture is not None:
+        return _mixture_loss(student, mixture, input_ids, labels, cfg, amp, position_ids, doc_ids)
     if targets is not None:
         with amp:
             s_hidden = student(input_ids, position_ids, doc_ids).flatten(0, 1)  # (N, Hs)
@@ -81,6 +90,8 @@ def compute_loss(
         return kd_sparse.kd_loss_sparse(
             s_hidden, s_weight, flat, labels.flatten(), mode=cache_mode, k=cache_k, **common
         )
+    if kd.layers_on and teacher is not None:
+        return _layer_map_loss(student, teacher, input_ids, labels, cfg, amp, position_ids, doc_ids)
     t_hidden, t_weight = None, None
     if teacher is not None and kd.alpha > 0:
         with torch.no_grad(), amp:
@@ -106,6 +117,75 @@ def compute_loss(
     )
 
 
+def _layer_map_loss(
+    student: Decoder,
+    teacher: Decoder,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: RunConfig,
+    amp: contextlib.AbstractContextManager,
+    position_ids: torch.Tensor | None,
+    doc_ids: torch.Tensor | None,
+) -> dispatch.KDLossResult:
+    """compute_loss with kd.layer_map: the KD head's loss plus the weighted layer loss
+    (kdistill.train.layers), which `loss` includes and `ce`, `kd` do not."""
+    kd = cfg.kd
+    extra, s_hidden, t_hidden = layers.layer_kd(
+        student, teacher, input_ids, labels, cfg, amp, position_ids, doc_ids
+    )
+    with amp:
+        s_hidden, s_weight = head_operands(s_hidden.flatten(0, 1), student.lm_head_weight)
+        t_hidden, t_weight = head_operands(t_hidden.flatten(0, 1), teacher.lm_head_weight)
+    if kd.alpha == 0:
+        t_hidden = t_weight = None
+    r = dispatch.kd_loss(
+        s_hidden, s_weight, t_hidden, t_weight, labels.flatten(), alpha=kd.alpha,
+        temperature=kd.temperature, divergence=kd.divergence, beta=kd.beta,
+        ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
+    )  # fmt: skip
+    return r._replace(loss=r.loss + extra.to(r.loss.dtype))
+
+
+def teacher_operands(
+    mixture: list[tuple[Decoder, float]],
+    input_ids: torch.Tensor,
+    amp: contextlib.AbstractContextManager,
+    *docs: torch.Tensor,
+) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """[(hidden (N, Ht_i), lm_head (Vt_i, Ht_i), weight), ...] of each teacher (forward without grad)."""
+    parts = []
+    for teacher, weight in mixture:
+        with torch.no_grad(), amp:
+            h = teacher(input_ids, *docs).flatten(0, 1)  # (N, Ht_i)
+            h, w = head_operands(h, teacher.lm_head_weight)
+        parts.append((h, w, weight))
+    return parts
+
+
+def _mixture_loss(
+    student: Decoder,
+    mixture: list[tuple[Decoder, float]],
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: RunConfig,
+    amp: contextlib.AbstractContextManager,
+    position_ids: torch.Tensor | None,
+    doc_ids: torch.Tensor | None,
+) -> dispatch.KDLossResult:
+    """compute_loss with several teachers: every teacher's forward, then the KD head on their mixture."""
+    kd = cfg.kd
+    docs = (position_ids, doc_ids)
+    parts = teacher_operands(mixture, input_ids, amp, *docs) if kd.alpha > 0 else None
+    with amp:
+        s_hidden = student(input_ids, *docs).flatten(0, 1)  # (N, Hs)
+        s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
+    return dispatch.kd_loss(
+        s_hidden, s_weight, None, None, labels.flatten(), alpha=kd.alpha, temperature=kd.temperature,
+        divergence=kd.divergence, beta=kd.beta, ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
+        teacher_mixture=parts,
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def heldout_eval(
     student: Decoder,
@@ -115,11 +195,13 @@ def heldout_eval(
     device: torch.device,
     amp: contextlib.AbstractContextManager,
     with_teacher_loss: bool,
+    mixture: list[tuple[Decoder, float]] | None = None,
 ) -> dict[str, float]:
     """Token-weighted held-out CE of the student, KL(teacher || student) at T=1, and teacher CE.
     A batch is (input_ids, labels) or, packed conversations, (input_ids, labels, position_ids, doc_ids).
     Under torchrun each process evaluates its share of every batch's rows and the sums (loss x tokens,
-    tokens) are added over the processes: the one-process result, in 1/world of the time."""
+    tokens) are added over the processes: the one-process result, in 1/world of the time.
+    A mixture (several teachers): the KL is to their mixture; the teacher CE is the first teacher's."""
     tot = {"student": 0.0, "kl": 0.0, "teacher": 0.0}
     tokens = 0
     multi = dist.active()
@@ -140,10 +222,15 @@ def heldout_eval(
             ignore_index=cfg.kd.ignore_index,
             chunk_size=cfg.kd.chunk_size,
         )
+        # a mixture's teachers run forward on every process (their collectives), scored rows or not
+        parts = teacher_operands(mixture, input_ids, amp, *docs) if t_h is not None and mixture else None
         if not count:  # this process had no rows of the batch: it ran a stand-in row for the collectives
             continue
-        if t_h is not None:
+        if parts is not None:
+            r = dispatch.kd_loss(s_h, s_w, None, None, flat, alpha=0.5, teacher_mixture=parts, **common)
+        elif t_h is not None:
             r = dispatch.kd_loss(s_h, s_w, t_h, t_w, flat, alpha=0.5, **common)
+        if t_h is not None:
             tot["kl"] += float(r.kd) * r.tokens
             if with_teacher_loss:
                 rt = dispatch.kd_loss(t_h, t_w, None, None, flat, alpha=0.0, **common)
@@ -196,6 +283,8 @@ class StepContext:
     amp: contextlib.AbstractContextManager
     rows: slice | None
     cache: Any = None  # a kdistill.teacher_cache.TeacherCache (teacher.cache), else None
+    mixture: list[tuple[Decoder, float]] | None = None  # several teachers: [(teacher, weight), ...]
+    cross: Any = None  # kd.cross_tokenizer: a kdistill.train.cross_tok.CrossTokenizer
 
 
 @dataclasses.dataclass
@@ -294,6 +383,10 @@ def _accumulate(
             if multi:
                 targets = targets[ctx.rows]
             cached = dict(targets=targets, cache_mode=ctx.cache.mode, cache_k=ctx.cache.k)
+        if ctx.mixture is not None:
+            cached = dict(mixture=ctx.mixture)
+        if ctx.cross is not None:
+            cached = dict(cross=ctx.cross)
         input_ids, labels, *docs = (t.to(ctx.device) for t in batch)
         r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
         loss_value = float(r.loss.detach())
@@ -310,8 +403,9 @@ def _accumulate(
             return sums, step_tokens, degenerate, f"loss is {loss_value}"
         if multi:
             (r.loss * (weight / cfg.schedule.grad_accum)).backward()
-            if ctx.teacher is not None:
-                dist.reshard(ctx.teacher)  # after backward: the KD head's backward reads its lm_head
+            for teacher in [t for t, _ in ctx.mixture] if ctx.mixture else [ctx.teacher]:
+                if teacher is not None:
+                    dist.reshard(teacher)  # after backward: the KD head's backward reads its lm_head
         else:
             (r.loss / cfg.schedule.grad_accum).backward()
         sums[0] += loss_value
