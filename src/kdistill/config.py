@@ -288,7 +288,10 @@ class RunConfig:
     def validate(self, need_paths: bool = True) -> RunConfig:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
-            _check_numbers(section, f.name)
+            parts = section if isinstance(section, list) else [section]  # `teachers` is a list of entries
+            for i, part in enumerate(parts):
+                if dataclasses.is_dataclass(part):
+                    _check_numbers(part, f"{f.name}[{i}]" if isinstance(section, list) else f.name)
             if hasattr(section, "validate"):
                 section.validate()
         self._validate_teachers()
