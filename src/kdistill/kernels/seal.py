@@ -255,6 +255,9 @@ def prewarm(keys: Iterable[KernelKey], device: Any = "cuda", *, dry: bool = Fals
     report = PrewarmReport(cache_dir=setup_cache_dir())
     if not dry:
         install_hooks()
+        # A prewarm starts a new session in this process (a second run, or generation after a run in
+        # the same Python process): the compiles it makes are not misses of the session before it.
+        unseal()
     t0 = time.perf_counter()
     for key in sorted(set(keys)):
         if key.is_library:
