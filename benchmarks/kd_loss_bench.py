@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/kd_loss_bench.py                      # Qwen2.5 shapes, bf16
     PYTHONPATH=src python3 benchmarks/kd_loss_bench.py --tokens 8192 --divergence forward_kl jsd \
-        --chunk-size 1024 --json $OUT/kd_loss_bench.json
+        --chunk-size 1024 --json benchmarks/results/kd_loss_bench.json
 
 Providers, on the same inputs (random bf16 hidden states and lm_heads at the real shapes):
   triton     kd_loss, chunked, cuBLAS GEMMs + the Triton divergence kernel per chunk

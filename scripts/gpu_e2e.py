@@ -1,7 +1,7 @@
 """GPU end-to-end check: strict-mode runs of real-shaped teacher/student pairs (random weights).
 
     PYTHONPATH=src:. python3 scripts/gpu_e2e.py --pair qwen2.5-1.5b:qwen2.5-0.5b --seq-len 2048 \
-        --batch 4 --steps 20 --out $OUT/qwen
+        --batch 4 --steps 20 --out runs/gpu_e2e_qwen
 
 For the pair it writes random-weight Hugging Face directories at the presets' real shapes (with a small
 byte-level tokenizer: the data's token ids stay below its vocabulary, the logits still span the full
@@ -15,7 +15,7 @@ than one), each with 8 sequences per GPU (schedule.batch_size = 8 x nproc), `--r
 adds each setting's steady tokens/s over the one-GPU setting's (the table's `speedup`):
 
     PYTHONPATH=src:. python3 scripts/gpu_e2e.py --pair qwen2.5-1.5b:qwen2.5-0.5b --seq-len 2048 \
-        --per-gpu-batch 8 --nproc 1,2,4 --steps 30 --runs 1 --out $OUT/scaling
+        --per-gpu-batch 8 --nproc 1,2,4 --steps 30 --runs 1 --out runs/gpu_e2e_scaling
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU tests of the kernels (run by the lead on an H100): full-size kernels vs reference, a strict
+"""GPU tests of the kernels (run on a GPU with `-m gpu`): full-size kernels vs reference, a strict
 prewarm + seal + forward/backward that ends with jit_after_prewarm() == 0, and a second prewarm
 process that compiles nothing.
 
