@@ -55,7 +55,8 @@ def hold(point: str) -> None:
     where, _, folder = os.environ.get(HOLD_ENV, "").partition("@")
     if where != point or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
         return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's elastic agent sends SIGTERM to end a held worker: it must end it
+    # torchrun's elastic agent ends a held worker with SIGTERM: it must end it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     Path(folder, f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
     while True:
         time.sleep(1)
