@@ -173,6 +173,19 @@ def test_resume_refuses_changed_inputs_unless_allowed(tmp_path, capsys):
     assert manifest["resume_changes"][-1]["changed"] == ["data (doc0.txt)"]
 
 
+def test_data_identity_sees_same_size_edits_and_glob_matches(tmp_path):
+    from kdistill.train.evidence import data_identity
+
+    (tmp_path / "a.txt").write_text("alpha beta")
+    (tmp_path / "b.txt").write_text("gamma")
+    before = data_identity([str(tmp_path / "*.txt")])
+    assert sorted(Path(k).name for k in before) == ["a.txt", "b.txt"]
+    (tmp_path / "a.txt").write_text("alpha bet4")  # same size, other content
+    after = data_identity([str(tmp_path / "*.txt")])
+    changed = [Path(k).name for k in before if before[k] != after[k]]
+    assert changed == ["a.txt"]
+
+
 def test_resume_with_no_loadable_checkpoint_lists_what_it_found(tmp_path, capsys):
     cfg = write_config(tmp_path, steps=2)
     run = tmp_path / "run"

@@ -8,6 +8,8 @@ initial, final, passed = smoke_contract(read_metrics(run_dir / "metrics.jsonl"))
 from __future__ import annotations
 
 import contextlib
+import glob
+import hashlib
 import json
 import os
 import platform
@@ -66,20 +68,37 @@ def make_manifest(cfg_dict: dict[str, Any], device: str, device_name: str) -> di
     }
 
 
-def data_identity(paths: list[str]) -> dict[str, int]:
-    """Size in bytes of each data file given (a directory: of each file below it), by path."""
-    out: dict[str, int] = {}
-    for p in map(Path, paths):
-        files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
-        for q in files:
-            with contextlib.suppress(OSError):
-                out[str(q)] = q.stat().st_size
+def data_identity(paths: list[str]) -> dict[str, str]:
+    """Each data file given (a directory: each file below it; a glob pattern: each match), by path:
+    its size and a sha256 of its first and last MiB. Cheap for any size, and it changes when a file
+    grows or shrinks or its content changes within a MiB of either end (all of a file under 2 MiB)."""
+    out: dict[str, str] = {}
+    for text in paths:
+        matches = sorted(glob.glob(text, recursive=True)) if any(c in text for c in "*?[") else [text]
+        for p in map(Path, matches):
+            files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+            for q in files:
+                with contextlib.suppress(OSError):
+                    out[str(q)] = _ends_digest(q)
     return out
+
+
+def _ends_digest(path: Path, span: int = 1 << 20) -> str:
+    """'<size>:<sha256 of the first and last `span` bytes, 16 hex>'."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(span))
+        if size > span:
+            f.seek(max(span, size - span))
+            h.update(f.read(span))
+    return f"{size}:{h.hexdigest()[:16]}"
 
 
 def run_identity(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint was trained from: the teacher's and student's files (sha256, the tokenizer
-    included) and the data files (sizes). --resume compares it with the current config."""
+    included) and the data files (size and the sha256 of their ends). --resume compares it with the
+    current config."""
     data = cfg_dict["data"]
     return {
         "teacher_files": model_hashes(cfg_dict["teacher"]["path"]),
