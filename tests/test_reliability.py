@@ -272,3 +272,26 @@ def test_sigterm_during_export_resumes_straight_into_the_export(tmp_path, capsys
     assert rc == 0, err
     assert (run / "student" / "model.safetensors").is_file()
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_side_json_files_nested_too_deeply_are_one_line(tmp_path):
+    """A teacher cache manifest, a LoRA adapter config and a tokenizer_config.json nested far past any
+    real file: one-line errors, never a RecursionError."""
+    from kdistill.data.chat_template import load_chat_template
+    from kdistill.errors import UserError
+    from kdistill.models.lora import read_adapter
+    from kdistill.teacher_cache import read_manifest
+
+    deep = "[" * 100_000 + "]" * 100_000
+    cases = [
+        ("cache", "manifest.json", read_manifest),
+        ("adapter", "adapter_config.json", read_adapter),
+        ("tok", "tokenizer_config.json", load_chat_template),
+    ]
+    for folder, name, read in cases:
+        d = tmp_path / folder
+        d.mkdir()
+        (d / name).write_text(deep)
+        with pytest.raises(UserError) as e:
+            read(d)
+        assert "\n" not in str(e.value) and str(d / name) in str(e.value), str(e.value)

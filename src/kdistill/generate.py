@@ -154,7 +154,7 @@ def _config_eos_ids(model_dir: Path) -> set[int]:
     for name in ("config.json", "generation_config.json"):
         try:
             value = json.loads((model_dir / name).read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue  # an unreadable side file only means fewer stop ids
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, int) and not isinstance(v, bool):

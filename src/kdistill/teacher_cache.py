@@ -21,7 +21,6 @@ not the batch order's, so any seed or batch size reads the same targets. A shard
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from kdistill.errors import UserError
+from kdistill.jsonio import read_json
 
 MODES = ("exact", "topk", "sampled")
 FORMAT = 1
@@ -157,10 +157,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
         raise UserError(
             f"teacher.cache {root}: no manifest.json (not a teacher cache; make one with kdistill teacher-cache)"
         )
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable manifest ({e.__class__.__name__})") from None
+    return read_json(path, max_bytes=64 << 20, what="a teacher cache manifest.json")
 
 
 def check_manifest(found: dict[str, Any], want: dict[str, Any], where: str) -> None:

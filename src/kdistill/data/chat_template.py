@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kdistill.errors import UserError
+from kdistill.jsonio import read_json
 
 # The special tokens transformers passes to a template (its `special_tokens_map`), by config key.
 SPECIAL_TOKEN_KEYS = (
@@ -167,19 +168,7 @@ def _compile(source: str, origin: str) -> Any:
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        if path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
-            raise UserError(f"{path}: larger than 64 MiB, expected a tokenizer_config.json")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror or e.__class__.__name__})") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 at byte {e.start}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return data
+    return read_json(path, max_bytes=MAX_TEMPLATE_FILE_BYTES, what="a tokenizer_config.json")
 
 
 def _template_from_config(config: Mapping[str, Any], where: Path) -> str | None:

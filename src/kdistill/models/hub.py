@@ -248,7 +248,7 @@ def _missing_files(snapshot: Path) -> list[str]:
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return [*missing, f"a readable {INDEX_NAME}"]
         missing += [s for s in shards if not (snapshot / s).is_file()]
     elif not any(p.is_file() for p in snapshot.glob("*.safetensors")):

@@ -19,7 +19,6 @@ loads onto a transformers model of the base student.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -34,6 +33,7 @@ from torch import nn
 
 from kdistill.errors import UserError
 from kdistill.fileio import fsync_dir, write_json_durable
+from kdistill.jsonio import read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -202,8 +202,8 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     """(adapter_config.json, tensors under our names) of a PEFT LoRA adapter directory."""
     adapter_dir = Path(adapter_dir)
     cfg_path, w_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
+    cfg = read_json(cfg_path, max_bytes=16 << 20, what="a LoRA adapter_config.json")
     try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         raw = load_file(str(w_path))
     except FileNotFoundError as e:
         raise UserError(f"{e.filename}: not found (expected a LoRA adapter directory)") from None
