@@ -192,7 +192,7 @@ def read_messages_file(path: str | Path) -> list[list[dict[str, str]]]:
         where = f"{path}:{n}"
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise UserError(
                 f'{where}: not valid JSON, expected a list of messages or {{"messages": [...]}}'
             ) from None

@@ -69,7 +69,7 @@ class TokenCache:
             return None
         try:
             docs = _read_cache_file(p)
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, struct.error) as e:
             log.warning("data cache file %s is damaged (%s); rebuilding it", p, e)
             self.rebuilt += 1
             try:
