@@ -20,6 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 
 from kdistill.errors import UserError
+from kdistill.jsonio import parse_json, read_bytes_limited
 
 # Looked up, in this order, when neither tokenizer_config.json nor config.json names the EOS token.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
@@ -133,21 +134,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         file, folder = p, p.parent
     else:
         raise UserError(f"{p}: no such tokenizer file or model directory")
-    try:
-        size = file.stat().st_size
-        if size > MAX_TOKENIZER_BYTES:
-            raise UserError(f"{file}: {size} bytes, too large for a tokenizer.json (limit 1 GiB)")
-        raw = file.read_bytes()
-    except OSError as e:
-        raise UserError(f"{file}: cannot read ({e.strerror or e.__class__.__name__})") from None
-    try:
-        text = raw.decode("utf-8")
-        data = json.loads(text)
-    except UnicodeDecodeError as e:
-        raise UserError(f"{file}: not UTF-8 at byte {e.start}, expected a tokenizer.json") from None
-    except (json.JSONDecodeError, RecursionError) as e:
-        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
-        raise UserError(f"{file}: not valid JSON{where}, expected a tokenizer.json") from None
+    raw = read_bytes_limited(file, max_bytes=MAX_TOKENIZER_BYTES, what="a tokenizer.json")
+    data = parse_json(raw, where=str(file))  # the one JSON reader: UTF-8, syntax and depth checked
+    text = raw.decode("utf-8").removeprefix("\ufeff")
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise UserError(f"{file}: no 'model' object, expected a Hugging Face tokenizer.json")
     try:
