@@ -95,3 +95,18 @@ def test_a_teacher_with_another_tokenizer_is_one_line(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
     assert rc != 0
     assert "tokenizer differs from teachers[0]'s" in one_error_line(err)
+
+
+def test_plan_counts_every_teacher_of_a_mixture():
+    from kdistill.commands.plan import make_plan
+    from kdistill.config import RunConfig, TeacherEntry
+    from kdistill.models.spec import load_spec
+
+    teacher, student = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
+    one = RunConfig()
+    two = RunConfig()
+    two.teachers = [TeacherEntry("qwen2.5-1.5b", 1.0), TeacherEntry("qwen2.5-1.5b", 1.0)]
+    a, b = make_plan(one, teacher, student), make_plan(two, teacher, student)
+    t_fwd = teacher.matmul_flops_per_token(one.data.seq_len)
+    assert b["flops_per_token"]["teacher_forward"] == 2 * t_fwd == 2 * a["flops_per_token"]["teacher_forward"]
+    assert b["memory_bytes"]["total"] > a["memory_bytes"]["total"]

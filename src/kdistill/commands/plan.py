@@ -22,7 +22,7 @@ from kdistill.config import RunConfig
 from kdistill.console import print_json
 from kdistill.errors import UserError
 from kdistill.memory import GIB, choose_layout, estimate_memory, gpus_needed
-from kdistill.models.spec import ModelSpec
+from kdistill.models.spec import ModelSpec, load_spec
 
 DEFAULT_GPU_GIB = 80.0
 
@@ -41,10 +41,12 @@ def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, nproc: int
     layout = choose_layout(teacher, student, cfg, budget, nproc, per)
     needed = gpus_needed(teacher, student, cfg, int(gpu_gib * GIB))
     seq = cfg.data.seq_len
-    t_fwd = teacher.matmul_flops_per_token(seq)
+    # a mixture (`teachers:`): the other teachers run forward too and are held in memory
+    extras = [load_spec(t.path) for t in cfg.teachers[1:]]
+    t_fwd = teacher.matmul_flops_per_token(seq) + sum(t.matmul_flops_per_token(seq) for t in extras)
     s_fwd = student.matmul_flops_per_token(seq)
     tokens_per_step = cfg.schedule.batch_size * seq * cfg.schedule.grad_accum
-    mem = estimate_memory(teacher, student, cfg, batch=per, layout=layout)
+    mem = estimate_memory(teacher, student, cfg, batch=per, layout=layout, extra_teachers=extras)
     return {
         "teacher": {"name": teacher.name, "arch": teacher.arch, "params": teacher.param_counts()},
         "student": {"name": student.name, "arch": student.arch, "params": student.param_counts()},
