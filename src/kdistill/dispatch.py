@@ -313,47 +313,31 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> t
 
 
 # -- attention (a library call: recorded so that prewarm runs SDPA at this shape) ---------------------
+def _record_sdpa(q: torch.Tensor, k: torch.Tensor, *, grad: bool, masked: bool, **extra: int) -> None:
+    """Record the SDPA library key of this call's shape (prewarm runs SDPA once at every planned one)."""
+    rt = current()
+    b, hq, t, d = q.shape
+    key = library.sdpa_key(
+        rt.arch, batch=b, q_heads=hq, kv_heads=k.shape[1], seq=t, head_dim=d, dtype=q.dtype, grad=grad,
+        masked=masked, **extra,
+    )  # fmt: skip
+    rt.record(key, "fwd")
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D).
     mask: None (plain causal) or a (B, 1, T, T) bool document mask (kdistill.ops.attention.document_mask)."""
-    rt = current()
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    b, hq, t, d = q.shape
-    key = library.sdpa_key(
-        rt.arch,
-        batch=b,
-        q_heads=hq,
-        kv_heads=k.shape[1],
-        seq=t,
-        head_dim=d,
-        dtype=q.dtype,
-        grad=grad,
-        masked=mask is not None,
-    )
-    rt.record(key, "fwd")
+    _record_sdpa(q, k, grad=grad, masked=mask is not None)
     return attention_reference(q, k, v, mask)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Generation with a KV cache: q (B, Hq, T, D) over k and v (B, Hkv, S, D) with the cache's
     (B, 1, T, S) bool mask -> (B, Hq, T, D). Records an SDPA library key with T and S (no grad)."""
-    rt = current()
-    b, hq, t, d = q.shape
-    key = library.sdpa_key(
-        rt.arch,
-        batch=b,
-        q_heads=hq,
-        kv_heads=k.shape[1],
-        seq=t,
-        head_dim=d,
-        dtype=q.dtype,
-        grad=False,
-        masked=True,
-        kv_seq=k.shape[2],
-    )
-    rt.record(key, "fwd")
+    _record_sdpa(q, k, grad=False, masked=True, kv_seq=k.shape[2])
     return cached_attention_reference(q, k, v, mask)
 
 

@@ -17,22 +17,12 @@ from kdistill.console import print_json
 from kdistill.data import TokenCache, cache_dir, load_files
 from kdistill.dtypes import long_name
 from kdistill.errors import UserError
+from kdistill.generate import resolve_device
 from kdistill.models.hf_io import load_model
 from kdistill.models.spec import load_spec
 from kdistill.models.tokenizer import IdsOnlyTokenizer, load_tokenizer
 from kdistill.scoring import eval_sequences, evaluate
 from kdistill.train.corpus import expand_data_paths
-
-
-def _device(name: str) -> torch.device:
-    """--device: auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not (name in ("cpu", "cuda") or name.startswith("cuda:")):
-        raise UserError(f"--device is '{name}', expected auto, cpu, cuda or cuda:N")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device is '{name}' but no CUDA GPU is available (use --device cpu)")
-    return torch.device(name)
 
 
 def eval_command(args: Any) -> int:
@@ -84,7 +74,7 @@ def evaluate_model(
         raise UserError(f"--batch-size is {batch_size}, expected a positive integer")
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens is {max_tokens}, expected a positive integer")
-    dev = _device(device)
+    dev = resolve_device(device)
     model_dir = Path(model)
     if not model_dir.is_dir():
         load_model(model_dir)  # raises the loader's one-line error (missing, pickle, GGUF, ...)

@@ -16,11 +16,10 @@ import torch
 from kdistill.commands.common import resolve_run
 from kdistill.data.chat_data import is_conversation_data
 from kdistill.errors import UserError
-from kdistill.kernels import runtime
 from kdistill.kernels.build import build_plan
 from kdistill.kernels.keys import ARCHS, arch_capability, normalize_arch
 from kdistill.kernels.plan import required_kernels
-from kdistill.kernels.seal import prewarm
+from kdistill.kernels.seal import configure, prewarm
 from kdistill.train.corpus import expand_data_paths
 
 
@@ -33,7 +32,7 @@ def prewarm_command(args: argparse.Namespace) -> int:
             f"plan compiles without a GPU run: kdistill kernels build --arch sm_90 {args.config}"
         )
     device = cfg.runtime.device if cfg.runtime.device.startswith("cuda") else "cuda"
-    rt = runtime.configure(cfg, kernels="triton", device=device)
+    rt = configure(cfg, kernels="triton", device=device)
     try:  # conversation data attends by document: its attention keys differ
         documents = is_conversation_data(expand_data_paths(cfg.data.train))
     except UserError:  # data not readable here: the run itself reports it
