@@ -39,6 +39,7 @@ from kdistill.config import load_config
 from kdistill.kernels import seal
 from kdistill.models.decoder import build_decoder
 from kdistill.models.spec import load_spec
+from kdistill.ops.kd_loss import label_count
 from kdistill.train.optim import make_optimizer
 from kdistill.train.step import compute_loss
 
@@ -91,12 +92,19 @@ def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callabl
     opt = make_optimizer(student, cfg.optim)
     amp = torch.autocast("cuda", dtype=torch.bfloat16)
 
+    counts: dict[int, int] = {}
+
     def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         if provider == "dense":
             loss = dense_loss(student, teacher, ids, labels, cfg.kd.alpha, cfg.kd.temperature)
         else:
-            loss = compute_loss(student, teacher, ids, labels, cfg, amp).loss
+            # The training loop counts the scored labels on the batch's host copy before the forward
+            # (no wait for the GPU inside the step); these batches live on the GPU, so count each once.
+            n = counts.get(id(labels))
+            if n is None:
+                n = counts[id(labels)] = label_count(labels.cpu().flatten(), s_spec.vocab_size)
+            loss = compute_loss(student, teacher, ids, labels, cfg, amp, n_tokens=n).loss
         loss.backward()
         opt.step()
         return loss.detach()
@@ -104,32 +112,87 @@ def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callabl
     return step, sess.jit_after_prewarm
 
 
-def time_steps(step: Callable, batches: list, steps: int, warmup: int) -> tuple[list[float], float]:
-    """Per-step seconds (CUDA events) of `steps` steps after `warmup` untimed ones; the last loss."""
-    times = []
+def time_steps(
+    step: Callable, batches: list, steps: int, warmup: int
+) -> tuple[list[float], list[float], float]:
+    """Per-step seconds (CUDA events) of `steps` steps after `warmup` untimed ones, the host seconds
+    each step took to return (close to the step time: the host, not the GPU, sets the pace), and the
+    last loss."""
+    times, host = [], []
     loss = torch.zeros(())
     for i in range(warmup + steps):
         ids, labels = batches[i % len(batches)]
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
+        t0 = time.perf_counter()
         loss = step(ids, labels)
+        t1 = time.perf_counter()
         e.record()
         e.synchronize()
         if i >= warmup:
             times.append(s.elapsed_time(e) / 1e3)
-    return times, float(loss)
+            host.append(t1 - t0)
+    return times, host, float(loss)
+
+
+def _kernel_group(name: str) -> str:
+    """A coarse class of a CUDA kernel's name, for the profile's summary by group."""
+    n = name.lower()
+    if "nccl" in n:
+        return "collectives"
+    if any(k in n for k in ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet", "matmul")):
+        return "GEMM"
+    if any(k in n for k in ("flash", "fmha", "cudnn", "attention", "sdpa")):
+        return "attention"
+    if "_kernel" in n and not n.startswith("void at::"):
+        return "kdistill/Triton: " + name.split("_kernel")[0][:40]
+    if "adam" in n or "foreach" in n:
+        return "optimizer"
+    if any(k in n for k in ("copy", "cast", "fill", "elementwise", "vectorized", "reduce", "index")):
+        return "elementwise/copy/reduce"
+    return "other"
 
 
 def profile_steps(step: Callable, batches: list, provider: str) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for ids, labels in batches[:2]:
             step(ids, labels)
         torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    by_shape = [
+        e
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key.startswith("aten::")
+        and e.key not in ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear")
+    ]
+    by_shape.sort(key=lambda e: -e.self_device_time_total)
+    print(f"--- {provider}: PyTorch ops by the CUDA time they launch (2 steps), with input shapes")
+    for e in by_shape[:30]:
+        print(
+            f"{e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key:28s} {str(e.input_shapes)[:150]}"
+        )
+    avg = [e for e in prof.key_averages() if not e.key.startswith("aten::") and e.device_type.name == "CUDA"]
     print(f"--- {provider}: top CUDA kernels over 2 steps")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    avg.sort(key=lambda e: -e.self_device_time_total)
+    for e in avg[:40]:
+        print(f"{e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:150]}")
+    groups: dict[str, list[float]] = {}
+    for e in avg:
+        t = e.self_device_time_total
+        if t <= 0:
+            continue
+        g = groups.setdefault(_kernel_group(e.key), [0.0, 0])
+        g[0] += t / 1e3 / 2  # ms per step
+        g[1] += e.count / 2
+    total = sum(v[0] for v in groups.values())
+    print(f"--- {provider}: per step, by group (kernel time {total:.1f} ms, wall {wall / 2 * 1e3:.1f} ms)")
+    for k, (ms, n) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        print(f"{k:>52} {ms:>8.1f} ms {n:>7.0f} launches")
 
 
 def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a) -> dict:
@@ -147,7 +210,7 @@ def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a)
             provider, pair[0], pair[1], alpha=cfg.kd.alpha, temperature=cfg.kd.temperature
         ).step
     setup_s = time.perf_counter() - t0
-    times, loss = time_steps(step, batches, a.steps, a.warmup)
+    times, host, loss = time_steps(step, batches, a.steps, a.warmup)
     if a.profile:
         profile_steps(step, batches, provider)
     tokens = batches[0][0].numel()
@@ -161,6 +224,7 @@ def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a)
         "setup_s": setup_s,
         "jit_after_prewarm": jit(),
         "step_times_s": times,
+        "host_median_s": statistics.median(host),
     }
     del step
     gc.collect()
@@ -260,6 +324,7 @@ def print_table(name: str, pair: str, batch: int, seq: int, floor_s: float, rows
     print(f"\n{name}, {pair}, batch {batch} x seq {seq}; FLOP floor {floor_s * 1e3:.1f} ms/step")
     print(
         f"{'provider':>11} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'MFU':>6} {'loss':>8} {'jit':>4}"
+        f" {'host ms':>8}"
     )
     for r in rows:
         if "error" in r:
@@ -269,6 +334,7 @@ def print_table(name: str, pair: str, batch: int, seq: int, floor_s: float, rows
         print(
             f"{r['provider']:>11} {r['median_step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10.0f} "
             f"{r['peak_gib']:>9.2f} {r['mfu']:>6.1%} {r['final_loss']:>8.3f} {jit:>4}"
+            f" {r['host_median_s'] * 1e3:>8.1f}"
         )
 
 

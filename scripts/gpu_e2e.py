@@ -129,6 +129,8 @@ def main() -> None:
         summary["command"] = " ".join(cmd)
         summary["wall_s"] = wall
         results.append(summary)
+        for f in sorted((run_dir / "profile").glob("rank*.*")):  # runtime.profile_steps: kept beside the logs
+            (out / f"run{i}_profile_{f.name}").write_bytes(f.read_bytes())
         prewarm = [ln for ln in text.splitlines() if ln.startswith("prewarm:")]
         print("  " + (prewarm[0] if prewarm else "no prewarm line"))
     (out / "results.json").write_text(

@@ -152,6 +152,88 @@ def case_swiglu(device="cpu", dtype=torch.float32, rows=(3, 7), inter=37):
         _close(name, a, w, dtype, scale=2.0)
 
 
+def case_rope_qkv_views(device="cpu", dtype=torch.float32, b=2, hq=4, hkv=2, t=5, d=16):
+    """q and k as the decoder passes them: views into one (B, T, q + 2 kv) projection output. The
+    outputs come back in the (B, T, H, D) layout that attention keeps (no copies around it)."""
+    import dataclasses
+
+    from kdistill import dispatch
+    from kdistill.models.decoder import rope_tables
+    from kdistill.models.spec import load_spec
+    from kdistill.ops import rope as op
+
+    g = torch.Generator().manual_seed(d + 1)
+    spec = dataclasses.replace(load_spec("qwen2.5-0.5b"), head_dim=d)
+    cos, sin = rope_tables(spec, t, device)
+    qs, ks = hq * d, hkv * d
+    qkv = _leaf((b, t, qs + 2 * ks), dtype, device, g)
+    dq = torch.randn((b, hq, t, d), generator=g).to(device=device, dtype=dtype) * 0.5
+    dk = torch.randn((b, hkv, t, d), generator=g).to(device=device, dtype=dtype) * 1.5
+
+    def views(x):
+        q = x[..., :qs].view(b, t, hq, d).transpose(1, 2)
+        return q, x[..., qs : qs + ks].view(b, t, hkv, d).transpose(1, 2)
+
+    want_o, want_g = _grads(lambda x: op.rope_reference(*views(x), cos, sin), [qkv], [dq, dk])
+    with _kernel_mode():
+        got_o, got_g = _grads(lambda x: dispatch.apply_rope(*views(x), cos, sin), [qkv], [dq, dk])
+    for name, a, w in zip(("q", "k", "dqkv"), (*got_o, *got_g), (*want_o, *want_g)):
+        _close(name, a, w, dtype, scale=2.0)
+    for name, o in zip(("q", "k"), got_o):
+        if not o.transpose(1, 2).is_contiguous():
+            raise AssertionError(f"rotated {name} is not in the (B, T, H, D) layout: strides {o.stride()}")
+
+
+def case_swiglu_down_fused(device="cpu", dtype=torch.float32, rows=(2, 5), inter=40, hidden=24):
+    """The MLP's fused path: gu = [gate, up] (..., 2I) from one GEMM, SwiGLU on its halves in place,
+    down_proj, SwiGLU recomputed in backward, d gate and d up written as the halves of one gradient."""
+    import torch.nn.functional as F
+
+    from kdistill import dispatch
+    from kdistill.kernels import swiglu as kernel
+    from kdistill.ops import swiglu as op
+
+    g = torch.Generator().manual_seed(inter)
+    gu = _leaf((*rows, 2 * inter), dtype, device, g, 2.0)
+    w = _leaf((hidden, inter), dtype, device, g, 0.2)
+    dy = torch.randn((*rows, hidden), generator=g).to(device=device, dtype=dtype) * 0.6
+    if kernel.pair(*kernel.halves(gu.detach()))[2] != 2 * inter:
+        raise AssertionError("the halves of gu were not read in place (row stride 2I)")
+    want_o, want_g = _grads(lambda x, v: F.linear(op.swiglu_reference(*x.chunk(2, dim=-1)), v), [gu, w], [dy])
+    with _kernel_mode():
+        got_o, got_g = _grads(dispatch.swiglu_down, [gu, w], [dy])
+    for name, a, b in zip(("y", "dgu", "dw"), (*got_o, *got_g), (*want_o, *want_g)):
+        _close(name, a, b, dtype, scale=4.0)
+
+
+def case_norm_to_gemm_autocast(device="cpu", rows=(3, 5), hidden=48):
+    """A hidden-size norm under autocast (bf16) with an fp32 residual stream and weight: to_gemm writes
+    y in bf16, the values autocast's cast of the fp32 output would give; its gradient comes in bf16."""
+    from kdistill import dispatch
+    from kdistill.ops import rmsnorm as op
+
+    g = torch.Generator().manual_seed(hidden)
+    x = _leaf((*rows, hidden), torch.bfloat16, device, g)
+    r = _leaf((*rows, hidden), torch.float32, device, g)
+    w = _leaf((hidden,), torch.float32, device, g, 0.3)
+    dy = torch.randn((*rows, hidden), generator=g).to(device=device, dtype=torch.bfloat16)
+    ds = torch.randn((*rows, hidden), generator=g).to(device=device) * 0.5
+
+    def ref(a, b, c):
+        y, s = op.add_rmsnorm_reference(a, b, c, 1e-6)
+        return y.to(torch.bfloat16), s
+
+    want_o, want_g = _grads(ref, [x, r, w], [dy, ds])
+    with _kernel_mode(), torch.autocast(device if device != "cpu" else "cpu", dtype=torch.bfloat16):
+        got_o, got_g = _grads(
+            lambda a, b, c: dispatch.add_rmsnorm(a, b, c, 1e-6, to_gemm=True), [x, r, w], [dy, ds]
+        )
+    if got_o[0].dtype != torch.bfloat16 or got_o[1].dtype != torch.float32:
+        raise AssertionError(f"dtypes y {got_o[0].dtype}, s {got_o[1].dtype}; expected bf16 and fp32")
+    for name, a, b in zip(("y", "s", "dx", "dr", "dw"), (*got_o, *got_g), (*want_o, *want_g)):
+        _close(name, a, b, torch.bfloat16, scale=2.0 if name != "dw" else 8.0)
+
+
 def case_decoder(device="cpu", dtype=torch.float32, arch="qwen3"):
     """A tiny decoder, forward and backward, kernels vs reference: the dispatch plumbing end to end."""
     from kdistill.kernels import runtime
@@ -249,6 +331,10 @@ CASES = {
     "rope_bf16": (case_rope, dict(dtype=torch.bfloat16, hq=4, hkv=2, d=16)),
     "swiglu_fp32_odd": (case_swiglu, dict(dtype=torch.float32)),
     "swiglu_bf16_blocks": (case_swiglu, dict(dtype=torch.bfloat16, rows=(2, 3), inter=1500)),
+    "rope_qkv_views_bf16": (case_rope_qkv_views, dict(dtype=torch.bfloat16)),
+    "swiglu_down_fused_fp32": (case_swiglu_down_fused, dict(dtype=torch.float32)),
+    "swiglu_down_fused_bf16": (case_swiglu_down_fused, dict(dtype=torch.bfloat16, inter=24)),
+    "norm_to_gemm_autocast": (case_norm_to_gemm_autocast, {}),
     "decoder_qwen3_fp32": (case_decoder, dict(dtype=torch.float32, arch="qwen3")),
     "decoder_qwen2_fp32": (case_decoder, dict(dtype=torch.float32, arch="qwen2")),
 }

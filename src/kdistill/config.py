@@ -12,7 +12,8 @@ A run config is YAML with these sections (every field has a default except the m
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
-    runtime:  {device, dtype, kernels, strict_kernels, arch, on_nonfinite, max_nonfinite, auto_fit}
+    runtime:  {device, dtype, kernels, strict_kernels, arch, on_nonfinite, max_nonfinite, auto_fit,
+               gpu_memory_gib, teacher_placement, activation_checkpointing, profile_steps}
 
 Command-line overrides are dotted: `kd.temperature=2 output.dir=runs/a`. Unknown keys are one-line
 errors that name the key and the closest valid one.
@@ -261,6 +262,9 @@ class RuntimeConfig:
     # Recompute each student decoder block in backward instead of keeping its activations; auto: only
     # when the memory plan would not fit the GPU otherwise (never on the CPU).
     activation_checkpointing: str = "auto"  # auto | none | blocks
+    # Profile this many training steps right after the warm-up steps (torch.profiler; every process
+    # writes profile/rank{R}.txt and .json into the run directory); 0: off.
+    profile_steps: int = 0
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -271,6 +275,10 @@ class RuntimeConfig:
         _positive("runtime.max_nonfinite", self.max_nonfinite)
         _choice("runtime.teacher_placement", self.teacher_placement, ("auto", "shard", "replicate"))
         _choice("runtime.activation_checkpointing", self.activation_checkpointing, ("auto", "none", "blocks"))
+        if self.profile_steps < 0:
+            raise UserError(
+                f"runtime.profile_steps is {self.profile_steps}, expected 0 (off) or a positive integer"
+            )
 
 
 @dataclasses.dataclass

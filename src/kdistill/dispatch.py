@@ -75,7 +75,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- RMSNorm ------------------------------------------------------------------------------------------
-def _norm_fwd_key(arch, x2, r2, weight, eps):
+def _norm_fwd_key(arch, x2, r2, weight, eps, y_dtype):
     return norm_kernel.fwd_key(
         arch,
         hidden=x2.shape[-1],
@@ -84,6 +84,7 @@ def _norm_fwd_key(arch, x2, r2, weight, eps):
         w_dtype=weight.dtype,
         residual=r2 is not None,
         r_dtype=r2.dtype if r2 is not None else None,
+        y_dtype=y_dtype,
         aligned=aligned(x2, r2 if r2 is not None else x2, weight),
     )
 
@@ -95,15 +96,34 @@ def _norm_bwd_key(arch, dy2, x2, weight, rstd, ds2):
         dtype=x2.dtype,
         w_dtype=weight.dtype,
         has_dres=ds2 is not None,
+        y_dtype=dy2.dtype,
         aligned=aligned(dy2, x2, weight, rstd, ds2 if ds2 is not None else dy2),
     )
 
 
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _gemm_dtype(s_dtype: torch.dtype, w_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype a norm writes when its output feeds GEMMs only: under autocast, the autocast dtype
+    where the promotion would be wider (autocast casts it there before every GEMM anyway, and its
+    gradient comes back in that dtype); otherwise the promotion of the normed input and the weight."""
+    y = torch.promote_types(s_dtype, w_dtype)
+    if torch.is_autocast_enabled(device_type):
+        low = torch.get_autocast_dtype(device_type)
+        if torch.finfo(low).bits < torch.finfo(y).bits:
+            return low
+    return y
+
+
+def _norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, to_gemm: bool = False
+):
     rt = current()
     x2 = _rows(x)
     r2 = _rows(residual) if residual is not None else None
-    key = _norm_fwd_key(rt.arch, x2, r2, weight, eps)
+    y_dtype = None  # the promotion of the normed input and the weight
+    if to_gemm:
+        s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        y_dtype = _gemm_dtype(s_dtype, weight.dtype, x.device.type)
+    key = _norm_fwd_key(rt.arch, x2, r2, weight, eps, y_dtype)
 
     def bwd_key_fn(dy, normed, w, rstd, ds):
         k = _norm_bwd_key(rt.arch, _rows(dy), _rows(normed), w, rstd, _rows(ds) if ds is not None else None)
@@ -147,20 +167,23 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
             dy.detach(), normed.detach(), weight.detach(), rstd, ds.detach() if ds is not None else None
         )
 
+    if y_dtype is not None and y.dtype != y_dtype:
+        y = y.to(y_dtype)  # after the hook's reference point: dy arrives in y_dtype, as for the kernel
     rt.on_backward([y] if s is None else [y, s], record_bwd)
     return y if residual is None else (y, s)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x (..., H) with weight (H,)."""
-    return _norm(x, None, weight, eps)
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, to_gemm: bool = False) -> torch.Tensor:
+    """RMSNorm of x (..., H) with weight (H,). to_gemm: the output feeds GEMMs only, so under autocast
+    it is written in the autocast dtype (the values the GEMMs would see after autocast's cast)."""
+    return _norm(x, None, weight, eps, to_gemm)
 
 
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, to_gemm: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual), x + residual): the residual add fused into the norm."""
-    return _norm(x, residual, weight, eps)
+    """(rmsnorm(x + residual), x + residual): the residual add fused into the norm (to_gemm: as rmsnorm)."""
+    return _norm(x, residual, weight, eps, to_gemm)
 
 
 # -- RoPE ---------------------------------------------------------------------------------------------
@@ -237,17 +260,19 @@ def _apply_rope(
 
 # -- SwiGLU -------------------------------------------------------------------------------------------
 def _swiglu_key(arch, gate, up, dy=None):
+    g2, u2, sx = swiglu_kernel.pair(gate, up)  # views: the halves of the fused gate/up output stay so
+    fused = sx != gate.shape[-1]
     if dy is None:
         return swiglu_kernel.fwd_key(
-            arch, inter=gate.shape[-1], dtype=gate.dtype, aligned=aligned(_rows(gate), _rows(up))
+            arch, inter=gate.shape[-1], dtype=gate.dtype, fused=fused, aligned=aligned(g2, u2)
         )
     return swiglu_kernel.bwd_key(
-        arch, inter=gate.shape[-1], dtype=gate.dtype, aligned=aligned(_rows(dy), _rows(gate), _rows(up))
+        arch, inter=gate.shape[-1], dtype=gate.dtype, fused=fused, aligned=aligned(_rows(dy), g2, u2)
     )
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, gate and up (..., I)."""
+    """silu(gate) * up, gate and up (..., I) (separate tensors, or the halves of one (..., 2I))."""
     rt = current()
     key = _swiglu_key(rt.arch, gate, up)
 
@@ -271,45 +296,68 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-class _SwiGLUDown(torch.autograd.Function):
-    """y = swiglu(gate, up) @ weight^T that does not keep swiglu(gate, up) for backward.
+def _swiglu_grad(dy: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+    """d gu (..., 2I) of y = swiglu(*halves(gu)) for dy (..., I): the SwiGLU backward on its kernel
+    (writing d gate and d up as the halves of one tensor) or its reference; records the key."""
+    rt = current()
+    gate, up = swiglu_kernel.halves(gu)
+    key = _swiglu_key(rt.arch, gate, up, dy)
+    if rt.use_kernel(key, gu):
+        try:
+            args = lambda: swiglu_kernel.bwd_launch(key, dy, gate, up)  # noqa: E731
+            dg, du = rt.launch(key, lambda: swiglu_kernel.run(args()), args, phase="bwd")
+            if dg.stride(0) == gu.shape[-1]:  # the halves of one (rows, 2I) gradient (see bwd_launch)
+                return dg.as_strided((dg.shape[0], gu.shape[-1]), (gu.shape[-1], 1)).view(gu.shape)
+            return torch.cat([dg, du], dim=-1).view(gu.shape)
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "bwd", lambda: swiglu_kernel.bwd_launch(key, dy, gate, up))
+    with torch.enable_grad():
+        g, u = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+        dg, du = torch.autograd.grad(swiglu_reference(g, u), (g, u), dy)
+    return torch.cat([dg, du], dim=-1)
 
-    A plain `down_proj(swiglu(gate, up))` stores the (N, I) SwiGLU output for the weight gradient,
-    on top of gate and up that the SwiGLU backward stores anyway. Here backward recomputes it from
-    gate and up (one elementwise pass through the same swiglu op and key) and then runs the same two
-    GEMMs a Linear would: d weight = dy^T h, d h = dy weight. Under autocast the weight is used in the
-    autocast dtype and its gradient returned in the weight's own dtype, as autocast's linear does.
+
+class _SwiGLUDown(torch.autograd.Function):
+    """y = swiglu(*halves(gu)) @ weight^T that does not keep the SwiGLU output for backward.
+
+    gu (..., 2I) is the fused gate/up GEMM's output. A plain `down_proj(swiglu(gate, up))` stores the
+    (N, I) SwiGLU output for the weight gradient, on top of gate and up that the SwiGLU backward
+    stores anyway. Here backward recomputes it from gu (one elementwise pass through the same swiglu
+    op and key), runs the same two GEMMs a Linear would (d weight = dy^T h, d h = dy weight), and the
+    SwiGLU backward writes d gate and d up straight into one (..., 2I) gradient for the fused GEMM.
+    Under autocast the weight is used in the autocast dtype and its gradient returned in the weight's
+    own dtype, as autocast's linear does.
     """
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = swiglu(gate, up)  # (..., I)
-        ctx.save_for_backward(gate, up, weight)
+    def forward(ctx, gu: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = swiglu(*swiglu_kernel.halves(gu))  # (..., I)
+        ctx.save_for_backward(gu, weight)
         return torch.nn.functional.linear(h, weight.to(h.dtype))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        gate, up, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            g = gate.detach().requires_grad_(True)
-            u = up.detach().requires_grad_(True)
-            h = swiglu(g, u)  # recomputed: (..., I)
+        gu, weight = ctx.saved_tensors
+        with torch.no_grad():
+            h = swiglu(*swiglu_kernel.halves(gu))  # recomputed: (..., I)
         w = weight.to(h.dtype)
         dy = dy.to(h.dtype)
-        dw = dy.reshape(-1, dy.shape[-1]).t() @ h.detach().reshape(-1, h.shape[-1])  # (H, I)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])  # (H, I)
         dh = dy @ w  # (..., I)
-        dg, du = torch.autograd.grad(h, (g, u), dh)
-        return dg, du, dw.to(weight.dtype)
+        return _swiglu_grad(dh, gu), dw.to(weight.dtype)
 
 
-def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The MLP's `down_proj(silu(gate) * up)` with weight (H, I), recomputing the SwiGLU output in
-    backward instead of storing it: the same values, I elements per token less kept for backward."""
-    if torch.is_autocast_enabled(gate.device.type):
-        # the custom Function sees autocast's output dtype for gate/up; keep the GEMM in that dtype
-        with torch.autocast(gate.device.type, enabled=False):
-            return _SwiGLUDown.apply(gate, up, weight)
-    return _SwiGLUDown.apply(gate, up, weight)
+def swiglu_down(gu: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's `down_proj(silu(gate) * up)` for gu = [gate, up] (..., 2I) (the fused gate/up GEMM's
+    output) and weight (H, I), recomputing the SwiGLU output in backward instead of storing it: the
+    same values, I elements per token less kept for backward."""
+    if torch.is_autocast_enabled(gu.device.type):
+        # the custom Function sees autocast's output dtype for gu; keep the GEMM in that dtype
+        with torch.autocast(gu.device.type, enabled=False):
+            return _SwiGLUDown.apply(gu, weight)
+    return _SwiGLUDown.apply(gu, weight)
 
 
 # -- attention (a library call: recorded so that prewarm runs SDPA at this shape) ---------------------
@@ -403,13 +451,15 @@ def kd_loss(
     chunk_size: int,
     teacher_logprobs: torch.Tensor | None = None,
     teacher_mixture: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None,
+    n_tokens: int | None = None,
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads (see
     kdistill.ops.kd_loss), each chunk on the KD head kernel or its reference. With teacher_logprobs
     (N, Vt) (a teacher cache) the chunk's teacher logits are those rows instead of t_hidden x t_weight;
     the KD head kernel takes teacher logits either way, so the kernel and its key are the same; so
     with teacher_mixture [(t_hidden_i, t_weight_i, weight_i), ...] (several teachers: each chunk's
-    teacher logits are T log of their mixture in probability space)."""
+    teacher logits are T log of their mixture in probability space). n_tokens: the labels' count
+    from their host copy (kdistill.ops.kd_loss.label_count), so that nothing here waits for the GPU."""
     return kd_ops.kd_loss(
         s_hidden,
         s_weight,
@@ -425,4 +475,5 @@ def kd_loss(
         chunk_fn=_kd_chunk,
         teacher_logprobs=teacher_logprobs,
         teacher_mixture=teacher_mixture,
+        n_tokens=n_tokens,
     )

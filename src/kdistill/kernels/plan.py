@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from kdistill.dtypes import torch_dtype
 from kdistill.kernels import keys, library, registry
 from kdistill.models.spec import ModelSpec
 
@@ -45,6 +48,10 @@ def precision(run, arch: str, sharded: bool = False) -> Precision:
     return Precision(compute=compute, teacher_weights=compute, student_weights=student)
 
 
+def _bits(dtype: str) -> int:
+    return torch.finfo(torch_dtype(dtype)).bits
+
+
 def _linear_out(x: str, w: str, prec: Precision) -> str:
     """Dtype of nn.Linear's output: the autocast dtype under autocast, else the promotion."""
     return prec.compute if prec.autocast else keys.promote(x, w)
@@ -70,16 +77,21 @@ def model_kernels(
     def call(name: str, **problem) -> None:
         out.update(registry.by_name(name).plan(arch, grad=grad, **problem))
 
-    def norm(x: str, residual: str | None, hidden: int) -> str:
-        """Adds the rmsnorm keys of one call; returns y's dtype."""
-        call("rmsnorm", hidden=hidden, eps=eps, dtype=x, w_dtype=w, r_dtype=residual)
-        return keys.promote(keys.promote(x, residual) if residual is not None else x, w)
+    def norm(x: str, residual: str | None, hidden: int, to_gemm: bool = False) -> str:
+        """Adds the rmsnorm keys of one call; returns y's dtype. to_gemm: a hidden-size norm, whose
+        output feeds GEMMs only, written in the autocast dtype under autocast (dispatch._gemm_dtype)."""
+        y = keys.promote(keys.promote(x, residual) if residual is not None else x, w)
+        y_dtype = None
+        if to_gemm and prec.autocast and _bits(prec.compute) < _bits(y):
+            y_dtype = prec.compute
+        call("rmsnorm", hidden=hidden, eps=eps, dtype=x, w_dtype=w, r_dtype=residual, y_dtype=y_dtype)
+        return y_dtype or y
 
     x = residual = weights  # embedding output dtype (autocast leaves embeddings alone)
     if spec.num_layers == 0:
-        norm(x, None, h)
+        norm(x, None, h, to_gemm=True)
         return out
-    x = norm(x, None, h)
+    x = norm(x, None, h, to_gemm=True)
     for _ in range(min(spec.num_layers, 2)):  # dtypes are the same from the second layer on
         q = _linear_out(x, w, prec)  # q_proj, k_proj: same dtype
         if spec.qk_norm:
@@ -99,12 +111,12 @@ def model_kernels(
             )
         )
         a = _linear_out(q, w, prec)  # o_proj
-        x = norm(a, residual, h)
+        x = norm(a, residual, h, to_gemm=True)
         residual = keys.promote(a, residual)
         gate = _linear_out(x, w, prec)  # gate_proj, up_proj
         call("swiglu", inter=spec.intermediate_size, dtype=gate)
         m = _linear_out(gate, w, prec)  # down_proj
-        x = norm(m, residual, h)  # the next block's input norm, or the final norm
+        x = norm(m, residual, h, to_gemm=True)  # the next block's input norm, or the final norm
         residual = keys.promote(m, residual)
     return out
 
@@ -114,8 +126,9 @@ def gemm_kernels(
 ) -> set[keys.KernelKey]:
     """Library keys for the decoder's linears at the run's token count and the lm_head chunk GEMMs."""
     h, i = spec.hidden_size, spec.intermediate_size
-    # q/k/v as one GEMM against [Wq; Wk; Wv] (models/decoder.py Attention.project_qkv)
-    shapes = {(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (i, h), (h, i)}
+    # q/k/v as one GEMM against [Wq; Wk; Wv] (models/decoder.py Attention.project_qkv), gate/up as one
+    # against [W_gate; W_up] (MLP.forward; separate where adapters wrap them)
+    shapes = {(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (2 * i, h), (i, h), (h, i)}
     out = {library.gemm_key(arch, m=tokens, n=n, k=k, dtype=dtype, grad=grad) for n, k in shapes}
     out.add(library.gemm_key(arch, m=min(chunk, tokens), n=spec.vocab_size, k=h, dtype=dtype, grad=grad))
     return out

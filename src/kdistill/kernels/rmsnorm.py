@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kdistill.dtypes import torch_dtype
 from kdistill.errors import KernelError
 from kdistill.kernels._triton import cdiv, jit, tl
 from kdistill.kernels.keys import (
@@ -134,7 +135,7 @@ def fwd_launch(
     r2 = _rows(residual) if residual is not None else x2
     n_rows, h = x2.shape
     s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    y = torch.empty(x2.shape, dtype=torch.promote_types(s_dtype, weight.dtype), device=x.device)
+    y = torch.empty(x2.shape, dtype=torch_dtype(key["y_dtype"]), device=x.device)
     s = torch.empty(x2.shape, dtype=s_dtype, device=x.device) if residual is not None else y  # S aliases Y
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     grid = (cdiv(n_rows, key["BLOCK_M"]),)
@@ -189,6 +190,7 @@ class RMSNormFunction(torch.autograd.Function):
         y, s, rstd = _run(fwd_launch(fwd_key, x, residual, weight, eps))
         ctx.set_materialize_grads(False)
         ctx.has_residual = residual is not None
+        ctx.y_dtype = y.dtype
         ctx.shape, ctx.eps = x.shape, eps
         ctx.bwd_key_fn, ctx.on_bwd_failure = bwd_key_fn, on_bwd_failure
         normed = s if residual is not None else _rows(x)
@@ -205,9 +207,7 @@ class RMSNormFunction(torch.autograd.Function):
         if dy is None and ds is None:
             return None, None, None, None, None, None, None
         if dy is None:
-            dy = torch.zeros(
-                normed.shape, dtype=torch.promote_types(normed.dtype, weight.dtype), device=normed.device
-            )
+            dy = torch.zeros(normed.shape, dtype=ctx.y_dtype, device=normed.device)
         key = ctx.bwd_key_fn(dy, normed, weight, rstd, ds)
         try:
             dx, dw = _run(bwd_launch(key, dy, normed, weight, rstd, ds))
@@ -249,14 +249,16 @@ def fwd_key(
     w_dtype: str,
     residual: bool,
     r_dtype: str | None = None,
+    y_dtype: str | None = None,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """y = rmsnorm(x [+ residual]) * w. dtype: x's; r_dtype: the residual's (default x's; the sum s has
-    their promotion, y has promote(s, w)). aligned: X, R, W (R is X when there is no residual)."""
+    their promotion); y_dtype: y's (default promote(s, w); a norm whose output feeds GEMMs only writes
+    it in the autocast dtype). aligned: X, R, W (R is X when there is no residual)."""
     dtype, w_dtype = dtype_name(dtype), dtype_name(w_dtype)
     r_dtype = dtype_name(r_dtype) if (residual and r_dtype is not None) else dtype
     s_dtype = promote(dtype, r_dtype)
-    y_dtype = promote(s_dtype, w_dtype)
+    y_dtype = dtype_name(y_dtype) if y_dtype is not None else promote(s_dtype, w_dtype)
     return make_key(
         "rmsnorm_fwd",
         arch,
@@ -274,13 +276,21 @@ def fwd_key(
 
 
 def bwd_key(
-    arch: str, *, hidden: int, dtype: str, w_dtype: str, has_dres: bool, aligned: Sequence[bool] | None = None
+    arch: str,
+    *,
+    hidden: int,
+    dtype: str,
+    w_dtype: str,
+    has_dres: bool,
+    y_dtype: str | None = None,
+    aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """dx, dw of rmsnorm (eps is not needed: rstd is saved). dtype: the normalized input's (x + residual
-    when fused). has_dres: a gradient reaches x + residual. aligned: DY, X, W, RSTD, DS (DS is DY when
-    has_dres is false)."""
+    when fused); y_dtype: the output's, which its gradient dy has (default promote(dtype, w)).
+    has_dres: a gradient reaches x + residual. aligned: DY, X, W, RSTD, DS (DS is DY when has_dres is
+    false)."""
     dtype, w_dtype = dtype_name(dtype), dtype_name(w_dtype)
-    y_dtype = promote(dtype, w_dtype)
+    y_dtype = dtype_name(y_dtype) if y_dtype is not None else promote(dtype, w_dtype)
     return make_key(
         "rmsnorm_bwd",
         arch,
@@ -320,20 +330,40 @@ def warm_bwd(key: KernelKey, device: Any) -> tuple:
 
 
 def plan(
-    arch: str, *, grad: bool, hidden: int, eps: float, dtype: str, w_dtype: str, r_dtype: str | None = None
+    arch: str,
+    *,
+    grad: bool,
+    hidden: int,
+    eps: float,
+    dtype: str,
+    w_dtype: str,
+    r_dtype: str | None = None,
+    y_dtype: str | None = None,
 ) -> set[KernelKey]:
     """Keys of one call rmsnorm(x) (r_dtype None) or add_rmsnorm(x, residual): the forward, and when
-    grad the backward with and (if fused) without a gradient reaching the returned sum."""
+    grad the backward with and (if fused) without a gradient reaching the returned sum. y_dtype: the
+    output's dtype when it is not the promotion (see fwd_key)."""
     residual = r_dtype is not None
     keys = {
         fwd_key(
-            arch, hidden=hidden, eps=eps, dtype=dtype, w_dtype=w_dtype, residual=residual, r_dtype=r_dtype
+            arch,
+            hidden=hidden,
+            eps=eps,
+            dtype=dtype,
+            w_dtype=w_dtype,
+            residual=residual,
+            r_dtype=r_dtype,
+            y_dtype=y_dtype,
         )
     }
     if grad:
         s_dtype = promote(dtype, r_dtype) if residual else dtype_name(dtype)
         for has_dres in (False, True) if residual else (False,):
-            keys.add(bwd_key(arch, hidden=hidden, dtype=s_dtype, w_dtype=w_dtype, has_dres=has_dres))
+            keys.add(
+                bwd_key(
+                    arch, hidden=hidden, dtype=s_dtype, w_dtype=w_dtype, has_dres=has_dres, y_dtype=y_dtype
+                )
+            )
     return keys
 
 

@@ -5,7 +5,7 @@
 
 One program per (batch, position) rotates every q head and every k head there. q (B, Hq, T, D) and
 k (B, Hkv, T, D) may be strided views (the decoder's transposed projections); the last dim must be
-contiguous. cos and sin are fp32 (T', D) tables with T' >= T; they are cast to q's dtype before use,
+contiguous. The outputs are written with their own strides, in the (B, T, H, D) layout (`out_like`). cos and sin are fp32 (T', D) tables with T' >= T; they are cast to q's dtype before use,
 as the reference does. The tables are runtime inputs: one binary serves every rope theta and scaling.
 
 The file reads top to bottom: kernels, launcher, autograd Function, key functions and tile policy,
@@ -34,6 +34,8 @@ def _rotate(
     O,
     base,
     sh,
+    obase,
+    osh,
     COS,
     SIN,
     t,
@@ -56,17 +58,34 @@ def _rotate(
     offs = base + h.to(tl.int64)[:, None] * sh + d[None, :]
     x1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(X + offs + half, mask=mask, other=0.0).to(tl.float32)
+    ooffs = obase + h.to(tl.int64)[:, None] * osh + d[None, :]
     if INVERSE:
         o1 = x1 * c1[None, :] + x2 * s2[None, :]
         o2 = x2 * c2[None, :] - x1 * s1[None, :]
     else:
         o1 = x1 * c1[None, :] - x2 * s1[None, :]
         o2 = x2 * c2[None, :] + x1 * s2[None, :]
-    tl.store(O + offs, o1.to(O.dtype.element_ty), mask=mask)
-    tl.store(O + offs + half, o2.to(O.dtype.element_ty), mask=mask)
+    tl.store(O + ooffs, o1.to(O.dtype.element_ty), mask=mask)
+    tl.store(O + ooffs + half, o2.to(O.dtype.element_ty), mask=mask)
 
 
-@jit(do_not_specialize=["T", "sqb", "sqh", "sqt", "skb", "skh", "skt"])
+@jit(
+    do_not_specialize=[
+        "T",
+        "sqb",
+        "sqh",
+        "sqt",
+        "skb",
+        "skh",
+        "skt",
+        "sob",
+        "soh",
+        "sot",
+        "spb",
+        "sph",
+        "spt",
+    ]
+)
 def rope_fwd_kernel(
     Q,
     K,
@@ -81,6 +100,12 @@ def rope_fwd_kernel(
     skb,
     skh,
     skt,
+    sob,
+    soh,
+    sot,
+    spb,
+    sph,
+    spt,
     D: tl.constexpr,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -91,11 +116,58 @@ def rope_fwd_kernel(
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
     t = pid % T
-    _rotate(Q, QO, b * sqb + t.to(tl.int64) * sqt, sqh, COS, SIN, t, D, BLOCK_D, HQ, BLOCK_HQ, False)
-    _rotate(K, KO, b * skb + t.to(tl.int64) * skt, skh, COS, SIN, t, D, BLOCK_D, HKV, BLOCK_HKV, False)
+    t64 = t.to(tl.int64)
+    _rotate(
+        Q,
+        QO,
+        b * sqb + t64 * sqt,
+        sqh,
+        b * sob + t64 * sot,
+        soh,
+        COS,
+        SIN,
+        t,
+        D,
+        BLOCK_D,
+        HQ,
+        BLOCK_HQ,
+        False,
+    )
+    _rotate(
+        K,
+        KO,
+        b * skb + t64 * skt,
+        skh,
+        b * spb + t64 * spt,
+        sph,
+        COS,
+        SIN,
+        t,
+        D,
+        BLOCK_D,
+        HKV,
+        BLOCK_HKV,
+        False,
+    )
 
 
-@jit(do_not_specialize=["T", "sqb", "sqh", "sqt", "skb", "skh", "skt"])
+@jit(
+    do_not_specialize=[
+        "T",
+        "sqb",
+        "sqh",
+        "sqt",
+        "skb",
+        "skh",
+        "skt",
+        "sob",
+        "soh",
+        "sot",
+        "spb",
+        "sph",
+        "spt",
+    ]
+)
 def rope_bwd_kernel(
     Q,
     K,
@@ -110,6 +182,12 @@ def rope_bwd_kernel(
     skb,
     skh,
     skt,
+    sob,
+    soh,
+    sot,
+    spb,
+    sph,
+    spt,
     D: tl.constexpr,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -120,8 +198,36 @@ def rope_bwd_kernel(
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
     t = pid % T
-    _rotate(Q, QO, b * sqb + t.to(tl.int64) * sqt, sqh, COS, SIN, t, D, BLOCK_D, HQ, BLOCK_HQ, True)
-    _rotate(K, KO, b * skb + t.to(tl.int64) * skt, skh, COS, SIN, t, D, BLOCK_D, HKV, BLOCK_HKV, True)
+    t64 = t.to(tl.int64)
+    _rotate(
+        Q, QO, b * sqb + t64 * sqt, sqh, b * sob + t64 * sot, soh, COS, SIN, t, D, BLOCK_D, HQ, BLOCK_HQ, True
+    )
+    _rotate(
+        K,
+        KO,
+        b * skb + t64 * skt,
+        skh,
+        b * spb + t64 * spt,
+        sph,
+        COS,
+        SIN,
+        t,
+        D,
+        BLOCK_D,
+        HKV,
+        BLOCK_HKV,
+        True,
+    )
+
+
+def out_like(x: torch.Tensor) -> torch.Tensor:
+    """The rotated output for x (B, H, T, D): a (B, T, H, D) buffer seen as (B, H, T, D).
+
+    That is the layout the projections produce and SDPA's fused backends keep: attention then
+    allocates its output (and, in backward, the q/k/v gradients) in it too, so the transposes around
+    attention are views, not copies."""
+    b, h, t, d = x.shape
+    return torch.empty((b, t, h, d), dtype=x.dtype, device=x.device).transpose(1, 2)
 
 
 def _prep(x: torch.Tensor) -> torch.Tensor:
@@ -152,11 +258,8 @@ def launch(
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     cos, sin = _table(cos, t, d), _table(sin, t, d)
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
-    if qo.stride() != q.stride() or ko.stride() != k.stride():
-        q, k = q.contiguous(), k.contiguous()
-        qo, ko = torch.empty_like(q), torch.empty_like(k)
-    ints = (t, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    qo, ko = out_like(q), out_like(k)
+    ints = (t, *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3], *ko.stride()[:3])
     if max(ints) > INT32_MAX or b * t > INT32_MAX:
         raise KernelError("rope: strides exceed int32")
     kwargs = dict(

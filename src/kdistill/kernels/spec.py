@@ -78,6 +78,16 @@ class Kernel:
 
     @property
     def signature(self) -> tuple[Arg, ...]:
+        # Read once per (kernel, jit function): every key computation asks for it, on the host's
+        # critical path of a training step.
+        cached = self.__dict__.get("_signature")
+        if cached is not None and cached[0] is self.fn:
+            return cached[1]
+        sig = self._read_signature()
+        self.__dict__["_signature"] = (self.fn, sig)
+        return sig
+
+    def _read_signature(self) -> tuple[Arg, ...]:
         names, constexpr, dns, dnsoa = jit_names(self.fn)
         out = []
         for n in names:

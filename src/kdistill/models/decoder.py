@@ -15,7 +15,10 @@ so the checkpoint weight map is the identity and an exported student loads in tr
 
 Every op goes through kdistill.dispatch, which picks a Triton kernel or the PyTorch reference.
 
-The residual add before each norm is fused into the norm (`add_rmsnorm`). A `Block` is self-contained
+The residual add before each norm is fused into the norm (`add_rmsnorm`). The hidden-size norms feed
+GEMMs only (the projections, the lm_head), so under autocast they write their output in the autocast
+dtype (`to_gemm`): the values autocast would have cast to, without the cast kernels and their
+gradients' casts back; the residual stream keeps the weights' dtype. A `Block` is self-contained
 (FSDP can wrap it whole): it starts with the fused add + input norm of the residual stream and returns
 its MLP output unadded, so the next block (or the final norm) fuses that add into its own norm:
 
@@ -146,12 +149,18 @@ class Attention(nn.Module):
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
         qkv = F.linear(x, w, bias)  # (B, T, q_size + 2 kv_size)
         q, k, v = qkv.split([self.spec.q_size, self.spec.kv_size, self.spec.kv_size], dim=-1)
-        # k and v are copied out (kv_size wide each): k then starts 16-byte aligned whatever q_size is
-        # (the RoPE kernel is specialised on pointer alignment, and the plan assumes aligned inputs),
-        # and attention, which keeps v for backward, does not keep the whole qkv buffer alive with it.
-        # q stays a view at offset 0; RoPE writes new q and k.
+        # q and k stay views: RoPE reads them with their strides and writes new tensors. k is copied
+        # out only where it would not start 16-byte aligned (the RoPE kernel is specialised on pointer
+        # alignment, and the plan assumes aligned inputs). v goes to attention as is, except when it
+        # is kept for backward (attention saves it: a view would keep the whole qkv buffer alive) or
+        # unaligned.
         fresh = torch.contiguous_format  # clone: a new allocation even where the view looks contiguous
-        return q, k.clone(memory_format=fresh), v.clone(memory_format=fresh)
+        es = qkv.element_size()
+        if (self.spec.q_size * es) % 16:
+            k = k.clone(memory_format=fresh)
+        if qkv.requires_grad or ((self.spec.q_size + self.spec.kv_size) * es) % 16:
+            v = v.clone(memory_format=fresh)
+        return q, k, v
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
@@ -208,9 +217,20 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I)
-        if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:
-            return swiglu_down(gate, up, self.down_proj.weight)  # SwiGLU output recomputed in backward
+        """x (B, T, H) -> (B, T, H).
+
+        gate and up come from one GEMM against [W_gate; W_up] (as q/k/v do): x has one consumer, and
+        the SwiGLU kernels read the two halves of its (B, T, 2I) output in place and write their
+        gradients back as the halves of one tensor, so nothing is concatenated in backward. Wrapped
+        projections (adapters) run as modules."""
+        plain = all(type(p) is nn.Linear and p.bias is None for p in (self.gate_proj, self.up_proj))
+        if plain:
+            gu = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # (B, T, 2I)
+            if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:
+                return swiglu_down(gu, self.down_proj.weight)  # SwiGLU output recomputed in backward
+            gate, up = gu.chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I)
         return self.down_proj(swiglu(gate, up))  # a wrapped down_proj (adapters) runs as a module
 
 
@@ -252,11 +272,11 @@ class Block(nn.Module):
         """The block's computation (see forward)."""
         if residual is None:
             residual = delta
-            h = rmsnorm(delta, self.input_layernorm.weight, self.eps)
+            h = rmsnorm(delta, self.input_layernorm.weight, self.eps, to_gemm=True)
         else:
-            h, residual = add_rmsnorm(delta, residual, self.input_layernorm.weight, self.eps)
+            h, residual = add_rmsnorm(delta, residual, self.input_layernorm.weight, self.eps, to_gemm=True)
         a = self.self_attn(h, cos, sin, mask)
-        x, residual = add_rmsnorm(a, residual, self.post_attention_layernorm.weight, self.eps)
+        x, residual = add_rmsnorm(a, residual, self.post_attention_layernorm.weight, self.eps, to_gemm=True)
         return self.mlp(x), residual
 
     def forward_cached(
@@ -272,11 +292,11 @@ class Block(nn.Module):
         """forward() for generation: attention reads and extends this layer's KV cache `kv`."""
         if residual is None:
             residual = delta
-            h = rmsnorm(delta, self.input_layernorm.weight, self.eps)
+            h = rmsnorm(delta, self.input_layernorm.weight, self.eps, to_gemm=True)
         else:
-            h, residual = add_rmsnorm(delta, residual, self.input_layernorm.weight, self.eps)
+            h, residual = add_rmsnorm(delta, residual, self.input_layernorm.weight, self.eps, to_gemm=True)
         a = self.self_attn.forward_cached(h, cos, sin, mask, kv[0], kv[1], start)
-        x, residual = add_rmsnorm(a, residual, self.post_attention_layernorm.weight, self.eps)
+        x, residual = add_rmsnorm(a, residual, self.post_attention_layernorm.weight, self.eps, to_gemm=True)
         return self.mlp(x), residual
 
 
@@ -347,9 +367,9 @@ class Decoder(nn.Module):
             if collect is not None and i in collect:
                 states[i] = delta + residual  # (B, T, H): this block's output
         if residual is None:  # no layers
-            out = rmsnorm(delta, self.model.norm.weight, eps)
+            out = rmsnorm(delta, self.model.norm.weight, eps, to_gemm=True)
         else:
-            out = add_rmsnorm(delta, residual, self.model.norm.weight, eps)[0]
+            out = add_rmsnorm(delta, residual, self.model.norm.weight, eps, to_gemm=True)[0]
         return out if collect is None else (out, states)
 
     @torch.no_grad()
@@ -378,8 +398,8 @@ class Decoder(nn.Module):
             )
         cache.length = start + t
         if residual is None:
-            return rmsnorm(delta, self.model.norm.weight, eps)
-        return add_rmsnorm(delta, residual, self.model.norm.weight, eps)[0]
+            return rmsnorm(delta, self.model.norm.weight, eps, to_gemm=True)
+        return add_rmsnorm(delta, residual, self.model.norm.weight, eps, to_gemm=True)[0]
 
     def logits(
         self,

@@ -570,6 +570,28 @@ class MixtureTarget:
         return acc.mul_(self.temperature)
 
 
+def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the True entries of the 1-D mask, `count` of them: with the count known, no wait
+    for the device (nonzero_static), where this torch has it."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=count).squeeze(1)
+    return mask.nonzero().squeeze(1)
+
+
+def label_count(labels: torch.Tensor, vocab: int, ignore_index: int = -100) -> int:
+    """The labels that are not `ignore_index`, after checking each is a token id of the student's
+    vocabulary [0, vocab) (a UserError otherwise). On a GPU tensor this waits for the device."""
+    valid = labels != ignore_index
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    n_tokens, n_bad = (int(x) for x in torch.stack([valid.sum(), bad.sum()]).tolist())
+    if n_bad:
+        first = int(labels[bad][0])
+        raise UserError(
+            f"labels hold token id {first} outside the student vocabulary [0, {vocab}) ({n_bad} such tokens)"
+        )
+    return n_tokens
+
+
 def kd_loss(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -586,6 +608,7 @@ def kd_loss(
     chunk_fn: ChunkFn | None = None,
     teacher_logprobs: torch.Tensor | None = None,
     teacher_mixture: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None,
+    n_tokens: int | None = None,
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads.
 
@@ -606,6 +629,9 @@ def kd_loss(
         teacher_mixture: several teachers [(hidden (N, Ht_i), lm_head (Vt_i, Ht_i), weight > 0), ...]
             instead of teacher_hidden x teacher_weight: the target is their weighted mixture in
             probability space, each softened at T (see "Several teachers" in the module docstring).
+        n_tokens: the number of labels that are not `ignore_index`, from `label_count` on the labels'
+            host copy (the training step counts before the forward). None: counted here, which
+            waits for the GPU: the host then cannot queue the backward while the forward runs.
 
     Returns:
         KDLossResult(loss, ce, kd, tokens): loss differentiable w.r.t. student_hidden and
@@ -627,13 +653,8 @@ def kd_loss(
     )
     vocab = student_weight.shape[0]
     valid = labels != ignore_index
-    bad = valid & ((labels < 0) | (labels >= vocab))
-    n_tokens, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()  # one host sync
-    if n_bad:
-        first = int(labels[bad][0])
-        raise UserError(
-            f"labels hold token id {first} outside the student vocabulary [0, {vocab}) ({n_bad} such tokens)"
-        )
+    if n_tokens is None or labels.device.type == "cpu":
+        n_tokens = label_count(labels, vocab, ignore_index)  # on a GPU: one host sync
     th = tw = None
     parts: list = []
     if has_kd and teacher_mixture is not None:
@@ -646,7 +667,7 @@ def kd_loss(
     if 0 < n_tokens < labels.shape[0]:
         # Rows with no target (masked prompts, padding) are skipped, not computed and zeroed: gather
         # the scored rows once; autograd scatters their gradient back into the (N, H) input.
-        rows = valid.nonzero().squeeze(1)  # (n_tokens,)
+        rows = _nonzero(valid, n_tokens)  # (n_tokens,)
         student_hidden, labels = student_hidden.index_select(0, rows), labels.index_select(0, rows)
         if th is not None:
             th = th.index_select(0, rows)

@@ -58,6 +58,7 @@ from kdistill.train.cross_tok import CrossTokenizer
 from kdistill.train.evidence import MetricsWriter, NullWriter, plot_losses, read_metrics, smoke_contract
 from kdistill.train.layers import attach_projections, check_layer_map
 from kdistill.train.optim import make_optimizer
+from kdistill.train.profiling import StepProfiler
 from kdistill.train.resume import new_counters, restore_state, save_state
 from kdistill.train.signals import SignalGuard
 from kdistill.train.step import NonFinitePolicy, StepContext, StepResult, heldout_eval, train_step
@@ -112,10 +113,14 @@ class Run:
     extra_specs: list[ModelSpec] = dataclasses.field(default_factory=list)  # teachers[1:] of a mixture
     # this process's steps after its first WARMUP_STEPS: [seconds, tokens, steps] (not resumed)
     steady: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
+    # steps run under runtime.profile_steps' profiler: left out of the steady rate (their time holds the
+    # profiler's overhead)
+    profiled_steps: list[int] = dataclasses.field(default_factory=list)
 
 
 # Steps of each process left out of the steady-state rate: the first ones pay one-time costs
 # (allocator growth, library autotuning, lazy CUDA context work) that the rest of the run does not.
+# runtime.profile_steps profiles the steps right after them.
 WARMUP_STEPS = 2
 
 
@@ -583,15 +588,20 @@ def train_loop(run: Run) -> tuple[str, int, dict[str, Any]]:
     bar = progress_bar(total=steps, initial=run.start_step, desc=run.label, disable=run.quiet)
     last_eval: dict[str, Any] = {}
     status, step = "completed", run.start_step
+    prof = make_profiler(run, bar)
     try:
         with SignalGuard() as guard:
             while step < steps:
+                if prof is not None:
+                    prof.begin(step + 1)
                 t0 = time.time()
                 out = train_step(run.ctx, run.batcher, step, run.counters, policy)
                 step += 1
                 if run.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.time() - t0
+                if prof is not None and prof.end(step, dt):  # after its last step: the profile written
+                    run.profiled_steps.append(step)
                 row = log_step(run, step, out, dt)
                 faults.at(str(step))
                 if out.skipped is None:
@@ -620,6 +630,8 @@ def train_loop(run: Run) -> tuple[str, int, dict[str, Any]]:
                     status = "interrupted"
                     break
     finally:
+        if prof is not None:
+            prof.close()
         bar.close()
         run.metrics.close()
     if status == "completed":
@@ -629,11 +641,33 @@ def train_loop(run: Run) -> tuple[str, int, dict[str, Any]]:
     return status, step, last_eval
 
 
+def make_profiler(run: Run, bar: Any) -> StepProfiler | None:
+    """runtime.profile_steps: a profiler over the steps right after this process's WARMUP_STEPS (as many
+    as the run has left), or None when off. Rank 0 prints the result line above the progress bar."""
+    count = run.cfg.runtime.profile_steps
+    if not count:
+        return None
+    first = run.start_step + WARMUP_STEPS + 1
+    window = range(first, min(first + count, run.cfg.schedule.steps + 1))
+    if not window:
+        log.warning(
+            "runtime.profile_steps=%d: the run has no step after its first %d (warm-up); nothing profiled",
+            count,
+            WARMUP_STEPS,
+        )
+        return None
+    announce = None if run.quiet else lambda line: bar.write(line, file=sys.stderr)
+    info = dist.info()
+    return StepProfiler(window, run.device, run.run_dir / "profile", info.rank, info.world, announce)
+
+
 def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, Any]:
-    """Add the step to the counters and write its metrics.jsonl line (returned)."""
+    """Add the step to the counters and write its metrics.jsonl line (returned). Profiled steps
+    (runtime.profile_steps) are marked and left out of the steady rate."""
     run.counters["train_seconds"] += seconds
     run.counters["tokens_seen"] += out.tokens
-    if step - run.start_step > WARMUP_STEPS:
+    profiled = step in run.profiled_steps
+    if step - run.start_step > WARMUP_STEPS and not profiled:
         run.steady[0] += seconds
         run.steady[1] += out.tokens
         run.steady[2] += 1
@@ -653,6 +687,8 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         row["skipped"] = out.skipped
     if out.degenerate:
         row["degenerate"] = True
+    if profiled:
+        row["profiled"] = True
     run.metrics.write(row)
     run.trackers.log(step, {TRACKER_KEYS.get(k, k): v for k, v in row.items() if k in TRACKER_KEYS})
     return row
@@ -844,7 +880,8 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         "tokens_per_s": counters["tokens_seen"] / counters["train_seconds"]
         if counters["train_seconds"]
         else None,
-        # training steps only (no evals, checkpoints or set-up), after each process's first steps
+        # training steps only (no evals, checkpoints or set-up), after each process's first steps and
+        # without the profiled ones
         "tokens_per_s_steady": run.steady[1] / run.steady[0] if run.steady[0] else None,
         "tokens_seen": counters["tokens_seen"],
         "nonfinite_skipped": counters["nonfinite_skipped"],
@@ -869,6 +906,8 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         summary["planned_memory_gib"] = planned / GIB
     else:
         summary["kernels"].pop("arch", None)  # the arch of a GPU that did not run: only on a GPU run
+    if run.cfg.runtime.profile_steps:
+        summary["profiled_steps"] = list(run.profiled_steps)  # [] when the run never reached them
     if run.data_stats:  # conversations: how full the packed rows are and what is learned
         keys = (
             "format",

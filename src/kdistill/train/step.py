@@ -27,6 +27,7 @@ from kdistill.data import Batcher, check_batch
 from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder
 from kdistill.ops import kd_sparse
+from kdistill.ops.kd_loss import label_count
 from kdistill.train import distributed as dist
 from kdistill.train import faults, layers
 from kdistill.train.cross_tok import cross_tokenizer_loss
@@ -61,6 +62,7 @@ def compute_loss(
     cache_k: int = 0,
     mixture: list[tuple[Decoder, float]] | None = None,
     cross: Any = None,
+    n_tokens: int | None = None,
 ) -> dispatch.KDLossResult:
     """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult.
     position_ids, doc_ids (B, T): packed conversations (see Decoder.forward); None for raw text.
@@ -68,7 +70,9 @@ def compute_loss(
     instead of a teacher forward: exact log-probs go to the KD head as teacher_logprobs, topk and
     sampled targets to kdistill.ops.kd_sparse. mixture [(teacher, weight), ...]: several teachers
     (`teachers:`), whose mixture in probability space is the target (`teacher` is then ignored).
-    cross: a CrossTokenizer (kd.cross_tokenizer): the ULD loss over character-aligned positions."""
+    cross: a CrossTokenizer (kd.cross_tokenizer): the ULD loss over character-aligned positions.
+    n_tokens: the labels' count from their host copy (kdistill.ops.kd_loss.label_count): the loss then
+    never waits for the GPU, and the host queues the backward while the forward runs."""
     kd = cfg.kd
     if cross is not None:  # kd.cross_tokenizer: a kdistill.train.cross_tok.CrossTokenizer
         return cross_tokenizer_loss(student, teacher, input_ids, labels, cfg, amp, cross)
@@ -85,7 +89,14 @@ def compute_loss(
         flat = targets.to(s_hidden.device).flatten(0, 1)  # (N, X)
         if cache_mode == "exact":
             return dispatch.kd_loss(
-                s_hidden, s_weight, None, None, labels.flatten(), teacher_logprobs=flat, **common
+                s_hidden,
+                s_weight,
+                None,
+                None,
+                labels.flatten(),
+                teacher_logprobs=flat,
+                n_tokens=n_tokens,
+                **common,
             )
         return kd_sparse.kd_loss_sparse(
             s_hidden, s_weight, flat, labels.flatten(), mode=cache_mode, k=cache_k, **common
@@ -114,6 +125,7 @@ def compute_loss(
         beta=kd.beta,
         ignore_index=kd.ignore_index,
         chunk_size=kd.chunk_size,
+        n_tokens=n_tokens,
     )
 
 
@@ -363,13 +375,19 @@ def _accumulate(
     ctx: StepContext, batcher: Batcher, step: int, counters: dict[str, Any]
 ) -> tuple[list[float], int, bool, str | None]:
     """The micro-batches of one step, forward and backward: ([loss, ce, kd] sums, tokens, degenerate,
-    why the step must be skipped or None). Stops at the first non-finite loss."""
+    why the step must be skipped or None).
+
+    Nothing here waits for the GPU before the last backward is queued: the scored tokens are counted
+    on the labels' host copy before the forward (under torchrun, with the all-reduce of the counts
+    that weighs each process's loss), and the losses are read back once, after the backward. A
+    non-finite loss then skips the step as before (its gradients are dropped)."""
     cfg, multi = ctx.cfg, ctx.rows is not None
-    sums = [0.0, 0.0, 0.0]
     step_tokens = 0
     degenerate = False
+    losses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float]] = []
+    vocab = ctx.student.lm_head_weight.shape[0]
     for micro in range(cfg.schedule.grad_accum):
-        batch = batcher.next()  # (input_ids, labels[, position_ids, doc_ids])
+        batch = batcher.next()  # (input_ids, labels[, position_ids, doc_ids]), on the host
         reason = check_batch(batch[1], cfg.kd.ignore_index)
         if reason:
             degenerate = True
@@ -387,20 +405,13 @@ def _accumulate(
             cached = dict(mixture=ctx.mixture)
         if ctx.cross is not None:
             cached = dict(cross=ctx.cross)
+        else:
+            cached["n_tokens"] = label_count(torch.as_tensor(batch[1]).flatten(), vocab, cfg.kd.ignore_index)
         input_ids, labels, *docs = (t.to(ctx.device) for t in batch)
+        weight = 1.0
+        if multi:  # this process's share of the tokens over all processes weighs its mean loss
+            weight, _ = dist.loss_weight(cached.get("n_tokens", int((labels != cfg.kd.ignore_index).sum())))
         r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
-        loss_value = float(r.loss.detach())
-        if faults.nan_step(step + 1):
-            loss_value = float("nan")
-        weight, ce_value, kd_value, tokens = 1.0, float(r.ce), float(r.kd), int(r.tokens)
-        if multi:  # token-weighted means over all processes (the same on every one)
-            weight, _ = dist.loss_weight(tokens)
-            total = dist.all_reduce_sum([loss_value * tokens, ce_value * tokens, kd_value * tokens, tokens])
-            n = max(total[3], 1.0)
-            loss_value, ce_value, kd_value = total[0] / n, total[1] / n, total[2] / n
-            tokens = int(total[3])
-        if not math.isfinite(loss_value):
-            return sums, step_tokens, degenerate, f"loss is {loss_value}"
         if multi:
             (r.loss * (weight / cfg.schedule.grad_accum)).backward()
             for teacher in [t for t, _ in ctx.mixture] if ctx.mixture else [ctx.teacher]:
@@ -408,9 +419,23 @@ def _accumulate(
                     dist.reshard(teacher)  # after backward: the KD head's backward reads its lm_head
         else:
             (r.loss / cfg.schedule.grad_accum).backward()
+        losses.append((r.loss.detach(), r.ce, r.kd, int(r.tokens), weight))
+        faults.at(f"{step + 1}.{micro + 1}")
+    # One read-back for every micro-batch's loss values (the step's only wait before clipping).
+    values = torch.stack([torch.stack([lo, ce, kd]).float() for lo, ce, kd, _, _ in losses]).tolist()
+    sums = [0.0, 0.0, 0.0]
+    for micro, ((loss_value, ce_value, kd_value), (_, _, _, tokens, _)) in enumerate(zip(values, losses)):
+        if faults.nan_step(step + 1) and micro == 0:
+            loss_value = float("nan")
+        if multi:  # token-weighted means over all processes (the same on every one)
+            total = dist.all_reduce_sum([loss_value * tokens, ce_value * tokens, kd_value * tokens, tokens])
+            n = max(total[3], 1.0)
+            loss_value, ce_value, kd_value = total[0] / n, total[1] / n, total[2] / n
+            tokens = int(total[3])
+        if not math.isfinite(loss_value):
+            return sums, step_tokens, degenerate, f"loss is {loss_value}"
         sums[0] += loss_value
         sums[1] += ce_value
         sums[2] += kd_value
         step_tokens += tokens
-        faults.at(f"{step + 1}.{micro + 1}")
     return sums, step_tokens, degenerate, None

@@ -1,0 +1,377 @@
+"""runtime.profile_steps: torch.profiler over a few training steps, summarised per process.
+
+    prof = StepProfiler(window=range(3, 5), device=device, out_dir=run_dir / "profile", rank=0, world=1)
+    prof.begin(step + 1)               # starts the profiler before the window's first step
+    ...train one step...
+    prof.end(step, seconds)            # True for a profiled step; after the last one: write the files
+    prof.close()                       # the loop ended (an interrupted window is dropped, nothing written)
+
+Every process (every torchrun rank) writes `profile/rank{R}.txt` and `profile/rank{R}.json` into the run
+directory: wall time per profiled step, device time per step, kernel groups, the top kernels and the
+exposed collective time. No Chrome trace is written: N steps of a sharded run make a trace of tens to
+hundreds of MB per rank, and the tables hold what the profile is for.
+
+The pure parts take kernels as (name, start_us, end_us) tuples, so they are tested without a GPU:
+
+    kernel_group("ncclDevKernel_AllGather_RING_LL")               # "collectives"
+    exposed_collective_us([("nccl_x", 0, 10), ("gemm", 2, 5)])    # 7.0
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from kdistill.fileio import atomic_write_json, atomic_write_text
+
+log = logging.getLogger("kdistill")
+
+Kernel = tuple[str, float, float]  # (name, start_us, end_us) of one device event
+
+# Kernel groups in table order; the first group whose rule matches a name wins (attention before GEMM:
+# flash and fmha kernels carry cutlass in their names; collectives first: NCCL's names say nothing else).
+GROUPS = ("collectives", "attention", "GEMM", "optimizer", "Triton kernels", "copy/elementwise", "other")
+_GROUP_WORDS: dict[str, tuple[str, ...]] = {
+    "collectives": ("nccl",),
+    "attention": ("flash", "fmha", "cudnn", "sdpa", "attention"),
+    "GEMM": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul"),
+    "optimizer": ("adam", "foreach", "multi_tensor"),
+}
+_COPY_WORDS = ("elementwise", "copy", "reduce", "fill", "cat")
+# Device activities that are work on the GPU; others (gpu_user_annotation spans that record_function,
+# FSDP among them, puts on the device timeline) are left out.
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+TOP_KERNELS = 30
+TOP_CPU_OPS = 15
+
+
+def kernel_group(name: str) -> str:
+    """The group a device kernel's name falls in (one of GROUPS)."""
+    low = name.lower()
+    for group, words in _GROUP_WORDS.items():
+        if any(w in low for w in words):
+            return group
+    if low.endswith("_kernel") and not low.startswith("void at::"):
+        return "Triton kernels"
+    if low.startswith(("memcpy", "memset")) or ("at::native" in low and any(w in low for w in _COPY_WORDS)):
+        return "copy/elementwise"
+    return "other"
+
+
+def _is_copy_engine(name: str) -> bool:
+    """A memcpy or memset: it runs on a copy engine beside the SMs, so it hides no collective."""
+    return name.lower().startswith(("memcpy", "memset"))
+
+
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals (empty ones dropped)."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted((s, e) for s, e in intervals if e > s):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by the intervals, overlaps counted once."""
+    return sum(e - s for s, e in merge_intervals(intervals))
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two merged (sorted, disjoint) interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def exposed_collective_us(kernels: Iterable[Kernel]) -> float:
+    """Time (µs) in which a collective kernel runs and no other kernel runs, for kernels of one device.
+
+    The union of the collectives' intervals minus the union of every other kernel's intervals (memcpy
+    and memset excluded: they do not occupy the SMs). A collective that overlaps compute on another
+    stream is hidden; one that runs alone, or waits alone for a slower rank, is exposed.
+    """
+    coll: list[tuple[float, float]] = []
+    comp: list[tuple[float, float]] = []
+    for name, start, end in kernels:
+        if kernel_group(name) == "collectives":
+            coll.append((start, end))
+        elif not _is_copy_engine(name):
+            comp.append((start, end))
+    merged = merge_intervals(coll)
+    return sum(e - s for s, e in merged) - _overlap(merged, merge_intervals(comp))
+
+
+def summarize(
+    kernels: Sequence[Kernel],
+    step_seconds: Sequence[float],
+    steps: Sequence[int],
+    cpu_ops: Sequence[tuple[str, float, int]] = (),
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The profile report (rank{R}.json) from one device's kernels over the profiled steps.
+
+    Args:
+        kernels: (name, start_us, end_us) of every device kernel, memcpy and memset of the window.
+        step_seconds: wall time of each profiled step (synchronised at its end on a GPU).
+        steps: the profiled steps' numbers (1-based, as in metrics.jsonl).
+        cpu_ops: (name, self CPU µs, calls) over the window, for the top CPU ops table.
+        meta: added first (rank, world, device, versions).
+
+    Per-step numbers are means over the window: totals divided by the number of steps.
+    """
+    n = max(len(steps), 1)
+    ms = 1e-3 / n  # µs over the window -> ms per step
+    groups = {g: [0.0, 0] for g in GROUPS}
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in kernels:
+        dur = max(end - start, 0.0)
+        g = groups[kernel_group(name)]
+        g[0] += dur
+        g[1] += 1
+        k = by_name.setdefault(name, [0.0, 0])
+        k[0] += dur
+        k[1] += 1
+    device_us = sum(g[0] for g in groups.values())
+    coll_us = groups["collectives"][0]
+    exposed_us = exposed_collective_us(kernels)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    wall = [s * 1e3 for s in step_seconds]
+    report: dict[str, Any] = dict(meta or {})
+    report.update(
+        {
+            "steps": list(steps),
+            "step_ms": [round(x, 3) for x in wall],
+            "step_ms_mean": round(sum(wall) / len(wall), 3) if wall else None,
+            "kernel_ms_per_step": round(device_us * ms, 3),
+            "device_busy_ms_per_step": round(union_length((s, e) for _, s, e in kernels) * ms, 3),
+            "collective_ms_per_step": round(coll_us * ms, 3),
+            "exposed_collective_ms_per_step": round(exposed_us * ms, 3),
+            "groups": [
+                {
+                    "group": g,
+                    "ms_per_step": round(t * ms, 3),
+                    "launches_per_step": round(c / n, 2),
+                    "share": round(t / device_us, 4) if device_us else 0.0,
+                }
+                for g, (t, c) in groups.items()
+            ],
+            "top_kernels": [
+                {
+                    "name": name,
+                    "group": kernel_group(name),
+                    "ms_per_step": round(t * ms, 3),
+                    "launches_per_step": round(c / n, 2),
+                    "mean_us": round(t / c, 2) if c else 0.0,
+                }
+                for name, (t, c) in top
+            ],
+            "top_cpu_ops": [
+                {"name": name, "self_ms_per_step": round(us * ms, 3), "calls_per_step": round(c / n, 2)}
+                for name, us, c in sorted(cpu_ops, key=lambda o: -o[1])[:TOP_CPU_OPS]
+            ],
+        }
+    )
+    return report
+
+
+def _cut(name: str, width: int) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def render_text(report: dict[str, Any]) -> str:
+    """rank{R}.txt: the report as tables for reading."""
+    steps = report["steps"]
+    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    walls = ", ".join(f"{x:.1f}" for x in report["step_ms"])
+    lines = [
+        f"kdistill profile: rank {report.get('rank', 0)} of {report.get('world', 1)}, "
+        f"{report.get('device', '?')}, {span}, torch {report.get('torch', '?')}",
+        "per-step numbers are means over the profiled steps; device times are this process's GPU"
+        + ("" if report["top_kernels"] else " (none here: a CPU run)"),
+        "",
+        f"wall time per step            {report['step_ms_mean']:10.3f} ms   (each step: {walls})",
+        f"device time per step          {report['kernel_ms_per_step']:10.3f} ms   (kernels, memcpy, memset: summed)",
+        f"device busy per step          {report['device_busy_ms_per_step']:10.3f} ms   (some kernel or copy running)",
+        f"collectives per step          {report['collective_ms_per_step']:10.3f} ms",
+        f"exposed collectives per step  {report['exposed_collective_ms_per_step']:10.3f} ms   "
+        "(a collective running and no other kernel)",
+        "",
+        f"{'kernel group':<18} {'ms/step':>10} {'launches/step':>14} {'share':>7}",
+    ]
+    for g in report["groups"]:
+        lines.append(
+            f"{g['group']:<18} {g['ms_per_step']:10.3f} {g['launches_per_step']:14.2f} {g['share'] * 100:6.1f}%"
+        )
+    lines += ["", f"top {TOP_KERNELS} kernels by device time"]
+    lines.append(f"{'ms/step':>10} {'launches/step':>14} {'mean us':>10}  {'group':<17} name")
+    for k in report["top_kernels"]:
+        lines.append(
+            f"{k['ms_per_step']:10.3f} {k['launches_per_step']:14.2f} {k['mean_us']:10.2f}  "
+            f"{k['group']:<17} {_cut(k['name'], 160)}"
+        )
+    if not report["top_kernels"]:
+        lines.append("  (none: no GPU in this run)")
+    lines += ["", f"top {TOP_CPU_OPS} CPU ops by self time"]
+    lines.append(f"{'ms/step':>10} {'calls/step':>14}  name")
+    for o in report["top_cpu_ops"]:
+        lines.append(f"{o['self_ms_per_step']:10.3f} {o['calls_per_step']:14.2f}  {_cut(o['name'], 160)}")
+    return "\n".join(lines) + "\n"
+
+
+def device_kernels(events: Iterable[Any], device_index: int | None = None) -> list[Kernel]:
+    """(name, start_us, end_us) of the device work among a profiler's FunctionEvents (`prof.events()`):
+    CUDA events that are kernels, memcpys or memsets (not user-annotation spans), on `device_index`
+    when given."""
+    out: list[Kernel] = []
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        activity = getattr(e, "activity_type", None)  # newer torch names the kineto activity
+        if activity is not None and activity not in _DEVICE_WORK:
+            continue
+        if activity is None and getattr(e, "is_user_annotation", False):
+            continue
+        if device_index is not None and e.device_index != device_index:
+            continue
+        out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
+    return out
+
+
+def _cpu_ops(prof: profile) -> list[tuple[str, float, int]]:
+    """(name, self CPU µs, calls) of the CPU ops over the window."""
+    return [
+        (a.key, float(a.self_cpu_time_total), int(a.count))
+        for a in prof.key_averages()
+        if getattr(a, "device_type", DeviceType.CPU) == DeviceType.CPU
+    ]
+
+
+class StepProfiler:
+    """torch.profiler over the steps of `window` (1-based step numbers), then the report files.
+
+    On a GPU the device is synchronised before the profiler starts and before it stops, so the window
+    holds exactly the window's kernels. `announce` gets the one-line result (rank 0 passes a printer).
+    """
+
+    def __init__(
+        self,
+        window: range,
+        device: torch.device,
+        out_dir: Path,
+        rank: int = 0,
+        world: int = 1,
+        announce: Callable[[str], None] | None = None,
+    ) -> None:
+        self.window = window
+        self.device = device
+        self.out_dir = out_dir
+        self.rank, self.world = rank, world
+        self.announce = announce
+        self.prof: profile | None = None
+        self.seconds: list[float] = []
+        self.steps: list[int] = []
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def begin(self, step: int) -> None:
+        """Before `step` runs: start the profiler if it is the window's first step."""
+        if self.prof is not None or not self.window or step != self.window.start:
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.prof = profile(activities=activities)
+        # Some torch versions warn at start that a cycle reports only its own events: there is one cycle.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*clears events")
+            self.prof.start()
+
+    def end(self, step: int, seconds: float) -> bool:
+        """After `step` ran (in `seconds`): True when it was profiled; after the window's last step the
+        profiler stops and the report is written."""
+        if self.prof is None or step not in self.window:
+            return False
+        self.steps.append(step)
+        self.seconds.append(seconds)
+        if step == self.window[-1]:
+            self._finish()
+        return True
+
+    def close(self) -> None:
+        """The loop is over: a window left unfinished (the run stopped inside it) is dropped."""
+        if self.prof is not None:
+            try:
+                self.prof.stop()
+            except Exception:  # the loop is already failing or stopping; the profile is not needed
+                pass
+            self.prof = None
+            log.warning(
+                "runtime.profile_steps: the run stopped inside the profiled steps; no profile written"
+            )
+
+    def _finish(self) -> None:
+        prof, self.prof = self.prof, None
+        assert prof is not None
+        t0 = time.time()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        prof.stop()
+        try:
+            kernels: list[Kernel] = []
+            if self.cuda:
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                kernels = device_kernels(prof.events(), index)
+            meta = {
+                "rank": self.rank,
+                "world": self.world,
+                "device": str(self.device)
+                + (f" ({torch.cuda.get_device_name(self.device)})" if self.cuda else ""),
+                "torch": torch.__version__,
+            }
+            report = summarize(kernels, self.seconds, self.steps, _cpu_ops(prof), meta)
+        except Exception as e:  # a diagnostic: a profiler that cannot be read must not end the run
+            log.warning("runtime.profile_steps: cannot summarise the profile (%s: %s)", type(e).__name__, e)
+            return
+        report["summarise_seconds"] = round(time.time() - t0, 3)
+        txt, js = self.out_dir / f"rank{self.rank}.txt", self.out_dir / f"rank{self.rank}.json"
+        try:
+            atomic_write_json(js, report)
+            atomic_write_text(txt, render_text(report))
+        except OSError as e:
+            log.warning("%s: cannot write the profile (%s); training goes on", self.out_dir, e.strerror or e)
+            return
+        if self.announce is not None:
+            self.announce(headline(report, txt))
+
+
+def headline(report: dict[str, Any], path: Path) -> str:
+    """The console line: where the profile is and its headline numbers (per step, this rank)."""
+    steps = report["steps"]
+    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    world = report.get("world", 1)
+    others = f" (one pair per rank: rank0 to rank{world - 1})" if world > 1 else ""
+    return (
+        f"profile ({span}, rank {report.get('rank', 0)}): step {report['step_ms_mean']:.1f} ms, "
+        f"kernels {report['kernel_ms_per_step']:.1f} ms, exposed collectives "
+        f"{report['exposed_collective_ms_per_step']:.1f} ms per step -> {path}{others}"
+    )
