@@ -8,6 +8,7 @@ One process, one card, random weights at the presets' real shapes, the same batc
 Each step: teacher forward (no grad), student forward, loss, backward, AdamW step.
 
   triton      kdistill: its kernels (prewarmed and sealed first), chunked KD loss head
+  triton-fp8  the same with teacher.precision=fp8: the teacher's linears as row-wise scaled FP8 GEMMs
   reference   kdistill's PyTorch reference ops, chunked KD loss head
   dense       kdistill's decoder with reference ops and the KD loss written the obvious way (full
               [tokens x vocab] logits, log-softmax, KL)
@@ -38,6 +39,7 @@ from kdistill.commands.plan import make_plan
 from kdistill.config import load_config
 from kdistill.kernels import seal
 from kdistill.models.decoder import build_decoder
+from kdistill.models.fp8 import convert_to_fp8
 from kdistill.models.spec import load_spec
 from kdistill.ops.kd_loss import label_count
 from kdistill.train.optim import make_optimizer
@@ -48,7 +50,7 @@ try:  # run as a script (benchmarks/ on sys.path) or as a module
 except ImportError:  # pragma: no cover
     from benchmarks.hf_providers import HF_PROVIDERS, make_provider
 
-KDISTILL_PROVIDERS = ("triton", "reference", "dense")
+KDISTILL_PROVIDERS = ("triton", "triton-fp8", "reference", "dense")
 
 
 def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -86,8 +88,12 @@ def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callabl
     dev = torch.device("cuda")
     kernels = "reference" if provider in ("reference", "dense") else "triton"
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels))
+    if provider == "triton-fp8":  # teacher.precision=fp8: the teacher's linears as FP8 GEMMs
+        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
     sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
     teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
+    if provider == "triton-fp8":
+        convert_to_fp8(teacher)
     student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
     opt = make_optimizer(student, cfg.optim)
     amp = torch.autocast("cuda", dtype=torch.bfloat16)

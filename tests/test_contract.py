@@ -21,6 +21,7 @@ from kdistill.kernels import plan as plan_mod
 from kdistill.kernels import rmsnorm as rms_kernel
 from kdistill.kernels import seal as cache
 from kdistill.models.decoder import build_decoder
+from kdistill.models.fp8 import convert_to_fp8
 from kdistill.models.spec import spec_from_hf_config
 from kdistill.train.step import compute_loss, heldout_eval
 
@@ -87,6 +88,8 @@ def run_step(
     teacher = (
         build_decoder(teacher_spec, dtype=TORCH[prec.teacher_weights], seed=seed).eval().requires_grad_(False)
     )
+    if run.teacher.precision == "fp8":  # as the loop loads it (train/recipe.py teacher_precision)
+        convert_to_fp8(teacher)
     student = build_decoder(student_spec, dtype=student_dtype or TORCH[prec.student_weights], seed=seed + 1)
     student.checkpoint_blocks(checkpointing)
     g = torch.Generator().manual_seed(seed)

@@ -28,7 +28,9 @@ CHILD = textwrap.dedent(
     from kdistill.ops.rmsnorm import rmsnorm_reference
 
     assert not AVAILABLE and "triton" not in sys.modules
-    keys = plan.required_kernels(load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b"), RunConfig(), "sm_90")
+    run = RunConfig()
+    run.teacher.precision = "fp8"  # every registered kernel, the FP8 teacher's quantisation too
+    keys = plan.required_kernels(load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b"), run, "sm_90")
     ops = {k.op for k in keys}
     assert {kern.op for spec in registry.KERNELS for kern in spec.kernels} <= ops, ops
     x, w = torch.randn(2, 3, 16), torch.rand(16)

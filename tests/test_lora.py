@@ -252,3 +252,24 @@ def test_lora_contract_launched_keys_are_planned(base_dtype):
     assert contract.check(rec.launches, plan, warm.specializations) == []
     merge_lora(student)
     assert not lora_modules(student)
+
+
+def test_bf16_base_under_fsdp2_of_torch_before_2_8_is_refused(monkeypatch):
+    """FSDP2 before torch 2.8 wants one dtype per unit: a bf16 base beside fp32 adapters is refused
+    (one line, before anything loads); a fp32 base shards on any version."""
+    from torch.torch_version import TorchVersion
+
+    from kdistill.errors import UserError
+    from kdistill.train import distributed as dist
+
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.7.1"))
+    dist.check_lora_sharding(torch.float32)
+    with pytest.raises(UserError) as e:
+        dist.check_lora_sharding(torch.bfloat16)
+    assert str(e.value) == (
+        "student.lora.base_dtype=bfloat16 under torchrun needs torch >= 2.8 (this is 2.7.1): the FSDP2 of "
+        "earlier versions shards a decoder block only if all its parameters share one dtype, and the block "
+        "holds the bfloat16 base and the float32 adapters; upgrade torch or use student.lora.base_dtype=float32"
+    )
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.8.0"))
+    dist.check_lora_sharding(torch.bfloat16)

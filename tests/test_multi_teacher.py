@@ -110,3 +110,12 @@ def test_plan_counts_every_teacher_of_a_mixture():
     t_fwd = teacher.matmul_flops_per_token(one.data.seq_len)
     assert b["flops_per_token"]["teacher_forward"] == 2 * t_fwd == 2 * a["flops_per_token"]["teacher_forward"]
     assert b["memory_bytes"]["total"] > a["memory_bytes"]["total"]
+
+
+def test_a_teacher_cache_of_several_teachers_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(two_teachers(tmp_path / "run", steps=2), sort_keys=False))
+    rc, _, err = run_cli(capsys, "teacher-cache", str(path), "--out", str(tmp_path / "tc"), "--quiet")
+    assert rc == 2
+    assert one_error_line(err).startswith("teachers: a teacher cache holds one teacher's targets")
+    assert not (tmp_path / "tc").exists()

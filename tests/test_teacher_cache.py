@@ -1,9 +1,11 @@
 """Two-stage distillation end to end: `kdistill teacher-cache` then `kdistill run teacher.cache=DIR`.
 
-An `exact` cache gives the live teacher's losses step by step (metrics.jsonl, to bf16 rounding) and the
-teacher is never loaded; `topk` and `sampled` caches train; a cache for another seq_len, data or
-teacher is a one-line error naming the field; writing is resumable (complete shards are kept, a missing
-one is rewritten) and the shard arrays are memory-mapped .npy files listed by the manifest.
+An `exact` cache gives the live teacher's losses step by step (metrics.jsonl) and its held-out evals
+(eval.jsonl: student CE, KL to the teacher, teacher CE), to bf16 rounding, and the teacher is never
+loaded; `topk` and `sampled` caches train; a cache for another seq_len, data or teacher is a one-line
+error naming the field; writing is resumable (complete shards are kept, a missing one is rewritten) and
+the shard arrays are memory-mapped .npy files listed by the manifest. The held-out part of the cache:
+tests/test_teacher_cache_heldout.py.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def _losses(run_dir):
     return [(r["loss"], r["ce"], r["kd"]) for r in rows]
 
 
+def _evals(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines() if x.strip()]
+    return [(r["step"], r["student_loss"], r["kl_to_teacher"], r["teacher_loss"]) for r in rows]
+
+
 def _write(tmp_path, cfg, name="run.yaml"):
     path = tmp_path / name
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -38,7 +45,7 @@ def _cache(capsys, cfg_path, out, *extra):
 
 
 def test_exact_cache_gives_the_live_teachers_losses(tmp_path, capsys, monkeypatch):
-    cfg = base_config(tmp_path / "live", steps=5)
+    cfg = base_config(tmp_path / "live", steps=5, eval_every=2)
     live_path = _write(tmp_path, cfg)
     rc, _, err = run_cli(capsys, "run", str(live_path), "--quiet")
     assert rc == 0, err
@@ -49,7 +56,7 @@ def test_exact_cache_gives_the_live_teachers_losses(tmp_path, capsys, monkeypatc
     assert (
         manifest["complete"]
         and manifest["seq_len"] == 32
-        and len(manifest["shards"]) == info["written_shards"]
+        and len(manifest["shards"]) + len(manifest["heldout"]["shards"]) == info["written_shards"]
     )
 
     loaded = {}
@@ -72,8 +79,16 @@ def test_exact_cache_gives_the_live_teachers_losses(tmp_path, capsys, monkeypatc
     for a, b in zip(live, cached):
         for x, y in zip(a, b):
             assert abs(x - y) <= 2e-2 * max(1.0, abs(x)), (a, b)
+    # the held-out evals (steps 2, 4 and the final one) report the live run's fields and values
+    live, cached = _evals(tmp_path / "live"), _evals(tmp_path / "cached")
+    assert [r[0] for r in live] == [r[0] for r in cached] == [2, 4, 5]
+    for a, b in zip(live, cached):
+        for x, y in zip(a[1:3], b[1:3]):  # student CE and KL: the students differ by bf16-rounded targets
+            assert abs(x - y) <= 2e-2 * max(1.0, abs(x)), (a, b)
+        assert abs(a[3] - b[3]) <= 1e-5 * abs(a[3]), (a, b)  # teacher CE: fp32 log-probs of the labels
     summary = json.loads((tmp_path / "cached" / "summary.json").read_text())
-    assert summary["status"] == "completed" and "teacher_loss" not in summary["heldout"]
+    assert summary["status"] == "completed"
+    assert set(summary["heldout"]) == {"student_loss", "teacher_loss", "kl_to_teacher"}
 
 
 @pytest.mark.parametrize("mode", ["topk", "sampled"])

@@ -2,7 +2,7 @@
 
 A run config is YAML with these sections (every field has a default except the model paths):
 
-    teacher:  {path: DIR, cache: DIR (a teacher cache: the teacher is not loaded)}
+    teacher:  {path: DIR, cache: DIR (a teacher cache: the teacher is not loaded), precision: auto|fp8}
     teachers: [{path: DIR, weight: W}, ...]  (instead of teacher.path: a mixture of several teachers)
     student:  {path: DIR | config.json | preset, init: auto|pretrained|random|teacher_layers,
                lora: {rank, alpha, dropout, targets, base_dtype}}
@@ -46,6 +46,12 @@ class TeacherConfig:
     path: str = ""
     # A teacher cache (kdistill teacher-cache --out DIR): train on its targets, the teacher never loaded
     cache: str = ""
+    # auto: the teacher's linears in the compute dtype; fp8: row-wise scaled FP8 GEMMs (kdistill.models.fp8),
+    # on GPUs of compute capability 8.9 or newer (the CPU runs the dequantised reference)
+    precision: str = "auto"
+
+    def validate(self) -> None:
+        _choice("teacher.precision", self.precision, ("auto", "fp8"))
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from kdistill.kernels import fp8_quant as fp8_kernel
 from kdistill.kernels import kd_loss as kd_kernel
 from kdistill.kernels import library
 from kdistill.kernels import rmsnorm as norm_kernel
@@ -60,6 +61,7 @@ __all__ = [
     "configure",
     "current",
     "kd_loss",
+    "quantize_rows",
     "recording",
     "rmsnorm",
     "swiglu",
@@ -387,6 +389,23 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (B, 1, T, S) bool mask -> (B, Hq, T, D). Records an SDPA library key with T and S (no grad)."""
     _record_sdpa(q, k, grad=False, masked=True, kv_seq=k.shape[2])
     return cached_attention_reference(q, k, v, mask)
+
+
+# -- FP8 GEMM inputs (an FP8 teacher) -------------------------------------------------------------
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (rows, K) float8_e4m3fn, scale (rows,) fp32) with x (..., K) ~ q * scale[:, None] row by
+    row: the input of a row-wise scaled FP8 GEMM. No gradient (the FP8 teacher is frozen)."""
+    rt = current()
+    x2 = _rows(x)
+    key = fp8_kernel.key(rt.arch, k=x2.shape[-1], dtype=x2.dtype, aligned=aligned(x2))
+    if rt.use_kernel(key, x2):
+        try:
+            args = lambda: fp8_kernel.launch(key, x2)  # noqa: E731
+            return rt.launch(key, lambda: fp8_kernel.run(args()), args)
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", lambda: fp8_kernel.launch(key, x2))
+    return fp8_kernel.reference(x2)
 
 
 # -- the KD head --------------------------------------------------------------------------------------

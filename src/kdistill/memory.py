@@ -109,8 +109,14 @@ def estimate_memory(
     trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else ps
     base_bytes = (2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4
     pt += sum(t.param_counts()["total"] for t in extra_teachers)
+    teacher_bytes = pt * act_bytes
+    if cfg.teacher.precision == "fp8":  # the blocks' linears at 1 byte per weight, 4 per output channel
+        for t in (teacher, *extra_teachers):
+            linear = t.num_layers * sum(a * b for a, b in t.linear_shapes().values())
+            channels = t.num_layers * sum(b for _, b in t.linear_shapes().values())
+            teacher_bytes -= linear * (act_bytes - 1) - channels * 4
     fixed = {
-        "teacher_weights": 0 if cached else pt * act_bytes,
+        "teacher_weights": 0 if cached else teacher_bytes,
         "student_weights": ps * base_bytes + (trainable * 4 if lora.enabled else 0),
         "optimizer_state": trainable * 8,
         "autocast_weight_copies": trainable * 2 if gpu else 0,
@@ -123,7 +129,7 @@ def estimate_memory(
             else (
                 _gathered(teacher, act_bytes) + pt * act_bytes // w
                 if layout.teacher_sharded
-                else pt * act_bytes
+                else teacher_bytes
             ),
             "student_weights": ps * 4 // w,
             "optimizer_state": ps * 8 // w,

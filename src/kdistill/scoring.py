@@ -1,7 +1,9 @@
-"""Held-out cross-entropy and perplexity of a model (the library part of `kdistill eval`).
+"""Held-out cross-entropy and perplexity of a model (the library part of `kdistill eval`), and the held-out
+eval of a run that trains from a teacher cache.
 
     result = evaluate(model, sequences, batch_size=8, device="cpu")   # {"loss", "perplexity", "tokens"}
     seqs = eval_sequences(files, eos_id, seq_len=512, packed=True)   # what `kdistill eval` scores
+    res = heldout_eval_cached(student, cache, held, cfg, device, amp)  # a run with teacher.cache
 
 `loss` is the mean next-token cross-entropy in nats over every scored token (token-weighted across
 sequences), from an fp32 log-softmax. Packed (default): the documents are joined with EOS and cut into
@@ -9,6 +11,12 @@ windows of seq_len + 1 tokens (stride seq_len; the last, shorter window is score
 the first is scored once. With --no-pack each document (each JSONL line) is scored on its own, truncated to
 seq_len tokens, exactly as transformers scores `model(input_ids, labels=input_ids)`: the mean over the
 shifted tokens of all sequences together.
+
+`heldout_eval_cached` is the held-out eval of `kdistill run ... teacher.cache=DIR` (kdistill.train.step's
+`heldout_eval` with the cache's held-out targets for the teacher): student_loss, kl_to_teacher (KL(p || q)
+at T = 1: exact from an exact cache to bf16 rounding, the (k + 1)-bucket KL from a topk cache, the
+k-sample estimate from a sampled one) and teacher_loss (from the teacher's log-prob of each label, stored
+in fp32 in every mode: exact). See docs/teacher_cache.md.
 """
 
 from __future__ import annotations
@@ -23,8 +31,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kdistill.data import LoadedFile, stream_tokens
+from kdistill import dispatch
+from kdistill.config import RunConfig
+from kdistill.data import HeldoutBatches, LoadedFile, stream_tokens
 from kdistill.errors import UserError
+from kdistill.ops import kd_sparse
+from kdistill.teacher_cache import TeacherCache
+from kdistill.train import distributed as dist
+from kdistill.train.step import head_operands
 
 LOGITS_BUDGET = 1 << 24  # fp32 logits per chunk (64 MiB): no (tokens x vocab) tensor for the whole batch
 
@@ -143,3 +157,78 @@ def _cap(seqs: list[np.ndarray], max_tokens: int) -> list[np.ndarray]:
             out.append(take)
             left -= len(take) - 1
     return out
+
+
+@torch.no_grad()
+def heldout_eval_cached(
+    student: Any,
+    cache: TeacherCache,
+    batches: HeldoutBatches,
+    cfg: RunConfig,
+    device: torch.device,
+    amp: Any,
+) -> dict[str, float]:
+    """The held-out eval of a run with a teacher cache that holds the held-out part (cache.heldout):
+    token-weighted student CE, KL(teacher || student) at T = 1 and teacher CE, the fields of a live
+    run's eval (kdistill.train.step.heldout_eval), with the cache's targets for the teacher.
+
+    Args:
+        student: the student Decoder (in eval mode).
+        cache: an open TeacherCache whose held-out rows are the ones `batches` reads (checked at open).
+        batches: the run's fixed held-out batches (kdistill.data.heldout_batches over data.heldout).
+        cfg: the run config (kd.ignore_index, kd.chunk_size).
+        device, amp: where the student runs, and its autocast context.
+
+    Returns:
+        {"student_loss", "kl_to_teacher", "teacher_loss", "tokens"}. kl_to_teacher is exact (to the bf16
+        rounding of the cached log-probs) from an exact cache; from a topk cache the KL between the
+        (k + 1)-bucket distributions (top-k ids and the remaining mass), a lower bound of the KL; from
+        a sampled cache the mean over its k draws x_j ~ p of log p(x_j) - log q(x_j), an unbiased
+        estimate. teacher_loss is exact in every mode (the teacher's fp32 log-prob of each label).
+
+    Under torchrun each process scores its contiguous share of every batch's rows and the sums are
+    added over the processes, as heldout_eval does.
+    """
+    tot = {"student": 0.0, "kl": 0.0, "teacher": 0.0}
+    tokens = 0
+    multi = dist.active()
+    ignore = cfg.kd.ignore_index
+    common: dict[str, Any] = dict(
+        alpha=0.5, temperature=1.0, divergence="forward_kl", ignore_index=ignore, chunk_size=cfg.kd.chunk_size
+    )
+    for b, batch in enumerate(batches):
+        rows = np.arange(b * batches.batch_size, b * batches.batch_size + batch[0].shape[0])
+        count = True
+        if multi:  # this process's contiguous share; none: a stand-in row, run for the collectives only
+            mine = np.array_split(np.arange(len(rows)), dist.info().world)[dist.info().rank]
+            count = len(mine) > 0
+            pick = mine if count else np.arange(1)
+            rows, batch = rows[pick], tuple(t[torch.from_numpy(pick)] for t in batch)
+        input_ids, labels, *docs = (t.to(device) for t in batch)
+        with amp:
+            s_h, s_w = head_operands(student(input_ids, *docs).flatten(0, 1), student.lm_head_weight)
+        if not count:
+            continue
+        flat = labels.flatten()  # (N,)
+        targets = cache.targets(rows, heldout=True).to(device).flatten(0, 1)  # (N, V) or (N, X)
+        if cache.mode == "exact":
+            r = dispatch.kd_loss(s_h, s_w, None, None, flat, teacher_logprobs=targets, **common)
+        else:
+            r = kd_sparse.kd_loss_sparse(s_h, s_w, targets, flat, mode=cache.mode, k=cache.k, **common)
+        label_logp = cache.label_logp(rows).to(device).flatten()  # (N,) fp32, 0 where ignored
+        tot["student"] += float(r.ce) * r.tokens
+        tot["kl"] += float(r.kd) * r.tokens
+        tot["teacher"] -= float(label_logp[flat != ignore].double().sum())
+        tokens += r.tokens
+    if multi:
+        dist.reshard(student)  # FSDP2 keeps a root gathered after forward; no backward follows here
+        sums = dist.all_reduce_sum([tot["student"], tot["kl"], tot["teacher"], float(tokens)])
+        tot = {"student": sums[0], "kl": sums[1], "teacher": sums[2]}
+        tokens = int(sums[3])
+    n = max(tokens, 1)
+    return {
+        "student_loss": tot["student"] / n,
+        "tokens": tokens,
+        "kl_to_teacher": tot["kl"] / n,
+        "teacher_loss": tot["teacher"] / n,
+    }

@@ -1,4 +1,5 @@
-"""A teacher cache: the teacher's targets for every packed training row, written once, read by runs.
+"""A teacher cache: the teacher's targets for every packed training row and every evaluated held-out
+row, written once, read by runs.
 
     kdistill teacher-cache run.yaml --out cache/ --mode exact|topk|sampled --k 64
     kdistill run run.yaml teacher.cache=cache/          # no teacher loaded
@@ -6,16 +7,23 @@
 Layout of DIR (see docs/teacher_cache.md):
 
     manifest.json                  identity (teacher, tokenizer, data), seq_len, temperature, mode, k,
-                                   rows, shard_rows, the shard list, complete
+                                   rows, shard_rows, the shard list, heldout (its identity and shard
+                                   list), complete
     shard-00000/                   rows [0, shard_rows): one .npy per array, memory-mapped at load
         logp.npy    exact    (R, T, V) uint16  bf16 bits of log_softmax(teacher logits) at T = 1
         ids.npy     topk     (R, T, k) int32   top-k ids of p_T;    sampled: k draws from p_T
         logp.npy    topk     (R, T, k) float32 log p_T(ids);        sampled: the same
         rest.npy    topk     (R, T)    float32 log(1 - sum p_T(ids)), the remaining mass
+    heldout-00000/                 held-out rows [0, shard_rows): the same arrays at T = 1 (the
+                                   held-out eval's temperature), and
+        label.npy   every mode (R, T)  float32 log p(label) at T = 1 (0 where the label is ignored)
 
 Row r of the cache is row r of the run's packed training data (data.train[r]): the index is the row's,
-not the batch order's, so any seed or batch size reads the same targets. A shard is written to
-`shard-XXXXX.tmp/` and renamed when complete; writing again skips complete shards (resumable).
+not the batch order's, so any seed or batch size reads the same targets. Held-out row r is row r of
+data.heldout; the cache holds the rows the run's held-out eval reads (schedule.eval_batches batches of
+schedule.batch_size: kdistill.data.heldout_batches). A shard is written to `shard-XXXXX.tmp/` and
+renamed when complete; writing again skips complete shards (resumable). A cache without the held-out
+part (written before it existed) still serves training; its runs' evals report the student's CE only.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kdistill.data import heldout_batches
 from kdistill.errors import UserError
 from kdistill.jsonio import read_json
 
@@ -35,6 +44,10 @@ MODES = ("exact", "topk", "sampled")
 FORMAT = 1
 # Manifest fields a run checks against its own config, data and models, in the order it checks them.
 CHECKED = ("format", "teacher", "tokenizer", "data", "seq_len", "temperature")
+# The held-out part (manifest `heldout`, shards heldout-XXXXX): what a run checks of it. The rows its eval
+# reads and their sha256; schedule.eval_batches and batch_size only name the cause when the rows differ.
+HELDOUT_PREFIX = "heldout"
+HELDOUT_CHECKED = ("rows", "data")
 
 
 def teacher_identity(model_dir: str | Path) -> str:
@@ -57,8 +70,9 @@ def teacher_identity(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def data_identity(train: Any) -> str:
-    """sha256 of the packed training rows (raw windows, or the arrays of packed conversations)."""
+def data_identity(train: Any, rows: int | None = None) -> str:
+    """sha256 of the packed rows (raw windows, or the arrays of packed conversations); the first
+    `rows` of them when given."""
     h = hashlib.sha256()
     parts = (
         [train.input_ids, train.labels, train.position_ids, train.doc_ids]
@@ -66,7 +80,7 @@ def data_identity(train: Any) -> str:
         else [train]
     )
     for p in parts:
-        a = np.ascontiguousarray(p)
+        a = np.ascontiguousarray(p if rows is None else p[:rows])
         h.update(f"{a.dtype}{a.shape}".encode())
         h.update(a.tobytes())
     return h.hexdigest()
@@ -77,9 +91,23 @@ def seq_len_of(train: Any) -> int:
     return int(train.input_ids.shape[1]) if hasattr(train, "input_ids") else int(train.shape[1]) - 1
 
 
-def run_identity(cfg: Any, tokenizer_identity: str, train: Any) -> dict[str, Any]:
-    """What a cache must match for a run config: teacher, tokenizer, data, seq_len, temperature."""
+def heldout_identity(heldout: Any, batch_size: int, eval_batches: int) -> dict[str, Any]:
+    """The held-out rows a run evaluates (kdistill.data.heldout_batches: the first eval_batches batches
+    of batch_size rows): their count, sha256, and the schedule behind them."""
+    count = len(heldout_batches(heldout, batch_size, eval_batches))
+    rows = min(len(heldout), count * batch_size)
     return {
+        "rows": int(rows),
+        "data": data_identity(heldout, rows),
+        "batch_size": int(batch_size),
+        "eval_batches": int(eval_batches),
+    }
+
+
+def run_identity(cfg: Any, tokenizer_identity: str, train: Any, heldout: Any = None) -> dict[str, Any]:
+    """What a cache must match for a run config: teacher, tokenizer, data, seq_len, temperature, and
+    with `heldout` (the run's packed held-out rows) the held-out rows its evals read."""
+    out = {
         "format": FORMAT,
         "teacher": teacher_identity(cfg.teacher.path),
         "tokenizer": tokenizer_identity,
@@ -87,19 +115,31 @@ def run_identity(cfg: Any, tokenizer_identity: str, train: Any) -> dict[str, Any
         "seq_len": seq_len_of(train),
         "temperature": float(cfg.kd.temperature),
     }
+    if heldout is not None:
+        out["heldout"] = heldout_identity(heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)
+    return out
 
 
-def shard_name(i: int) -> str:
-    return f"shard-{i:05d}"
+def shard_name(i: int, prefix: str = "shard") -> str:
+    return f"{prefix}-{i:05d}"
+
+
+def shard_list(rows: int, shard_rows: int, prefix: str = "shard") -> list[dict[str, Any]]:
+    """[{name, start, stop}, ...]: rows [0, rows) in shards of shard_rows."""
+    n = (rows + shard_rows - 1) // shard_rows
+    return [
+        {"name": shard_name(i, prefix), "start": i * shard_rows, "stop": min(rows, (i + 1) * shard_rows)}
+        for i in range(n)
+    ]
 
 
 def make_manifest(
     *, teacher: str, tokenizer: str, data: str, seq_len: int, temperature: float, mode: str, k: int,
-    vocab: int, rows: int, shard_rows: int,
+    vocab: int, rows: int, shard_rows: int, heldout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The manifest of a cache (complete=False until every shard is written)."""
-    n = (rows + shard_rows - 1) // shard_rows
-    return {
+    """The manifest of a cache (complete=False until every shard is written). `heldout`: the
+    held-out rows' identity (heldout_identity); its shards are listed with it."""
+    out = {
         "format": FORMAT,
         "teacher": teacher,
         "tokenizer": tokenizer,
@@ -111,21 +151,26 @@ def make_manifest(
         "vocab": int(vocab),
         "rows": int(rows),
         "shard_rows": int(shard_rows),
-        "shards": [
-            {"name": shard_name(i), "start": i * shard_rows, "stop": min(rows, (i + 1) * shard_rows)}
-            for i in range(n)
-        ],
+        "shards": shard_list(rows, shard_rows),
         "complete": False,
     }
+    if heldout is not None:
+        out["heldout"] = {
+            **heldout,
+            "temperature": 1.0,
+            "shards": shard_list(heldout["rows"], shard_rows, HELDOUT_PREFIX),
+        }
+    return out
 
 
-def arrays_of(mode: str) -> tuple[str, ...]:
-    """The .npy arrays a shard of `mode` holds."""
-    return {"exact": ("logp",), "topk": ("ids", "logp", "rest"), "sampled": ("ids", "logp")}[mode]
+def arrays_of(mode: str, heldout: bool = False) -> tuple[str, ...]:
+    """The .npy arrays a shard of `mode` holds (a held-out shard adds `label`)."""
+    base = {"exact": ("logp",), "topk": ("ids", "logp", "rest"), "sampled": ("ids", "logp")}[mode]
+    return (*base, "label") if heldout else base
 
 
-def shard_complete(root: Path, name: str, mode: str) -> bool:
-    return all((root / name / f"{a}.npy").is_file() for a in arrays_of(mode))
+def shard_complete(root: Path, name: str, mode: str, heldout: bool = False) -> bool:
+    return all((root / name / f"{a}.npy").is_file() for a in arrays_of(mode, heldout))
 
 
 def write_shard(root: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
@@ -177,28 +222,65 @@ def check_manifest(found: dict[str, Any], want: dict[str, Any], where: str) -> N
             )
 
 
+def check_heldout(found: dict[str, Any] | None, want: dict[str, Any], where: str) -> None:
+    """A one-line error when the cache's held-out rows (manifest `heldout`) are not the ones this run
+    evaluates, naming schedule.eval_batches or schedule.batch_size when one of them differs, else the
+    held-out data. `found` None (a cache without the held-out part) passes: the caller reports it."""
+    if found is None or all(found.get(f) == want.get(f) for f in HELDOUT_CHECKED):
+        return
+    for field in ("eval_batches", "batch_size"):
+        if found.get(field) != want.get(field):
+            a, b = found.get(field), want.get(field)
+            label = f"schedule.{field}"
+            break
+    else:
+        label = "held-out data"
+        a, b = (f"{h.get('rows')} rows, {str(h.get('data'))[:12]}" for h in (found, want))
+    raise UserError(
+        f"{where}: held-out targets made for another {label} ({a}, this run has {b}): run kdistill "
+        "teacher-cache again for this config with the same --out (it rewrites the held-out part only)"
+    )
+
+
 class TeacherCache:
-    """A complete cache opened for reading (memory-mapped shards); `targets(rows)` per batch."""
+    """A complete cache opened for reading (memory-mapped shards); `targets(rows)` per batch.
+
+    `heldout` is the manifest's held-out section (None for a cache written without it); then
+    `targets(rows, heldout=True)` and `label_logp(rows)` read the held-out rows' targets."""
 
     def __init__(self, root: Path, manifest: dict[str, Any]) -> None:
         self.root, self.manifest = root, manifest
         self.mode, self.k = manifest["mode"], int(manifest["k"])
         self.shard_rows = int(manifest["shard_rows"])
-        self.shards: list[dict[str, np.ndarray]] = []
-        for s in manifest["shards"]:
-            if not shard_complete(root, s["name"], self.mode):
-                raise UserError(f"teacher.cache {root}: shard {s['name']} is missing (an unfinished cache)")
-            self.shards.append(
-                {a: np.load(root / s["name"] / f"{a}.npy", mmap_mode="r") for a in arrays_of(self.mode)}
+        self.heldout: dict[str, Any] | None = manifest.get("heldout")
+        self.shards = self._open_shards(manifest["shards"], heldout=False)
+        self.heldout_shards = self._open_shards(self.heldout["shards"], heldout=True) if self.heldout else []
+
+    def _open_shards(self, listed: list[dict[str, Any]], heldout: bool) -> list[dict[str, np.ndarray]]:
+        out = []
+        for s in listed:
+            if not shard_complete(self.root, s["name"], self.mode, heldout):
+                raise UserError(
+                    f"teacher.cache {self.root}: shard {s['name']} is missing (an unfinished cache)"
+                )
+            out.append(
+                {
+                    a: np.load(self.root / s["name"] / f"{a}.npy", mmap_mode="r")
+                    for a in arrays_of(self.mode, heldout)
+                }
             )
+        return out
 
     @classmethod
     def open(cls, root: str | Path, want: dict[str, Any]) -> TeacherCache:
-        """Open DIR, checking its manifest against `want` (teacher, tokenizer, data, seq_len, temperature)."""
+        """Open DIR, checking its manifest against `want` (teacher, tokenizer, data, seq_len, temperature;
+        and the held-out rows when `want` has `heldout` and the cache a held-out part)."""
         root = Path(root)
         manifest = read_manifest(root)
         where = f"teacher.cache {root}"
         check_manifest(manifest, want, where)
+        if "heldout" in want:
+            check_heldout(manifest.get("heldout"), want["heldout"], where)
         if manifest.get("mode") not in MODES:
             raise UserError(f"{where}: mode is {manifest.get('mode')!r}, expected one of: {', '.join(MODES)}")
         if not manifest.get("complete"):
@@ -207,21 +289,26 @@ class TeacherCache:
             )
         return cls(root, manifest)
 
-    def _gather(self, name: str, rows: np.ndarray) -> np.ndarray:
-        parts = [
-            np.asarray(self.shards[r // self.shard_rows][name][r % self.shard_rows]) for r in rows.tolist()
-        ]
+    def _gather(self, name: str, rows: np.ndarray, heldout: bool = False) -> np.ndarray:
+        shards = self.heldout_shards if heldout else self.shards
+        parts = [np.asarray(shards[r // self.shard_rows][name][r % self.shard_rows]) for r in rows.tolist()]
         return np.stack(parts)
 
-    def targets(self, rows: np.ndarray) -> torch.Tensor:
+    def targets(self, rows: np.ndarray, heldout: bool = False) -> torch.Tensor:
         """(B, T, V) bf16 log-probs (exact), (B, T, 2k + 1) fp32 [ids | log p | rest] (topk) or
-        (B, T, 3k + 1) fp32 [ids | 1/k | log p | 0] (sampled), for dataset rows `rows`."""
+        (B, T, 3k + 1) fp32 [ids | 1/k | log p | 0] (sampled), for dataset rows `rows` (of data.train,
+        or with `heldout` of data.heldout, whose sparse targets are at T = 1)."""
+        rows = np.asarray(rows, dtype=np.int64)
         if self.mode == "exact":
-            return from_bf16_bits(self._gather("logp", rows))
-        ids = torch.from_numpy(self._gather("ids", rows).astype(np.float32))
-        logp = torch.from_numpy(self._gather("logp", rows).astype(np.float32))
+            return from_bf16_bits(self._gather("logp", rows, heldout))
+        ids = torch.from_numpy(self._gather("ids", rows, heldout).astype(np.float32))
+        logp = torch.from_numpy(self._gather("logp", rows, heldout).astype(np.float32))
         if self.mode == "topk":
-            rest = torch.from_numpy(self._gather("rest", rows).astype(np.float32)).unsqueeze(-1)
+            rest = torch.from_numpy(self._gather("rest", rows, heldout).astype(np.float32)).unsqueeze(-1)
             return torch.cat([ids, logp, rest], dim=-1)
         w = torch.full_like(logp, 1.0 / self.k)
         return torch.cat([ids, w, logp, torch.zeros_like(logp[..., :1])], dim=-1)
+
+    def label_logp(self, rows: np.ndarray) -> torch.Tensor:
+        """(B, T) fp32 teacher log-probs of the labels at T = 1 of held-out rows `rows` (0 where ignored)."""
+        return torch.from_numpy(self._gather("label", np.asarray(rows, dtype=np.int64), heldout=True))

@@ -1,19 +1,24 @@
-"""`kdistill teacher-cache`: run the teacher once over a run's packed training rows and write its targets.
+"""`kdistill teacher-cache`: run the teacher once over a run's packed training rows (and the held-out rows
+its evals read) and write its targets.
 
     kdistill teacher-cache run.yaml --out cache/ --mode exact             # all log-probs (bf16)
     kdistill teacher-cache run.yaml --out cache/ --mode topk --k 64       # top-k + remaining mass
     kdistill teacher-cache run.yaml --out cache/ --mode sampled --k 64    # k draws from p_T
     kdistill run run.yaml teacher.cache=cache/                            # trains without the teacher
 
-The rows are those `kdistill run` packs from the same config (data, seq_len, tokenizer); the layout and
+The rows are those `kdistill run` packs from the same config (data, seq_len, tokenizer); the held-out
+rows are those its evals read (schedule.eval_batches batches of schedule.batch_size). The layout and
 the manifest are described in kdistill.teacher_cache and docs/teacher_cache.md. Running it again with
-the same --out keeps the complete shards and writes the rest.
+the same --out keeps the complete shards and writes the rest; held-out shards made for other held-out
+rows (another eval_batches, batch_size or held-out data) are replaced, the training shards kept. A
+teacher.path given as a Hugging Face name (org/name[@revision]) is read as `kdistill run` reads it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +26,14 @@ import numpy as np
 import torch
 
 from kdistill import teacher_cache as tc
-from kdistill.config import load_config
+from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json, progress_bar
 from kdistill.data.batches import take
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json
 from kdistill.kernels import seal
 from kdistill.models.hf_io import load_model
+from kdistill.models.hub import resolve_run_models
 from kdistill.train.recipe import check_models, load_data, resolve_device
 
 
@@ -36,19 +42,29 @@ def teacher_cache_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, cache=""))
     cfg.validate()
+    if cfg.teachers:
+        raise UserError(
+            "teachers: a teacher cache holds one teacher's targets and a run refuses teacher.cache with "
+            "teachers; give the one teacher as teacher.path"
+        )
+    resolve_run_models(cfg)  # a Hub name in teacher.path (or student.path): its cached snapshot
     summary = build_cache(cfg, Path(args.out), args.mode, args.k, args.shard_rows, quiet=args.quiet)
     if args.json:
         print_json(summary)
     else:
         print(
-            f"teacher cache {args.out}: {summary['rows']} rows x {summary['seq_len']} tokens, mode "
-            f"{summary['mode']}, {summary['bytes_per_token']:.1f} bytes per token"
+            f"teacher cache {args.out}: {summary['rows']} rows x {summary['seq_len']} tokens and "
+            f"{summary['heldout_rows']} held-out rows, mode {summary['mode']}, "
+            f"{summary['bytes_per_token']:.1f} bytes per token"
         )
     return 0
 
 
-def build_cache(cfg, out: Path, mode: str, k: int, shard_rows: int, *, quiet: bool = False) -> dict[str, Any]:
-    """Write every missing shard of the cache in `out`; return a summary (rows, bytes per token)."""
+def build_cache(
+    cfg: RunConfig, out: Path, mode: str, k: int, shard_rows: int, *, quiet: bool = False
+) -> dict[str, Any]:
+    """Write every missing shard of the cache in `out` (training rows, then the held-out rows the run's
+    evals read); return a summary (rows, bytes per token of the training part, held-out rows)."""
     if mode not in tc.MODES:
         raise UserError(f"--mode is '{mode}', expected one of: {', '.join(tc.MODES)}")
     if shard_rows < 1:
@@ -59,9 +75,9 @@ def build_cache(cfg, out: Path, mode: str, k: int, shard_rows: int, *, quiet: bo
         raise UserError(f"--k is {k}, expected an integer in [1, {vocab - 1}] for --mode {mode}")
     device, dtype = resolve_device(cfg)
     data = load_data(cfg, tok)
-    want = tc.run_identity(cfg, tok.identity, data.train)
+    want = tc.run_identity(cfg, tok.identity, data.train, data.heldout)
     manifest = tc.make_manifest(
-        **{f: want[f] for f in ("teacher", "tokenizer", "data", "seq_len", "temperature")},
+        **{f: want[f] for f in ("teacher", "tokenizer", "data", "seq_len", "temperature", "heldout")},
         mode=mode, k=k if mode != "exact" else 0, vocab=vocab, rows=len(data.train), shard_rows=shard_rows,
     )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
@@ -74,57 +90,106 @@ def build_cache(cfg, out: Path, mode: str, k: int, shard_rows: int, *, quiet: bo
                     f"--out {out}: holds a cache with {field}={old.get(field)}, asked for {manifest[field]} "
                     "(use another --out)"
                 )
+        if old.get("heldout") != manifest["heldout"]:
+            # other held-out rows (eval_batches, batch_size or held-out data): before the new manifest
+            # lists shards of the same names, so that no old shard passes for a complete new one
+            drop_heldout_shards(out)
     atomic_write_json(out / "manifest.json", manifest)
-    todo = [s for s in manifest["shards"] if not tc.shard_complete(out, s["name"], mode)]
+    todo = [(s, False) for s in manifest["shards"] if not tc.shard_complete(out, s["name"], mode)]
+    todo += [
+        (s, True)
+        for s in manifest["heldout"]["shards"]
+        if not tc.shard_complete(out, s["name"], mode, heldout=True)
+    ]
+    total = manifest["rows"] + manifest["heldout"]["rows"]
     if todo:
         seal.start(cfg, teacher_spec, teacher_spec, device, dtype, quiet=True, batch=cfg.schedule.batch_size,
                    documents=data.documents)  # fmt: skip
         teacher = load_model(cfg.teacher.path, device=device, dtype=dtype, vocab_rows=trim_rows)
         teacher.eval().requires_grad_(False)
-        bar = progress_bar(total=manifest["rows"], initial=manifest["rows"] - sum(s["stop"] - s["start"] for s in todo),
-                           desc="teacher-cache", disable=quiet)  # fmt: skip
-        for s in todo:
+        left = sum(s["stop"] - s["start"] for s, _ in todo)
+        bar = progress_bar(total=total, initial=total - left, desc="teacher-cache", disable=quiet)
+        for s, held in todo:
+            rows = data.heldout if held else data.train
             arrays = shard_targets(
-                teacher, data.train, s["start"], s["stop"], cfg, mode, k, vocab, device, bar
+                teacher, rows, s["start"], s["stop"], cfg, mode, k, vocab, device, bar, heldout=held
             )
             tc.write_shard(out, s["name"], arrays)
         bar.close()
     manifest["complete"] = True
     atomic_write_json(out / "manifest.json", manifest)
-    size = sum(f.stat().st_size for s in manifest["shards"] for f in (out / s["name"]).glob("*.npy"))
+
+    def size(shards: list[dict[str, Any]]) -> int:
+        return sum(f.stat().st_size for s in shards for f in (out / s["name"]).glob("*.npy"))
+
+    train_bytes = size(manifest["shards"])
     tokens = manifest["rows"] * manifest["seq_len"]
-    return {**{k_: manifest[k_] for k_ in ("rows", "seq_len", "mode", "k")}, "bytes": size,
-            "bytes_per_token": size / max(tokens, 1), "written_shards": len(todo)}  # fmt: skip
+    return {**{k_: manifest[k_] for k_ in ("rows", "seq_len", "mode", "k")}, "bytes": train_bytes,
+            "bytes_per_token": train_bytes / max(tokens, 1), "heldout_rows": manifest["heldout"]["rows"],
+            "heldout_bytes": size(manifest["heldout"]["shards"]), "written_shards": len(todo)}  # fmt: skip
+
+
+def drop_heldout_shards(out: Path) -> None:
+    """Remove the held-out shards (complete or not) of the cache in `out`; its training shards stay."""
+    for path in sorted(out.glob(f"{tc.HELDOUT_PREFIX}-*")):
+        if path.is_dir():
+            shutil.rmtree(path)
+
+
+# Added to the sampling seed of a held-out shard: its draws are not those of the training shard that
+# starts at the same row.
+HELDOUT_SEED = 1 << 40
 
 
 @torch.no_grad()
 def shard_targets(
-    teacher, train, start: int, stop: int, cfg, mode: str, k: int, vocab: int, device, bar
-) -> dict:
-    """The arrays of rows [start, stop): teacher forward per batch, targets per chunk of tokens."""
-    parts: dict[str, list[np.ndarray]] = {a: [] for a in tc.arrays_of(mode)}
+    teacher: Any, rows: Any, start: int, stop: int, cfg: RunConfig, mode: str, k: int, vocab: int,
+    device: torch.device, bar: Any, *, heldout: bool = False,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """The arrays of rows [start, stop) of `rows` (data.train, or data.heldout with `heldout`): teacher
+    forward per batch, targets per chunk of tokens. Training rows: targets at kd.temperature (exact:
+    T = 1 log-probs). Held-out rows: at T = 1, the held-out eval's temperature, plus `label`, the
+    teacher's log-prob of each label (0 where the label is ignored)."""
+    temperature = 1.0 if heldout else cfg.kd.temperature
+    parts: dict[str, list[np.ndarray]] = {a: [] for a in tc.arrays_of(mode, heldout)}
     # sampled: one generator per shard, seeded by (seed, shard start): the draws do not depend on order
-    gen = torch.Generator().manual_seed(cfg.schedule.seed * 1_000_003 + start)
+    gen = torch.Generator().manual_seed(
+        cfg.schedule.seed * 1_000_003 + start + (HELDOUT_SEED if heldout else 0)
+    )
     weight = teacher.lm_head_weight[:vocab]
     for b0 in range(start, stop, cfg.schedule.batch_size):
         b1 = min(stop, b0 + cfg.schedule.batch_size)
-        input_ids, _labels, *docs = (t.to(device) for t in take(train, slice(b0, b1)))
+        input_ids, labels, *docs = (t.to(device) for t in take(rows, slice(b0, b1)))
         hidden = teacher(input_ids, *docs)  # (B, T, Ht)
         shape = hidden.shape[:2]
-        flat = hidden.flatten(0, 1)
+        flat, flat_labels = hidden.flatten(0, 1), labels.flatten()
         chunks: dict[str, list[torch.Tensor]] = {a: [] for a in parts}
         for c0 in range(0, flat.shape[0], cfg.kd.chunk_size):
             logits = flat[c0 : c0 + cfg.kd.chunk_size].float() @ weight.float().t()  # (c, V) fp32
-            for key, val in chunk_targets(logits, mode, k, cfg.kd.temperature, gen).items():
+            got = chunk_targets(logits, mode, k, temperature, gen)
+            if heldout:
+                got["label"] = label_logp(
+                    logits, flat_labels[c0 : c0 + cfg.kd.chunk_size], cfg.kd.ignore_index
+                )
+            for key, val in got.items():
                 chunks[key].append(val)
         for key, vals in chunks.items():
             t = torch.cat(vals).reshape(*shape, *vals[0].shape[1:])
-            parts[key].append(tc.bf16_bits(t) if (mode == "exact") else t.cpu().numpy())
+            parts[key].append(tc.bf16_bits(t) if (mode == "exact" and key == "logp") else t.cpu().numpy())
         bar.update(b1 - b0)
     return {key: np.concatenate(v) for key, v in parts.items()}
 
 
-def chunk_targets(logits: torch.Tensor, mode: str, k: int, temperature: float, gen: torch.Generator) -> dict:
+def label_logp(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """(c,) fp32 log softmax(logits)[label] at T = 1 of a (c, V) chunk; 0 where the label is ignored."""
+    valid = labels != ignore_index
+    picked = logits.gather(1, labels.clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(valid, picked - torch.logsumexp(logits, dim=-1), torch.zeros_like(picked))
+
+
+def chunk_targets(
+    logits: torch.Tensor, mode: str, k: int, temperature: float, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
     """Targets of a (c, V) chunk of teacher logits: exact log-probs at T = 1, or sparse ones at T."""
     if mode == "exact":
         return {"logp": torch.log_softmax(logits, dim=-1)}

@@ -33,7 +33,7 @@ ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120")  # what `kdistill kernel
 DEFAULT_ARCH = "sm_90"  # keys are computed for this arch when there is no GPU and runtime.arch is auto
 
 # Library keys: not Triton kernels; prewarm runs them once at these shapes (cuBLAS / SDPA plans).
-LIBRARY_OPS = ("sdpa", "gemm")
+LIBRARY_OPS = ("sdpa", "gemm", "gemm_fp8")
 
 __all__ = [
     "ARCHS",

@@ -4,6 +4,7 @@ sdpa_key("sm_90", batch=8, q_heads=14, kv_heads=2, seq=2048, head_dim=64, dtype=
 sdpa_key(..., masked=True)      # packed conversations: SDPA with a (B, 1, T, T) document mask
 sdpa_key(..., seq=1, kv_seq=640, masked=True, grad=False)   # generation: one query over a KV cache
 gemm_key("sm_90", m=16384, n=896, k=4864, dtype="bf16", grad=True)
+fp8_gemm_key("sm_90", m=16384, n=2048, k=1536, dtype="bf16")   # an FP8 teacher's row-wise scaled GEMM
 """
 
 from __future__ import annotations
@@ -92,5 +93,21 @@ def _run_gemm(key: KernelKey, device: Any) -> None:
             y.backward(torch.ones_like(y))
 
 
+def fp8_gemm_key(arch: str, *, m: int, n: int, k: int, dtype: str) -> KernelKey:
+    """An (m x k) @ (k x n) row-wise scaled FP8 GEMM (torch._scaled_mm) writing `dtype`; no grad."""
+    return make_key("gemm_fp8", arch, M=int(m), N=int(n), K=int(k), dtype=dtype_name(dtype))
+
+
+def _run_fp8_gemm(key: KernelKey, device: Any) -> None:
+    if torch.device(device).type != "cuda" or key["K"] % 16 or key["N"] % 16:
+        return  # the dequantised reference runs instead (kdistill.models.fp8): nothing to warm
+    a = torch.zeros((key["M"], key["K"]), device=device).to(torch.float8_e4m3fn)
+    b = torch.zeros((key["N"], key["K"]), device=device).to(torch.float8_e4m3fn)
+    sa = torch.ones((key["M"], 1), device=device)
+    sb = torch.ones((1, key["N"]), device=device)
+    torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch_dtype(key["dtype"]))
+
+
 SDPA = LibraryOp("sdpa", sdpa_key, _run_sdpa)
+FP8_GEMM = LibraryOp("gemm_fp8", fp8_gemm_key, _run_fp8_gemm)
 GEMM = LibraryOp("gemm", gemm_key, _run_gemm)

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from kdistill.dtypes import torch_dtype
+from kdistill.errors import UserError
 from kdistill.kernels import keys, library, registry
 from kdistill.models.spec import ModelSpec
 
@@ -134,6 +135,30 @@ def gemm_kernels(
     return out
 
 
+def fp8_kernels(spec: ModelSpec, arch: str, dtype: str, *, tokens: int) -> set[keys.KernelKey]:
+    """An FP8 teacher (teacher.precision=fp8, kdistill.models.fp8): the row-wise quantisation of each
+    GEMM input width (the block's input norm for q/k/v and gate/up, attention's output for o_proj,
+    SwiGLU's for down_proj) and the scaled FP8 GEMMs at the run's token count."""
+    h, i, q = spec.hidden_size, spec.intermediate_size, spec.q_size
+    quant = registry.by_name("fp8_quant")
+    out: set[keys.KernelKey] = set()
+    for k in {h, q, i}:
+        out |= quant.plan(arch, grad=False, k=k, dtype=dtype)
+    for n, k in {(q + 2 * spec.kv_size, h), (h, q), (2 * i, h), (h, i)}:
+        out.add(library.fp8_gemm_key(arch, m=tokens, n=n, k=k, dtype=dtype))
+    return out
+
+
+def check_fp8(arch: str) -> None:
+    """teacher.precision=fp8 compiles FP8 conversions: Ada (sm_89), Hopper (sm_90) or newer, or the
+    CPU's dequantised reference."""
+    if arch != "cpu" and keys.arch_capability(arch) < 89:
+        raise UserError(
+            f"teacher.precision=fp8 needs FP8 matrix units (compute capability 8.9 or newer); the plan "
+            f"is for {arch}: use teacher.precision=auto"
+        )
+
+
 def lora_gemm_kernels(spec: ModelSpec, run, arch: str, dtype: str, *, tokens: int) -> set[keys.KernelKey]:
     """Library keys of a LoRA student's adapter GEMMs: x A^T (tokens x in -> rank) and then
     (x A^T) B^T (rank -> out) for each target shape, with their backward GEMMs."""
@@ -200,6 +225,11 @@ def required_kernels(
     m = dict(batch=b, seq=t, masked=documents)
     cached = bool(getattr(run.teacher, "cache", ""))  # a teacher cache: no teacher forward at all
     out = set() if cached else model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **m)
+    fp8 = not cached and getattr(run.teacher, "precision", "auto") == "fp8"
+    if fp8:
+        check_fp8(arch)
+        for ts in (teacher_spec, *extra_teachers):
+            out |= fp8_kernels(ts, arch, prec.compute, tokens=b * t)
     out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=False, **m)
     out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, **m)
     if not cached:

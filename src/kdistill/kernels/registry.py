@@ -7,7 +7,7 @@ build and the contract check find a key's kernel here by its op name.
 
 from __future__ import annotations
 
-from kdistill.kernels import kd_loss, library, rmsnorm, rope, swiglu
+from kdistill.kernels import fp8_quant, kd_loss, library, rmsnorm, rope, swiglu
 from kdistill.kernels.keys import KernelKey
 from kdistill.kernels.spec import Kernel, KernelSpec, LibraryOp
 
@@ -16,8 +16,9 @@ KERNELS: tuple[KernelSpec, ...] = (
     rope.SPEC,
     swiglu.SPEC,
     kd_loss.SPEC,
+    fp8_quant.SPEC,
 )
-LIBRARY: tuple[LibraryOp, ...] = (library.SDPA, library.GEMM)
+LIBRARY: tuple[LibraryOp, ...] = (library.SDPA, library.GEMM, library.FP8_GEMM)
 
 
 def by_name(name: str) -> KernelSpec:

@@ -50,6 +50,7 @@ from kdistill.dispatch import (
     swiglu,
     swiglu_down,
 )
+from kdistill.models.fp8 import FP8Linear, fp8_linear, fused
 from kdistill.models.spec import ModelSpec, rope_inv_freq
 from kdistill.ops.attention import document_mask
 
@@ -143,11 +144,14 @@ class Attention(nn.Module):
         copy is kept for backward, where the three input gradients come out of one GEMM. The
         parameters stay the three HF linears; wrapped projections (adapters) run as modules."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(type(p) is nn.Linear for p in projs):
+        if all(type(p) is FP8Linear for p in projs):  # an FP8 teacher: one FP8 GEMM
+            qkv = fp8_linear(x, *fused(list(projs)))
+        elif all(type(p) is nn.Linear for p in projs):
+            w = torch.cat([p.weight for p in projs])  # (q_size + 2 kv_size, H)
+            bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+            qkv = F.linear(x, w, bias)  # (B, T, q_size + 2 kv_size)
+        else:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        w = torch.cat([p.weight for p in projs])  # (q_size + 2 kv_size, H)
-        bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-        qkv = F.linear(x, w, bias)  # (B, T, q_size + 2 kv_size)
         q, k, v = qkv.split([self.spec.q_size, self.spec.kv_size, self.spec.kv_size], dim=-1)
         # q and k stay views: RoPE reads them with their strides and writes new tensors. k is copied
         # out only where it would not start 16-byte aligned (the RoPE kernel is specialised on pointer
@@ -224,7 +228,9 @@ class MLP(nn.Module):
         gradients back as the halves of one tensor, so nothing is concatenated in backward. Wrapped
         projections (adapters) run as modules."""
         plain = all(type(p) is nn.Linear and p.bias is None for p in (self.gate_proj, self.up_proj))
-        if plain:
+        if all(type(p) is FP8Linear for p in (self.gate_proj, self.up_proj)):  # an FP8 teacher
+            gate, up = fp8_linear(x, *fused([self.gate_proj, self.up_proj])).chunk(2, dim=-1)
+        elif plain:
             gu = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # (B, T, 2I)
             if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:
                 return swiglu_down(gu, self.down_proj.weight)  # SwiGLU output recomputed in backward

@@ -4,6 +4,7 @@
     m.path      # .../hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/<commit>
     m.commit    # the 40-hex commit the run used, for the run manifest
     resolve_model_path("out/student", field="student.path").path   # an existing local path: as is
+    resolve_run_models(cfg)   # teacher.path, every teachers[i].path and student.path of a run config
 
 Order of resolution:
 1. An existing local file or directory is the answer, whatever it looks like.
@@ -195,25 +196,42 @@ def resolve_model_path(text: str, *, field: str) -> ResolvedModel:
 
 
 def resolve_run_models(cfg: RunConfig) -> dict[str, ResolvedModel]:
-    """Resolve Hub names in `teacher.path` and `student.path` in place; return what each came from.
+    """Resolve Hub names in `teacher.path`, every `teachers[i].path` and `student.path` in place; return
+    what each came from.
 
     Presets come first (`qwen2.5-0.5b` is a preset, never a Hub name), then Hub names; local paths
     (already rebased against the config's folder by `load_config`) stay as they are. The config's path
-    becomes the snapshot directory, so the saved config.yaml resumes from the very same commit.
+    becomes the snapshot directory, so the saved config.yaml resumes from the very same commit. A
+    mixture's first teacher is also teacher.path (RunConfig.validate): both become its snapshot.
 
     Returns:
-        {"teacher": ResolvedModel, "student": ResolvedModel} for the fields that were Hub names.
+        {"teacher": ResolvedModel, "student": ResolvedModel, "teachers[1]": ResolvedModel, ...} for the
+        fields that were Hub names (a mixture's first teacher under "teacher").
     """
     out: dict[str, ResolvedModel] = {}
+    for i, entry in enumerate(cfg.teachers):
+        resolved = _resolve_field(entry.path, f"teachers[{i}].path")
+        if resolved is None:
+            continue
+        if i == 0 and cfg.teacher.path == entry.path:
+            cfg.teacher.path = str(resolved.path)
+        entry.path = str(resolved.path)
+        out["teacher" if i == 0 else f"teachers[{i}]"] = resolved
     for name in ("teacher", "student"):
         section = getattr(cfg, name)
-        text = str(section.path).strip()
-        if not text or text.lower() in PRESETS or not is_hub_name(text):
-            continue
-        resolved = resolve_model_path(text, field=f"{name}.path")
-        section.path = str(resolved.path)
-        out[name] = resolved
+        resolved = _resolve_field(section.path, f"{name}.path")
+        if resolved is not None:
+            section.path = str(resolved.path)
+            out[name] = resolved
     return out
+
+
+def _resolve_field(path: str, field: str) -> ResolvedModel | None:
+    """The snapshot of a config path that is a Hub name, else None (a preset or a local path)."""
+    text = str(path).strip()
+    if not text or text.lower() in PRESETS or not is_hub_name(text):
+        return None
+    return resolve_model_path(text, field=field)
 
 
 def _repo_folder(cache: Path, repo_id: str) -> Path:

@@ -3,6 +3,7 @@
     apply_lora(student, rank=8, alpha=16, dropout=0.0, targets=["q_proj", "v_proj"], seed=0)
     adapter_state(student)        # {"model.layers.0.self_attn.q_proj.lora_A.weight": (r, in), ...}
     save_adapter(student, out_dir, base_model="path/to/student")    # adapter_config.json + safetensors
+    save_adapter(sharded, out_dir, base_model=..., tensors=full)     # FSDP2: the gathered adapters
     load_adapter(student_with_lora, adapter_dir)                    # the inverse
     merge_lora(student)           # W <- W + (alpha / r) B A, wrappers replaced by plain nn.Linear
 
@@ -163,16 +164,30 @@ def peft_config(model: nn.Module, base_model: str) -> dict[str, Any]:
     }
 
 
-def save_adapter(model: nn.Module, out_dir: Path, *, base_model: str) -> None:
+def save_adapter(
+    model: nn.Module, out_dir: Path, *, base_model: str, tensors: dict[str, torch.Tensor] | None = None
+) -> None:
     """Write adapter_config.json and adapter_model.safetensors (PEFT's key names), atomically: into a
-    temporary sibling, then renamed over `out_dir`."""
+    temporary sibling, then renamed over `out_dir`.
+
+    Args:
+        model: the student with its adapters (their config: rank, alpha, dropout, targets).
+        out_dir: the adapter directory.
+        base_model: adapter_config.json's base_model_name_or_path.
+        tensors: full tensors by name, at least the adapters' (`adapter_state`'s names), when the model
+            holds only shards of them (FSDP2: gathered by the caller, every process taking part); the
+            default is the model's own. Other names (e.g. other trainable parameters) are not written.
+    """
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir / ADAPTER_CONFIG).is_file() and any(out_dir.iterdir()):
         raise UserError(f"{out_dir}: exists and is not an adapter directory; refusing to replace it")
-    tensors = {
-        PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous()
-        for k, v in adapter_state(model).items()
-    }
+    own = adapter_state(model)
+    if tensors is not None:
+        missing = sorted(k for k in own if k not in tensors)
+        if missing:
+            raise ValueError(f"no tensor given for the adapter {missing[0]!r}")
+        own = {k: tensors[k] for k in own}
+    tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in own.items()}
     parent = out_dir.resolve().parent
     tag = uuid.uuid4().hex[:8]
     tmp, old = parent / f".{out_dir.name}.tmp-{tag}", parent / f".{out_dir.name}.old-{tag}"

@@ -10,7 +10,8 @@ Nothing is ever unpickled: tensors go through safetensors and everything else th
 
 Under torchrun a checkpoint is sharded instead (`save_sharded_checkpoint`): the folder holds
     shards/               torch.distributed.checkpoint files, each process's own shards of the
-                          student and its AdamW state (nothing gathered to one process)
+                          student and its AdamW state (nothing gathered to one process; a LoRA
+                          student's adapters only, as in a one-process checkpoint)
     state.json            as above, with "format": "sharded" and the number of processes
 written the same way: every process writes into the temp folder, then rank 0 adds state.json and
 renames it into place. `load_checkpoint` returns no tensors for it (None): they are read straight into

@@ -29,6 +29,14 @@ back into a model sharded over any number of processes, or into a plain model in
 reshards by tensor name and offsets). A one-process checkpoint holds full tensors (safetensors):
 `load_full_state` puts them into a sharded model and optimizer. So a run saved on N processes resumes on
 M. The exported student is gathered once (`unsharded_copy`).
+
+A LoRA student (`student.lora`) is sharded the same way, the frozen base and the fp32 adapters of a block in
+one unit, but without FSDP's mixed precision: every unit gathers its parameters in the dtypes they are
+stored in (the base in `student.lora.base_dtype`, the adapters in fp32), which is what one process computes
+with and what the kernel plan expects of a LoRA student (see `shard_student`). Only the adapters have
+gradients, AdamW state and a place in the sharded checkpoints: the frozen base is student.path's weights,
+read again on resume. The adapters are gathered once at the end (`full_model_state(trainable_only=True)`)
+for rank 0 to write PEFT's adapter directory.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from kdistill.errors import UserError
 from kdistill.models.decoder import build_decoder
+from kdistill.models.lora import has_lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,10 +253,21 @@ def _prefetch(root: torch.nn.Module, units: list[torch.nn.Module], backward: boo
 def shard_student(model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head). compute_dtype other
     than fp32: parameters gathered in it, gradients reduced in fp32; block inputs keep their dtypes (the
-    residual stream stays as the decoder makes it)."""
+    residual stream stays as the decoder makes it). A LoRA student's parameters are gathered as stored."""
     mesh = _mesh()
     kwargs: dict[str, Any] = {"mesh": mesh}
-    if compute_dtype != torch.float32:
+    # A LoRA student: the same units (a block's frozen base linears, its norms and its trainable adapters
+    # together), no mixed-precision policy. FSDP2 handles frozen and trainable parameters in one unit (it
+    # reduce-scatters only the parameters that have gradients) and, from torch 2.8, frozen parameters in
+    # another dtype than the trainable ones (a bf16 base beside fp32 adapters: the unit is all-gathered
+    # as bytes, each parameter keeping its dtype); it still needs one dtype among the trainable ones, which
+    # the fp32 adapters have. Why no `param_dtype`: casting at the gather would change what the base
+    # computes with (an fp32 base's norms in bf16) and the adapters' master copies (bf16 adapters,
+    # gradients), unlike one process and unlike the kernel plan (`kernels.plan.precision`: a LoRA student's
+    # layers see its base_dtype, sharded or not). A run that wants bf16 gathers stores the base in bf16
+    # (student.lora.base_dtype=bfloat16): half the memory and half the traffic, and the same numbers as
+    # one process. Gradients are the fp32 adapters' own, reduced in fp32 without a reduce_dtype.
+    if compute_dtype != torch.float32 and not has_lora(model):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
@@ -272,6 +292,19 @@ def shard_teacher(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def check_lora_sharding(base_dtype: torch.dtype) -> None:
+    """Refuse, before anything loads, a LoRA student that this torch's FSDP2 cannot shard: a base in
+    another dtype than the fp32 adapters needs torch 2.8 (earlier FSDP2 wants one dtype per unit)."""
+    if base_dtype != torch.float32 and torch.__version__ < (2, 8):  # type: ignore[operator]
+        name = str(base_dtype).removeprefix("torch.")
+        raise UserError(
+            f"student.lora.base_dtype={name} under torchrun needs torch >= 2.8 (this is {torch.__version__}): "
+            f"the FSDP2 of earlier versions shards a decoder block only if all its parameters share one "
+            f"dtype, and the block holds the {name} base and the float32 adapters; upgrade torch or use "
+            "student.lora.base_dtype=float32"
+        )
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Free the gathered root parameters a forward left behind (FSDP2 keeps the root's after forward)."""
     fn = getattr(model, "reshard", None)
@@ -282,8 +315,13 @@ def reshard(model: torch.nn.Module) -> None:
 # ----------------------------------------------------------------------------------------------
 # Full state dicts (checkpoints, export)
 # ----------------------------------------------------------------------------------------------
-def _options() -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+def _options(**kwargs: Any) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, **kwargs)
+
+
+def _has_frozen(model: torch.nn.Module) -> bool:
+    """True for a model with frozen parameters (a LoRA student's base): its state dicts leave them out."""
+    return any(not p.requires_grad for p in model.parameters())
 
 
 def _param_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
@@ -292,9 +330,10 @@ def _param_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str
     return [names[id(p)] for g in opt.param_groups for p in g["params"]]
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full state dict on the CPU on rank 0 (empty elsewhere). Every process must call it."""
-    return get_model_state_dict(model, options=_options())
+def full_model_state(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The model's full state dict on the CPU on rank 0 (empty elsewhere). Every process must call it.
+    trainable_only: the parameters that train, e.g. a LoRA student's adapters (only these are gathered)."""
+    return get_model_state_dict(model, options=_options(ignore_frozen_params=trainable_only))
 
 
 class FullState:
@@ -318,9 +357,10 @@ def load_full_state(
 ) -> None:
     """Load full tensors (every process holds them) into the sharded model and optimizer.
 
-    opt_state is in opt.state_dict()'s format (integer ids), as a single process writes it.
+    opt_state is in opt.state_dict()'s format (integer ids), as a single process writes it. A model with
+    frozen parameters (a LoRA student) takes `weights` of its trainable ones; the frozen ones stay.
     """
-    set_model_state_dict(model, weights, options=_options())
+    set_model_state_dict(model, weights, options=_options(strict=not _has_frozen(model)))
     names = _param_names(model, opt)
     osd = {
         "state": {names[int(i)]: st for i, st in opt_state["state"].items()},
@@ -333,8 +373,20 @@ def load_full_state(
 
 def _sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The model's and optimizer's state by parameter name: this process's shards (DTensors) under FSDP2,
-    plain tensors in one process. A fresh optimizer's state is created (zeros) so that it can be loaded."""
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    plain tensors in one process. A fresh optimizer's state is created (zeros) so that it can be loaded.
+    Frozen parameters (a LoRA student's base) are left out: the run reads them from student.path."""
+    model_sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model_sd, "optim": get_optimizer_state_dict(model, opt)}
+
+
+def sharded_model_names(path: str) -> set[str]:
+    """Names of the model tensors in a `save_sharded` folder (its DCP metadata; no tensor is read).
+    Metadata that does not read is a ValueError (a damaged checkpoint)."""
+    try:
+        names = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # whatever a damaged file makes DCP's reader raise
+        raise ValueError(f"unreadable checkpoint metadata ({e.__class__.__name__})") from None
+    return {k.removeprefix("model.") for k in names if k.startswith("model.")}
 
 
 def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
@@ -345,12 +397,18 @@ def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) 
 
 def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
     """Read a `save_sharded` folder into this model and optimizer, sharded over any number of processes
-    or plain in one (collective under torchrun)."""
+    or plain in one (collective under torchrun). A tensor of the model that the folder lacks is a
+    ValueError naming it."""
     state = _sharded_state(model, opt)
+    saved = sharded_model_names(path)
+    missing = sorted(k for k in state["model"] if k not in saved)
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]!r}")
     with warnings.catch_warnings():  # one process: DCP says it assumes one process, as intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    # not strict for a LoRA student: its frozen base is in no checkpoint
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not _has_frozen(model)))
     set_optimizer_state_dict(model, opt, state["optim"])
 
 

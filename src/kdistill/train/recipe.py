@@ -44,11 +44,13 @@ from kdistill.generate import answer_rows, sample_prompts, stop_token_ids
 from kdistill.jsonio import short_repr
 from kdistill.kernels import seal
 from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_limits
+from kdistill.models import fp8
 from kdistill.models.decoder import Decoder, build_decoder
 from kdistill.models.hf_io import has_weights, load_model, save_model
 from kdistill.models.lora import apply_lora, has_lora, save_adapter
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
+from kdistill.scoring import heldout_eval_cached
 from kdistill.teacher_cache import TeacherCache, run_identity
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
@@ -181,6 +183,13 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     # A teacher to be sharded is read into host memory: fully_shard moves it to the GPU one block at a
     # time, so no process ever holds a whole teacher that does not fit there.
     teacher_device = torch.device("cpu") if multi and layout.teacher_sharded else device
+    if multi and layout.teacher_sharded and cfg.teacher.precision == "fp8" and not cfg.teacher.cache:
+        raise UserError(
+            "teacher.precision=fp8 keeps a whole FP8 teacher on every process, but this run shards the "
+            "teacher (runtime.teacher_placement): set runtime.teacher_placement=replicate"
+        )
+    if multi and cfg.student.lora.enabled:  # one this torch's FSDP2 cannot shard: refused before loading
+        dist.check_lora_sharding(torch_dtype(cfg.student.lora.base_dtype))
     teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows, teacher_device)
     mixture = load_mixture(cfg, teacher, [trim for _, trim in extras], device, dtype)
     who = f"teacher cache ({cache.mode}, {cfg.teacher.cache})" if cache else f"teacher ({teacher_spec.name})"
@@ -189,9 +198,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     stage(t_start, quiet, f"loaded {who} and student ({init}) on {device}")
     student.checkpoint_blocks(layout.checkpointing)
     if multi:
-        if cfg.student.lora.enabled:
-            raise UserError("student.lora runs in one process for now: run it without torchrun")
-        dist.shard_student(student, dtype)
+        dist.shard_student(student, dtype)  # a LoRA student: its base and adapters gathered as stored
         if teacher is not None and layout.teacher_sharded:
             for t in [t for t, _ in mixture] if mixture else [teacher]:
                 dist.shard_teacher(t)
@@ -448,13 +455,22 @@ def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
 
 
 def open_teacher_cache(cfg: RunConfig, tok: Tokenizer, data: PreparedData) -> TeacherCache:
-    """teacher.cache opened and checked against this run's teacher, tokenizer, packed rows and seq_len
-    (a one-line error naming the field that differs)."""
+    """teacher.cache opened and checked against this run's teacher, tokenizer, packed rows, seq_len and
+    the held-out rows its evals read (a one-line error naming the field that differs). A cache without
+    held-out targets (written before they were cached) is used with one log line: its evals report the
+    student's CE only."""
     if cfg.student.init == "teacher_layers":
         raise UserError(
             "student.init=teacher_layers needs the teacher's weights, but teacher.cache skips loading it"
         )
-    return TeacherCache.open(cfg.teacher.cache, run_identity(cfg, tok.identity, data.train))
+    cache = TeacherCache.open(cfg.teacher.cache, run_identity(cfg, tok.identity, data.train, data.heldout))
+    if cache.heldout is None and dist.is_main():
+        log.warning(
+            "teacher.cache %s holds no held-out targets (written before they were cached): held-out evals "
+            "report the student's CE only; run kdistill teacher-cache again with the same --out to add them",
+            cfg.teacher.cache,
+        )
+    return cache
 
 
 def chat_template(cfg: RunConfig) -> ChatTemplate:
@@ -473,6 +489,14 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
     return template
 
 
+def teacher_precision(cfg: RunConfig, teacher: Decoder, device: torch.device) -> None:
+    """teacher.precision=fp8: the frozen teacher's decoder linears become FP8 GEMMs (weights quantised
+    here, once); refused on a GPU without FP8 matrix units."""
+    if cfg.teacher.precision == "fp8":
+        fp8.check_device(device)
+        fp8.convert_to_fp8(teacher)
+
+
 def load_mixture(
     cfg: RunConfig,
     teacher: Decoder | None,
@@ -488,6 +512,7 @@ def load_mixture(
     for entry, trim in zip(cfg.teachers[1:], trims):
         t = load_model(entry.path, device=device, dtype=dtype, vocab_rows=trim)
         t.eval().requires_grad_(False)
+        teacher_precision(cfg, t, device)
         out.append((t, entry.weight))
     return out
 
@@ -510,6 +535,7 @@ def load_models(
             cfg.teacher.path, device=teacher_device or device, dtype=dtype, vocab_rows=trim_rows
         )
         teacher.eval().requires_grad_(False)
+        teacher_precision(cfg, teacher, device)
     student_dir = Path(cfg.student.path) if Path(cfg.student.path).is_dir() else None
     init = cfg.student.init
     if init == "auto":
@@ -718,8 +744,10 @@ def eval_line(step: int, res: dict[str, Any]) -> str:
 
 class Evaluator:
     """Held-out eval at a step, written to eval.jsonl. The teacher's loss does not change, so it is
-    computed once and repeated in every row. Then the student answers schedule.sample_prompts fixed
-    held-out prompts greedily (samples.jsonl; the teacher's answers once, at the first eval)."""
+    computed once and repeated in every row. With teacher.cache the cache's held-out targets stand in
+    for the teacher (scoring.heldout_eval_cached; a cache without them: the student's CE only). Then
+    the student answers schedule.sample_prompts fixed held-out prompts greedily (samples.jsonl; the
+    teacher's answers once, at the first eval)."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -730,14 +758,19 @@ class Evaluator:
         run, ctx = self.run, self.run.ctx
         ctx.student.eval()
         teacher = None if ctx.cross is not None else ctx.teacher  # other vocabulary: the student's CE only
-        res: dict[str, Any] = heldout_eval(
-            ctx.student, teacher, run.held, run.cfg, ctx.device, ctx.amp,
-            with_teacher_loss=self.teacher_loss is None, mixture=ctx.mixture,
-        )  # fmt: skip
+        if ctx.cache is not None and ctx.cache.heldout is not None:
+            res: dict[str, Any] = heldout_eval_cached(
+                ctx.student, ctx.cache, run.held, run.cfg, ctx.device, ctx.amp
+            )
+        else:
+            res = heldout_eval(
+                ctx.student, teacher, run.held, run.cfg, ctx.device, ctx.amp,
+                with_teacher_loss=self.teacher_loss is None, mixture=ctx.mixture,
+            )  # fmt: skip
         ctx.student.train()
         if "teacher_loss" in res:
             self.teacher_loss = res["teacher_loss"]
-        if self.teacher_loss is not None:  # no teacher (teacher.cache): the student's CE only
+        if self.teacher_loss is not None:  # none without a teacher (a cache without held-out targets)
             res["teacher_loss"] = self.teacher_loss
         res["step"] = step
         run.eval_log.write(res)
@@ -845,12 +878,14 @@ def write_summary(run_dir: Path, summary: dict[str, Any], label: str) -> None:
 
 def export_student(run: Run) -> None:
     """The student as a Hugging Face directory in run_dir/student (rank 0 under torchrun); a LoRA
-    student's adapters in PEFT's layout in run_dir/adapter (`kdistill export --merge` folds them in)."""
+    student's adapters in PEFT's layout in run_dir/adapter (`kdistill export --merge` folds them in),
+    under torchrun gathered whole (collective) and written by rank 0."""
     out, source = run.run_dir / "student", Path(run.cfg.teacher.path)
     if has_lora(run.ctx.student):
-        save_adapter(
-            run.ctx.student, run.run_dir / "adapter", base_model=str(Path(run.cfg.student.path).resolve())
-        )
+        student, adapter = run.ctx.student, run.run_dir / "adapter"
+        base = str(Path(run.cfg.student.path).resolve())
+        full = dist.full_model_state(student, trainable_only=True) if dist.active() else None
+        dist.run_on_main(lambda: save_adapter(student, adapter, base_model=base, tensors=full))
         return
     if dist.active():
         plain = dist.unsharded_copy(run.ctx.student)  # collective; rank 0 gets the full student

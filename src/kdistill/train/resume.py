@@ -13,6 +13,7 @@ Under torchrun (`dist.active()`) every process writes its own shards (torch.dist
 collective: every process calls `save_state`), nothing gathered. `restore_state` reads either format into
 either kind of run: a sharded checkpoint into a sharded or a one-process student (DCP reshards), a
 one-process checkpoint's full tensors into a sharded student. A checkpoint of N processes resumes on M.
+A LoRA student's checkpoints hold its adapters and their AdamW state in either format, never the base.
 """
 
 from __future__ import annotations
@@ -91,9 +92,13 @@ def restore_state(
     path, (weights, opt_tensors, state) = found
     try:
         if weights is None or opt_tensors is None:  # a sharded checkpoint, read into any layout
-            if has_lora(student):
-                raise ValueError("a sharded checkpoint of a full student, this run trains LoRA adapters")
-            dist.load_sharded(student, opt, str(path / ckpt.SHARDS))
+            shards = str(path / ckpt.SHARDS)
+            saved_lora = any(".lora_A." in k for k in dist.sharded_model_names(shards))
+            if saved_lora != has_lora(student):
+                kinds = ("LoRA adapters", "a full student")
+                saved, run = kinds if saved_lora else kinds[::-1]
+                raise ValueError(f"a sharded checkpoint of {saved}, this run trains {run}")
+            dist.load_sharded(student, opt, shards)
         else:
             _load_full(student, opt, weights, opt_tensors, state, device)
         batcher.load_state_dict(state["batcher"])
