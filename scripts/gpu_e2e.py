@@ -126,7 +126,7 @@ def main() -> None:
         summary["run"] = i
         summary["nproc"] = nproc
         summary["batch"] = batch
-        summary["command"] = " ".join(cmd)
+        summary["command"] = " ".join(["python3", *cmd[1:]])  # the interpreter by name, not by path
         summary["wall_s"] = wall
         results.append(summary)
         for f in sorted((run_dir / "profile").glob("rank*.*")):  # runtime.profile_steps: kept beside the logs

@@ -11,6 +11,8 @@ echo "== ruff"
 echo "== kernels build (no GPU): demo pair and qwen2.5-1.5b -> qwen2.5-0.5b"
 .venv/bin/kdistill kernels build --arch sm_80,sm_89,sm_90,sm_100,sm_120 src/kdistill/demo/demo.yaml
 .venv/bin/kdistill kernels build --arch sm_80,sm_89,sm_90,sm_100,sm_120 qwen2.5-1.5b:qwen2.5-0.5b
+echo "== kernels build (no GPU): the FP8 teacher's plan for the archs with FP8"
+.venv/bin/kdistill kernels build --arch sm_89,sm_90,sm_100,sm_120 qwen2.5-1.5b:qwen2.5-0.5b teacher.precision=fp8
 echo "== pytest"
 .venv/bin/python -m pytest -m "not gpu" -q "$@"
 echo "== wheel in a clean venv without Triton"

@@ -169,3 +169,29 @@ def test_a_run_with_an_fp8_teacher(tmp_path, capsys):
     summary = yaml.safe_load((tmp_path / "run" / "summary.json").read_text())
     assert summary["jit_after_prewarm"] == 0 or summary["jit_after_prewarm"] is None
     assert summary["heldout"]["teacher_loss"] is not None
+
+
+def test_gpu_without_fp8_is_refused(monkeypatch):
+    from kdistill.models import fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(UserError) as e:
+        fp8.check_device(torch.device("cuda"))
+    assert str(e.value) == (
+        "teacher.precision=fp8 needs FP8 matrix units (compute capability 8.9 or newer: Ada, Hopper, "
+        "Blackwell); NVIDIA A100-SXM4-80GB is sm_80: use teacher.precision=auto"
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fp8.check_device(torch.device("cuda"))
+    fp8.check_device(torch.device("cpu"))
+
+
+def test_fp8_with_a_sharded_teacher_is_refused():
+    from kdistill.train.recipe import check_fp8_layout
+
+    cfg = RunConfig()
+    cfg.teacher.precision = "fp8"
+    with pytest.raises(UserError, match=r"set runtime.teacher_placement=replicate$"):
+        check_fp8_layout(cfg, teacher_sharded=True)
+    check_fp8_layout(cfg, teacher_sharded=False)

@@ -97,3 +97,17 @@ def test_plan_command_prints_the_gpus_a_pair_needs(capsys):
     assert plan["gpus"]["needed"] == 1
     rc, _, err = run_cli(capsys, "plan", "qwen2.5-7b:qwen2.5-1.5b", "schedule.batch_size=6", "--nproc", "4")
     assert rc != 0 and "--nproc 4" in err
+
+
+def test_sharded_lora_student_is_planned_with_its_own_terms():
+    """Under FSDP2 a LoRA student keeps AdamW state for its adapters only, its base at base_dtype,
+    and its gathered blocks as stored (an fp32 base gathers 4 bytes per weight, not 2)."""
+    t, s = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
+    cfg = RunConfig()
+    cfg.student.lora.rank = 16
+    terms = estimate_memory(t, s, cfg, layout=Layout(world=2))
+    adapters = s.lora_params(16, cfg.student.lora.targets)
+    assert terms["optimizer_state"] == adapters * 8 // 2
+    assert terms["student_weights"] == (s.param_counts()["total"] * 4 + adapters * 4) // 2
+    full = estimate_memory(t, s, RunConfig(), layout=Layout(world=2))
+    assert terms["student_gathered_units"] > 1.9 * full["student_gathered_units"]

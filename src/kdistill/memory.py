@@ -131,9 +131,11 @@ def estimate_memory(
                 if layout.teacher_sharded
                 else teacher_bytes
             ),
-            "student_weights": ps * 4 // w,
-            "optimizer_state": ps * 8 // w,
-            "student_gathered_units": _gathered(student, act_bytes),
+            "student_weights": (ps * base_bytes + (trainable * 4 if lora.enabled else 0)) // w,
+            "optimizer_state": trainable * 8 // w,
+            # a LoRA student is gathered as stored (its base in lora.base_dtype, the adapters fp32)
+            "student_gathered_units": _gathered(student, base_bytes if lora.enabled else act_bytes)
+            + (_gathered_adapters(student, lora) if lora.enabled else 0),
         }
     head_grad = 0 if lora.enabled else vocab * student.hidden_size * 4  # a frozen lm_head has none
     if layout.checkpointing:
@@ -184,6 +186,12 @@ def _gathered(spec: ModelSpec, nbytes: int) -> int:
     """Bytes of a sharded model's parameters gathered at once: the root and two decoder blocks."""
     c = spec.param_counts()
     return (c["embedding"] + c["lm_head"] + spec.hidden_size + 2 * c["per_layer"]) * nbytes
+
+
+def _gathered_adapters(spec: ModelSpec, lora) -> int:
+    """Bytes of a LoRA student's fp32 adapters in two gathered decoder blocks."""
+    per_layer = spec.lora_params(lora.rank, lora.targets) // max(1, spec.num_layers)
+    return 2 * per_layer * 4
 
 
 def choose_layout(

@@ -183,11 +183,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     # A teacher to be sharded is read into host memory: fully_shard moves it to the GPU one block at a
     # time, so no process ever holds a whole teacher that does not fit there.
     teacher_device = torch.device("cpu") if multi and layout.teacher_sharded else device
-    if multi and layout.teacher_sharded and cfg.teacher.precision == "fp8" and not cfg.teacher.cache:
-        raise UserError(
-            "teacher.precision=fp8 keeps a whole FP8 teacher on every process, but this run shards the "
-            "teacher (runtime.teacher_placement): set runtime.teacher_placement=replicate"
-        )
+    check_fp8_layout(cfg, multi and layout.teacher_sharded)
     if multi and cfg.student.lora.enabled:  # one this torch's FSDP2 cannot shard: refused before loading
         dist.check_lora_sharding(torch_dtype(cfg.student.lora.base_dtype))
     teacher, student, init = load_models(cfg, student_spec, device, dtype, trim_rows, teacher_device)
@@ -487,6 +483,15 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
         if warning:
             log.warning("%s", warning)
     return template
+
+
+def check_fp8_layout(cfg: RunConfig, teacher_sharded: bool) -> None:
+    """teacher.precision=fp8 keeps a whole FP8 teacher per process: refused with a sharded teacher."""
+    if teacher_sharded and cfg.teacher.precision == "fp8" and not cfg.teacher.cache:
+        raise UserError(
+            "teacher.precision=fp8 keeps a whole FP8 teacher on every process, but this run shards the "
+            "teacher (runtime.teacher_placement): set runtime.teacher_placement=replicate"
+        )
 
 
 def teacher_precision(cfg: RunConfig, teacher: Decoder, device: torch.device) -> None:
