@@ -21,7 +21,7 @@ import torch
 
 from kdistill.errors import KernelError
 from kdistill.kernels._triton import jit, tl
-from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, next_pow2
+from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, memoized, next_pow2
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 INT32_MAX = 2**31 - 1
@@ -86,6 +86,7 @@ def tiles(k: int) -> dict[str, int]:
     return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, "num_stages": 1}
 
 
+@memoized
 def key(arch: str, *, k: int, dtype: str, aligned: Sequence[bool] | None = None) -> KernelKey:
     """Row-wise FP8 quantisation of (rows, k) inputs in `dtype`. aligned: X."""
     return make_key(

@@ -42,7 +42,7 @@ import torch
 
 from kdistill.dtypes import long_name, torch_dtype
 from kdistill.kernels._triton import jit, tl
-from kdistill.kernels.keys import KernelKey, make_key, next_pow2
+from kdistill.kernels.keys import KernelKey, make_key, memoized, next_pow2
 from kdistill.kernels.spec import Kernel, KernelSpec
 from kdistill.ops.kd_loss import DIVERGENCE_IDS
 
@@ -336,6 +336,7 @@ def tiles(
     }
 
 
+@memoized
 def key(
     arch: str,
     *,

@@ -21,7 +21,9 @@ would otherwise pick an i64 variant); the launchers refuse larger values with a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from kdistill.dtypes import SHORT_NAMES, dtype_name, promote
@@ -121,6 +123,29 @@ def make_key(op: str, arch: str, **params: Param) -> KernelKey:
                 f"kernel key {op}: parameter {k}={v!r} must be str, int or bool (floats: f64_bits)"
             )
     return KernelKey(op, normalize_arch(arch), tuple(sorted(params.items())))
+
+
+def memoized(fn: Callable[..., KernelKey]) -> Callable[..., KernelKey]:
+    """A key function that remembers its keys: key functions are pure, and the dispatcher calls them
+    for every launch, on the host's critical path (a key takes tens of microseconds to build, a
+    dictionary lookup well under one). List arguments count as tuples; unhashable calls are computed."""
+    cache: dict[tuple, KernelKey] = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> KernelKey:
+        try:
+            k = (args, tuple((n, tuple(v) if isinstance(v, list) else v) for n, v in kwargs.items()))
+            return cache[k]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable argument
+            return fn(*args, **kwargs)
+        if len(cache) >= 4096:
+            cache.clear()
+        out = cache[k] = fn(*args, **kwargs)
+        return out
+
+    return wrapper
 
 
 # -- exact encodings ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from kdistill.kernels.keys import (
     f64_value,
     launch_options,
     make_key,
+    memoized,
     next_pow2,
     promote,
 )
@@ -240,6 +241,7 @@ def tiles(hidden: int) -> dict[str, int]:
     return {"BLOCK_H": block_h, "BLOCK_M": block_m, "num_warps": warps, "num_stages": 1}
 
 
+@memoized
 def fwd_key(
     arch: str,
     *,
@@ -275,6 +277,7 @@ def fwd_key(
     )
 
 
+@memoized
 def bwd_key(
     arch: str,
     *,

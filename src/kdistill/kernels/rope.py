@@ -21,7 +21,7 @@ import torch
 
 from kdistill.errors import KernelError
 from kdistill.kernels._triton import jit, tl
-from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, next_pow2
+from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, memoized, next_pow2
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 from kdistill.ops.rope import rope_reference
 
@@ -350,6 +350,7 @@ def _key(
     )
 
 
+@memoized
 def fwd_key(
     arch: str,
     *,
@@ -363,6 +364,7 @@ def fwd_key(
     return _key(FWD, arch, head_dim, q_heads, kv_heads, dtype, aligned)
 
 
+@memoized
 def bwd_key(
     arch: str,
     *,

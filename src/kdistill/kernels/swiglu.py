@@ -23,7 +23,7 @@ import torch
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import KernelError
 from kdistill.kernels._triton import cdiv, jit, tl
-from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, next_pow2
+from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, memoized, next_pow2
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 from kdistill.ops.swiglu import swiglu_reference
 
@@ -167,6 +167,7 @@ def tiles(inter: int) -> dict[str, int]:
     return {"BLOCK": block, "num_warps": 4 if block <= 512 else 8, "num_stages": 1}
 
 
+@memoized
 def fwd_key(
     arch: str, *, inter: int, dtype: str, fused: bool = False, aligned: Sequence[bool] | None = None
 ) -> KernelKey:
@@ -183,6 +184,7 @@ def fwd_key(
     )
 
 
+@memoized
 def bwd_key(
     arch: str, *, inter: int, dtype: str, fused: bool = False, aligned: Sequence[bool] | None = None
 ) -> KernelKey:
