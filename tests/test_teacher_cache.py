@@ -84,7 +84,7 @@ def test_exact_cache_gives_the_live_teachers_losses(tmp_path, capsys, monkeypatc
     assert [r[0] for r in live] == [r[0] for r in cached] == [2, 4, 5]
     for a, b in zip(live, cached):
         for x, y in zip(a[1:3], b[1:3]):  # student CE and KL: the students differ by bf16-rounded targets
-            assert abs(x - y) <= 2e-2 * max(1.0, abs(x)), (a, b)
+            assert abs(x - y) <= 1e-3 * max(1.0, abs(x)), (a, b)  # measured: 1e-4 after 5 steps
         assert abs(a[3] - b[3]) <= 1e-5 * abs(a[3]), (a, b)  # teacher CE: fp32 log-probs of the labels
     summary = json.loads((tmp_path / "cached" / "summary.json").read_text())
     assert summary["status"] == "completed"

@@ -9,6 +9,7 @@ held-out rows a run evaluates, and the run's evals then report the live run's fi
 - A cache written without the held-out part still trains; its evals report the student's CE with one
   log line saying why, and `teacher-cache` again adds the held-out part.
 - Held-out shards are written like training shards: atomic, resumable, the same draws when rewritten.
+- Under torchrun (4 processes, gloo on the CPU) the cached eval gives the one-process numbers.
 
 Run: .venv/bin/python -m pytest tests/test_teacher_cache_heldout.py -q
 """
@@ -34,6 +35,7 @@ from kdistill.scoring import heldout_eval_cached
 from kdistill.teacher_cache import TeacherCache, run_identity
 from kdistill.train import recipe
 from kdistill.train.step import heldout_eval
+from tests.test_distributed import torchrun
 from tests.test_train_kit import assets, base_config, one_error_line, run_cli
 
 CPU = torch.device("cpu")
@@ -205,3 +207,25 @@ def test_heldout_shards_are_resumable(tmp_path, capsys):
     assert not (tc / "heldout-00001.tmp").exists()
     # the held-out draws are not the training shard's that starts at the same row
     assert before["ids"] != (tc / "shard-00001" / "ids.npy").read_bytes()
+
+
+@pytest.mark.slow
+def test_cached_evals_under_torchrun_match_one_process(tmp_path, capsys):
+    # every held-out row: 12 batches of 4, the last of 3 rows, so one of 4 processes has no row of it
+    path, _ = _config(tmp_path, eval_batches=20)
+    _cache(capsys, path, tmp_path / "tc", "--mode", "topk", "--k", "8")
+    rc, err = _run(capsys, path, tmp_path / "tc", tmp_path / "one")
+    assert rc == 0, err
+    argv = [
+        "run",
+        str(path),
+        f"teacher.cache={tmp_path / 'tc'}",
+        f"output.dir={tmp_path / 'four'}",
+        "--quiet",
+    ]
+    r = torchrun(argv, nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, four = _eval_rows(tmp_path / "one")[-1], _eval_rows(tmp_path / "four")[-1]
+    assert four["tokens"] == one["tokens"] == 47 * 32
+    for key in ("student_loss", "kl_to_teacher", "teacher_loss"):
+        assert four[key] == pytest.approx(one[key], rel=1e-5), key

@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser(
-        "teacher-cache", help="run the teacher once over the run's training rows, write its targets"
+        "teacher-cache",
+        help="run the teacher once over the run's training and held-out rows, write its targets",
     )
     _add_config_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="the cache folder (resumable)")
