@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdistill.config import DIVERGENCES, RunConfig
-from kdistill.kernels import contract, keys, rope, runtime, swiglu
+from kdistill.dtypes import long_name
+from kdistill.kernels import contract, keys, library, rope, runtime, swiglu
 from kdistill.kernels import plan as plan_mod
 from kdistill.kernels import rmsnorm as rms_kernel
 from kdistill.kernels import seal as cache
@@ -186,6 +187,76 @@ def test_preset_pair_contract_on_a_shrunken_copy():
         t = dataclasses.replace(load_spec(t_name), **shrink)
         s = dataclasses.replace(load_spec(s_name), **{**shrink, "hidden_size": 24})
         assert contract_problems(t, s, make_run(dtype="bfloat16", batch=2, seq=4)) == [], (t_name, s_name)
+
+
+def _cross_tokenizer_step(arch: str, run: RunConfig, sharded: bool) -> tuple[runtime.Recorder, tuple]:
+    """A kd.cross_tokenizer training step and its held-out eval (the student's CE only, as the loop's
+    Evaluator runs it) on the reference path, recording keys: tests/test_cross_tokenizer.py's two BPE
+    tokenizers (student 320 symbols, teacher 384), tiny models with those vocabularies. sharded: the
+    student's weights in the compute dtype, as FSDP2 gathers them. Returns (recorder, (teacher spec,
+    student spec))."""
+    from kdistill.models.tokenizer import load_tokenizer
+    from kdistill.train.cross_tok import CrossTokenizer
+    from tests.test_cross_tokenizer import other_student
+    from tests.test_train_kit import assets
+
+    s_tok, t_tok = load_tokenizer(other_student()), load_tokenizer(assets().teacher)
+    teacher_spec = make_spec(hidden=48, inter=64, tied=False, vocab=t_tok.vocab_size)
+    student_spec = make_spec(vocab=s_tok.vocab_size)
+    prec = plan_mod.precision(run, arch, sharded)
+    teacher = (
+        build_decoder(teacher_spec, dtype=TORCH[prec.teacher_weights], seed=0).eval().requires_grad_(False)
+    )
+    student = build_decoder(student_spec, dtype=TORCH[prec.student_weights], seed=1)
+    g = torch.Generator().manual_seed(0)
+    b, t = run.schedule.batch_size, run.data.seq_len
+    ids = torch.randint(0, s_tok.vocab_size, (b, t), generator=g)
+    labels = ids.roll(-1, 1)  # (B, T): the cross-tokenizer loss pairs positions per row
+    labels[:, -1] = run.kd.ignore_index
+    cross = CrossTokenizer(s_tok, t_tok, teacher_spec.max_position_embeddings)
+    amp = torch.autocast("cpu", dtype=TORCH[prec.compute], enabled=prec.autocast)
+    with runtime.using(mode="reference", arch=arch), runtime.recording(deep=True) as rec:
+        compute_loss(student, teacher, ids, labels, run, amp, cross=cross).loss.backward()
+        heldout_eval(student, None, [(ids, labels)], run, torch.device("cpu"), amp, with_teacher_loss=True)
+    return rec, (teacher_spec, student_spec)
+
+
+@pytest.mark.parametrize(
+    "dtype, alpha, sharded", [("float32", 0.5, False), ("bfloat16", 1.0, False), ("bfloat16", 0.5, True)]
+)
+def test_cross_tokenizer_step_is_planned(dtype, alpha, sharded):
+    """kd.cross_tokenizer: the Triton keys its step launches are planned and prewarmed (the student's CE
+    through the KD head without KD, its gradient in the student weights' dtype), and the plan holds the
+    loss's own lm_head GEMMs (not recorded at runtime, so checked as shapes). The teacher's SDPA runs at
+    its own row length (varies per batch, warmed lazily): the one recorded key the plan may lack. The
+    sharded case's bf16 student lm_head goes through the ULD term's fp32 GEMMs too (cast, not mixed)."""
+    arch = "sm_90"
+    run = make_run(dtype=dtype, batch=2, seq=7, alpha=alpha, chunk=4)
+    run.kd.cross_tokenizer = True
+    rec, (teacher, student) = _cross_tokenizer_step(arch, run, sharded)
+    plan = plan_mod.required_kernels(teacher, student, run, arch, sharded=sharded)
+    warm = cache.prewarm(plan, "cpu", dry=True)
+    assert warm.failed == []
+    problems = contract.check(rec.launches, plan, warm.specializations)
+    lazy = {launch.key for launch in rec.launches if launch.key.op == "sdpa" and launch.key["T"] != 7}
+    assert lazy and all(not k["grad"] and k["HQ"] == teacher.num_heads for k in lazy)
+    assert problems == sorted(f"not in the plan: {k} (fwd)" for k in lazy)
+    ce = [k for k in rec.keys() if k.op == "kd_loss" and k["NEED_GRAD"]]
+    prec = plan_mod.precision(run, arch, sharded)
+    assert [(k["HAS_KD"], k["vocab_size"], k["grad_dtype"]) for k in ce] == [
+        (False, 320, long_name(prec.student_weights))
+    ]
+    m = 4  # kd.chunk_size rows (of 2 x 7 tokens)
+    gemms = {
+        library.gemm_key(arch, m=m, n=320, k=32, dtype=prec.student_weights, grad=True),  # CE head
+        library.gemm_key(arch, m=m, n=320, k=32, dtype="fp32", grad=True),  # ULD: student logits
+        library.gemm_key(arch, m=m, n=384, k=48, dtype="fp32", grad=False),  # ULD: teacher logits
+    }
+    assert gemms <= plan
+    # The KD head's plan alone has these shapes only where every GEMM of the run is fp32.
+    run.kd.cross_tokenizer = False
+    without = plan_mod.required_kernels(teacher, student, run, arch, sharded=sharded)
+    assert (gemms <= without) == (prec.compute == "fp32")
 
 
 def test_unaligned_pointer_is_part_of_the_key():

@@ -3,7 +3,8 @@
 One uninterrupted 2-process run and one 1-process run of the same config (same global batch of 4
 sequences) go in parallel, with a 2-process and a 1-process run killed after step 4 (checkpoint at
 step 3). Then, in parallel: the 2-process checkpoint (sharded, torch.distributed.checkpoint) resumed in
-one process (2 -> 1), the 1-process checkpoint resumed on 2 (1 -> 2), a run under
+one process (2 -> 1) and on four (2 -> 4: one sequence per process, every tensor resharded from two
+shards to four), the 1-process checkpoint resumed on 2 (1 -> 2), a run under
 `torchrun --max-restarts=1` whose rank 1 is killed by PID at step 4 (restarted from step 3 on its own),
 and the same run as two one-process "nodes" meeting through a c10d rendezvous on 127.0.0.1. A resume
 on as many processes as the run had, and the restart, must end with the uninterrupted run's weights
@@ -116,7 +117,9 @@ def runs(tmp_path_factory):
             for k, f in (("two", two), ("one", one), ("killed", killed), ("one_killed", one_killed))
         }
     dirs["killed_copy"] = tmp / "killed_copy"  # resumed in one process (the original on two)
-    shutil.copytree(dirs["killed"], dirs["killed_copy"])
+    dirs["killed_four"] = tmp / "killed_four"  # resumed on four processes
+    for copy in ("killed_copy", "killed_four"):
+        shutil.copytree(dirs["killed"], dirs[copy])
     return tmp, cfg, dirs, out
 
 
@@ -133,6 +136,9 @@ def more(runs):
     procs = {
         "two_to_one": start_proc(["run", "--resume", str(dirs["killed_copy"]), "--quiet"]),
         "one_to_two": start_torchrun(["run", "--resume", str(dirs["one_killed"]), "--quiet"]),
+        "two_to_four": start_torchrun(
+            ["run", "--resume", str(dirs["killed_four"]), "--quiet"], ["--nproc_per_node=4", "--standalone"]
+        ),
     }
     holds = tmp / "holds"
     holds.mkdir()
@@ -141,6 +147,11 @@ def more(runs):
         ["run", str(cfg), f"output.dir={dirs['restarted']}", "--quiet"],
         ["--nproc_per_node=2", "--standalone", "--max-restarts=1", "--monitor-interval=0.5"],
         KDISTILL_TEST_HOLD_AT=f"4@{holds}",
+    )
+    dirs["mapped"] = tmp / "mapped"  # kd.layer_map: projections (32 -> 64) trained beside the student
+    procs["mapped"] = start_torchrun(
+        ["run", str(cfg), f"output.dir={dirs['mapped']}", "--quiet"]
+        + ["kd.layer_map=[[0,0],[1,1]]", "kd.hidden_weight=0.5"]
     )
     dirs["replicated"] = tmp / "replicated"
     procs["replicated"] = start_torchrun(
@@ -265,6 +276,18 @@ def test_sharded_checkpoint_resumes_in_one_process(runs, more):
     assert (dirs["killed_copy"] / "checkpoints" / "step-0000006" / "student.safetensors").exists()
 
 
+def test_two_process_checkpoint_resumes_on_four(runs, more):
+    dirs, out = more
+    assert out["two_to_four"].returncode == 0, out["two_to_four"].stderr[-3000:]
+    run = dirs["killed_four"]
+    assert read_summary(run)["world_size"] == 4
+    _close_to(run, runs[2]["two"])
+    # The checkpoints it wrote after the resume are sharded over the four processes.
+    last = run / "checkpoints" / "step-0000006"
+    assert len(list((last / "shards").glob("*.distcp"))) == 4
+    assert json.loads((last / "state.json").read_text())["world_size"] == 4
+
+
 def test_one_process_checkpoint_resumes_on_two(runs, more):
     dirs, out = more
     assert out["one_to_two"].returncode == 0, out["one_to_two"].stderr[-3000:]
@@ -308,3 +331,19 @@ def test_replicated_teacher_and_checkpointed_blocks_match(runs, more):
     assert layout == {"world": 2, "teacher_sharded": False, "checkpointing": True}
     assert read_summary(runs[2]["two"])["layout"]["teacher_sharded"]  # auto on the CPU: sharded
     _close_to(dirs["replicated"], runs[2]["two"])
+
+
+def test_layer_map_projections_are_sharded_and_left_out_of_the_export(runs, more):
+    """kd.layer_map under torchrun: each projection is its own FSDP2 unit, in the sharded checkpoints,
+    and the gathered export is the plain student."""
+    dirs, out = more
+    assert out["mapped"].returncode == 0, out["mapped"].stderr[-3000:]
+    run = dirs["mapped"]
+    s = read_summary(run)
+    assert s["status"] == "completed" and s["final_loss"] < s["initial_loss"]
+    from kdistill.train import distributed as dist
+
+    names = dist.sharded_model_names(str(run / "checkpoints" / "step-0000006" / "shards"))
+    assert {k for k in names if k.startswith("kd_")} == {"kd_layer_proj.0.weight", "kd_layer_proj.1.weight"}
+    exported = student_weights(run / "student" / "model.safetensors")
+    assert exported.keys() == student_weights(runs[2]["two"] / "student" / "model.safetensors").keys()

@@ -1,6 +1,7 @@
 """LoRA students: the adapter math, PEFT's layout (peft loads our adapters onto transformers' model with
 the same logits), a run that trains only the adapters and exports them, `kdistill export --merge`,
-bit-identical resume, config errors, and the memory plan and kernel plan of a LoRA run.
+bit-identical resume (with kd.layer_map too: its projections are checkpointed beside the adapters), config
+errors, and the memory plan and kernel plan of a LoRA run.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tests.test_train_kit import (
     one_error_line,
     run_cli,
     run_proc,
+    start_proc,
 )
 from tests.tiny import load_hf, sample_ids
 
@@ -164,6 +166,46 @@ def test_lora_resume_is_bit_identical(tmp_path):
     assert r.returncode == 0, r.stderr
     a, b = final_weights(full), final_weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_resume_keeps_the_layer_map_projections(tmp_path, capsys):
+    """kd.layer_map trains projections beside the adapters: the checkpoint holds them and their AdamW
+    state, so the resumed run is the uninterrupted one bit for bit; the exported adapter leaves them out."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = _lora_config(tmp_path / "unused", steps=4, checkpoint_every=2)
+    cfg["kd"].update(layer_map=[[0, 0], [1, 1]], hidden_weight=0.5)  # widths 32 -> 64: projections
+    path = _write(tmp_path, cfg)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    procs = [
+        start_proc(["run", str(path), f"output.dir={full}", "--quiet"]),
+        start_proc(["run", str(path), f"output.dir={cut}", "--quiet"], KDISTILL_TEST_KILL_AT="3"),
+    ]
+    for p in procs:
+        p.communicate(timeout=180)
+    assert procs[0].returncode == 0 and procs[1].returncode != 0
+    saved = load_file(str(cut / "checkpoints" / "step-0000002" / "student.safetensors"))
+    assert {k for k in saved if k.startswith("kd_")} == {"kd_layer_proj.0.weight", "kd_layer_proj.1.weight"}
+    r = run_proc(["run", "--resume", str(cut), "--quiet"], 180)
+    assert r.returncode == 0, r.stderr
+    rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, cut)]
+    assert [row["step"] for row in rows[1]] == [1, 2, 3, 4]
+    keys = ("loss", "ce", "kd", "grad_norm")
+    for x, y in zip(*rows, strict=True):
+        assert [y[k] for k in keys] == [x[k] for k in keys], x["step"]
+    a, b = final_weights(full), final_weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    exported = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
+    assert exported and not any("kd_" in k for k in exported)
+    # A checkpoint of such a run without its projections (adapters only) is refused, not resumed with
+    # fresh projections.
+    step = sorted((full / "checkpoints").iterdir())[-1]
+    tensors = step / "student.safetensors"
+    save_file({k: v for k, v in load_file(str(tensors)).items() if not k.startswith("kd_")}, str(tensors))
+    rc, _, err = run_cli(capsys, "run", "--resume", str(full), "--quiet")
+    assert rc == 2 and one_error_line(err) == (
+        f"{step}: checkpoint does not match this run (missing tensor 'kd_layer_proj.0.weight')"
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
 """LoRA students under torchrun (2 processes, gloo on the CPU, FSDP2): the one-process run's losses, a
 frozen base that stays bit for bit, adapters that PEFT loads with the one-process adapters' logits, the
 merged export, a sharded checkpoint resumed in one process (2 -> 1) and a one-process checkpoint resumed
-on two (1 -> 2); and, on tiny models, the sharded LoRA step's kernel keys against the sharded plan with
-a fp32 and a bf16 base (the bf16 base and fp32 adapters share their FSDP units).
+on two (1 -> 2); the same run with kd.layer_map (projections trained beside the adapters, each its own
+FSDP2 unit) on two processes, killed and resumed in one, against the uninterrupted one-process run; and,
+on tiny models, the sharded LoRA step's kernel keys against the sharded plan with a fp32 and a bf16 base
+(the bf16 base and fp32 adapters share their FSDP units).
 
 The run is tests/test_distributed.py's (6 steps of a global batch of 4, checkpoints at 3 and 6) with the
 tiny pretrained student and adapters on four linears, dropout 0: dropout draws its masks per process
@@ -26,6 +28,7 @@ import pytest
 import torch
 import yaml
 
+from kdistill.train import distributed as dist
 from tests.test_distributed import finish, start_torchrun
 from tests.test_train_kit import REPO, assets, base_config, child_env, read_summary, run_cli, start_proc
 from tests.tiny import load_hf, sample_ids
@@ -36,7 +39,7 @@ SCHED = dict(steps=6, batch_size=4, checkpoint_every=3, eval_every=3)
 TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 
 
-def _config(folder: Path) -> Path:
+def _config(folder: Path, name: str = "run.yaml", **kd) -> Path:
     cfg = base_config(folder / "unused", **SCHED)
     cfg["student"] = {
         "path": str(assets().student),
@@ -44,7 +47,8 @@ def _config(folder: Path) -> Path:
         "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": TARGETS},
     }
     cfg["optim"]["grad_clip"] = 0.1  # below every step's norm (~0.2): each step clips the sharded adapters
-    path = folder / "run.yaml"
+    cfg["kd"].update(kd)
+    path = folder / name
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -74,7 +78,9 @@ def _ok(r: subprocess.CompletedProcess) -> None:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_dist")
     cfg = _config(tmp)
-    dirs = {k: tmp / k for k in ("two", "one", "killed", "one_killed")}
+    # kd.layer_map: widths 32 -> 64, so a projection per mapped student layer trains beside the adapters
+    mapped = _config(tmp, "mapped.yaml", layer_map=[[0, 0], [1, 1]], hidden_weight=0.5)
+    dirs = {k: tmp / k for k in ("two", "one", "killed", "one_killed", "mapped_one", "mapped_killed")}
     procs = {
         # the 2-process run, through the helper: the gathered base compared with student.path's weights
         "two": _helper("run", str(tmp / "two.json"), "run", str(cfg), f"output.dir={dirs['two']}", "--quiet"),
@@ -86,13 +92,18 @@ def runs(tmp_path_factory):
             ["run", str(cfg), f"output.dir={dirs['one_killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
         ),
         "step": _helper("step", str(tmp / "step.json")),
+        "mapped_one": start_proc(["run", str(mapped), f"output.dir={dirs['mapped_one']}", "--quiet"]),
+        "mapped_killed": start_torchrun(
+            ["run", str(mapped), f"output.dir={dirs['mapped_killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
+        ),
     }
     with ThreadPoolExecutor(len(procs)) as pool:
         out = dict(zip(procs, pool.map(lambda p: finish(p, 240), procs.values())))
-    assert out["killed"].returncode != 0 and out["one_killed"].returncode != 0
+    assert all(out[k].returncode != 0 for k in ("killed", "one_killed", "mapped_killed"))
     procs = {  # 2 -> 1 and 1 -> 2
         "two_to_one": start_proc(["run", "--resume", str(dirs["killed"]), "--quiet"]),
         "one_to_two": start_torchrun(["run", "--resume", str(dirs["one_killed"]), "--quiet"]),
+        "mapped_two_to_one": start_proc(["run", "--resume", str(dirs["mapped_killed"]), "--quiet"]),
     }
     with ThreadPoolExecutor(len(procs)) as pool:
         out.update(zip(procs, pool.map(lambda p: finish(p, 240), procs.values())))
@@ -187,6 +198,27 @@ def test_sharded_lora_checkpoint_resumes_in_one_process(runs):
 
     ckpt = final_weights(run)  # written in one process: the adapters only, full tensors
     assert ckpt and all(".lora_A." in k or ".lora_B." in k for k in ckpt)
+
+
+def test_layer_map_projections_train_sharded_and_resume_from_shards(runs):
+    """The projections of a sharded LoRA run are in its sharded checkpoints: resumed in one process at
+    step 3, the run ends as the one-process run did (losses, adapters and projections within tolerance)."""
+    from tests.test_train_kit import final_weights
+
+    _, dirs, out = runs
+    _ok(out["mapped_one"]), _ok(out["mapped_two_to_one"])
+    run, ref = dirs["mapped_killed"], dirs["mapped_one"]
+    saved = dist.sharded_model_names(str(run / "checkpoints" / "step-0000003" / "shards"))
+    assert {k for k in saved if k.startswith("kd_")} == {"kd_layer_proj.0.weight", "kd_layer_proj.1.weight"}
+    _same_run(run, ref)
+    _same_adapters(run, ref)
+    a, b = final_weights(ref), final_weights(run)  # one-process checkpoints: adapters and projections
+    assert a.keys() == b.keys() and {k for k in a if k.startswith("kd_")} == {
+        "kd_layer_proj.0.weight",
+        "kd_layer_proj.1.weight",
+    }
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4, msg=k)
 
 
 def test_one_process_lora_checkpoint_resumes_on_two(runs):

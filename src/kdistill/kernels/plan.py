@@ -7,7 +7,8 @@
 It calls the same key functions as the dispatcher (each kernel's registered plan function), walking the decoder's op
 sequence with the dtypes the training loop uses (`precision`): the teacher in the compute dtype
 without grad; the student with fp32 master weights under autocast (bf16 on a GPU), forward with and
-without grad (training and eval) and backward; the KD loss head for training and held-out eval.
+without grad (training and eval) and backward; the KD loss head for training and held-out eval
+(kd.cross_tokenizer: the student's CE head and the ULD term's lm_head GEMMs, `cross_tokenizer_kernels`).
 The property test in tests/test_contract.py proves plan ⊇ launched keys for random specs and runs.
 """
 
@@ -201,6 +202,39 @@ def kd_kernels(
     return out
 
 
+def cross_tokenizer_kernels(
+    teacher: ModelSpec, student: ModelSpec, run, arch: str, prec: Precision, *, tokens: int
+) -> set[keys.KernelKey]:
+    """kd.cross_tokenizer (train/cross_tok.py): the keys of the loss's own lm_head work, which the KD
+    head's plan (`kd_kernels`, `gemm_kernels`) does not hold. The student's CE runs through the KD head
+    without KD (its alpha is 0; the run's alpha weighs the ULD term) on the lm_head as stored, not cast
+    to the autocast dtype: logits fp32, gradient written in the student weights' dtype, and its GEMM in
+    that dtype. The ULD term's fp32 GEMMs, per chunk of kd.chunk_size aligned rows: the student's logits
+    over its vocabulary (with grad, recomputed in backward) and the teacher's over its own (no grad; a
+    teacher padded beyond its tokenizer runs at the tokenizer's rows, a shape warmed lazily). The
+    teacher's forward runs at its own row length, which varies per batch: its GEMM and SDPA shapes are
+    warmed lazily; its Triton keys do not depend on the token count (`model_kernels`)."""
+    kd = run.kd
+    m = min(kd.chunk_size, tokens)
+    hs, vs = student.hidden_size, student.vocab_size
+    out = registry.by_name("kd_loss").plan(
+        arch,
+        grad=True,
+        vocab_size=vs,
+        divergence="forward_kl",
+        logits_dtype="fp32",
+        has_kd=False,
+        grad_dtype=prec.student_weights,
+    )
+    out.add(library.gemm_key(arch, m=m, n=vs, k=hs, dtype=prec.student_weights, grad=True))
+    if kd.alpha > 0:
+        out.add(library.gemm_key(arch, m=m, n=vs, k=hs, dtype="fp32", grad=True))
+        out.add(
+            library.gemm_key(arch, m=m, n=teacher.vocab_size, k=teacher.hidden_size, dtype="fp32", grad=False)
+        )
+    return out
+
+
 def required_kernels(
     teacher_spec: ModelSpec,
     student_spec: ModelSpec,
@@ -214,7 +248,8 @@ def required_kernels(
 ) -> set[keys.KernelKey]:
     """Every kernel key (Triton and library) the run launches: teacher forward without grad, student
     forward with and without grad and its backward (no teacher forward with teacher.cache) (a LoRA student: its frozen base in
-    student.lora.base_dtype and the adapters' GEMMs), the KD loss head; for `arch` (e.g. 'sm_90').
+    student.lora.base_dtype and the adapters' GEMMs), the KD loss head (kd.cross_tokenizer: also its
+    loss's own, `cross_tokenizer_kernels`); for `arch` (e.g. 'sm_90').
     batch: the per-process batch (under torchrun batch_size / world); default run.schedule.batch_size.
     documents: the data is packed conversations (attention masked by document).
     sharded: the student is sharded with FSDP2 (torchrun), its weights gathered in the compute dtype.
@@ -239,6 +274,8 @@ def required_kernels(
     out |= gemm_kernels(student_spec, arch, prec.compute, grad=True, tokens=b * t, chunk=run.kd.chunk_size)
     out |= lora_gemm_kernels(student_spec, run, arch, prec.compute, tokens=b * t)
     out |= kd_kernels(teacher_spec, student_spec, run, arch, prec)
+    if getattr(run.kd, "cross_tokenizer", False):
+        out |= cross_tokenizer_kernels(teacher_spec, student_spec, run, arch, prec, tokens=b * t)
     for extra in extra_teachers:  # the KD head's key depends on the student's vocab only
         out |= model_kernels(extra, arch, prec, prec.teacher_weights, grad=False, **m)
         out |= gemm_kernels(extra, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)

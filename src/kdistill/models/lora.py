@@ -2,6 +2,7 @@
 
     apply_lora(student, rank=8, alpha=16, dropout=0.0, targets=["q_proj", "v_proj"], seed=0)
     adapter_state(student)        # {"model.layers.0.self_attn.q_proj.lora_A.weight": (r, in), ...}
+    checkpoint_state(student)     # the adapters and the `kd_` modules: what a training checkpoint holds
     save_adapter(student, out_dir, base_model="path/to/student")    # adapter_config.json + safetensors
     save_adapter(sharded, out_dir, base_model=..., tensors=full)     # FSDP2: the gathered adapters
     load_adapter(student_with_lora, adapter_dir)                    # the inverse
@@ -35,6 +36,7 @@ from torch import nn
 from kdistill.errors import UserError
 from kdistill.fileio import fsync_dir, write_json_durable
 from kdistill.jsonio import read_json
+from kdistill.models.decoder import KD_ONLY_PREFIX
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -130,6 +132,18 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, m in lora_modules(model):
         out[f"{name}.lora_A.weight"] = m.lora_A.weight
         out[f"{name}.lora_B.weight"] = m.lora_B.weight
+    return out
+
+
+def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a LoRA student's training checkpoint holds: its adapters (`adapter_state`) and the tensors of
+    the distillation-only modules that train beside them (names with models.decoder.KD_ONLY_PREFIX, e.g.
+    kd.layer_map's `kd_layer_proj.0.weight`); never the frozen base, which is student.path's weights.
+    The `kd_` tensors stay out of the exported adapter (`save_adapter` writes the adapters only)."""
+    out = adapter_state(model)
+    out.update(
+        (name, t) for name, t in model.state_dict(keep_vars=True).items() if name.startswith(KD_ONLY_PREFIX)
+    )
     return out
 
 

@@ -1,7 +1,8 @@
 """Training checkpoints: atomic, rotated, and complete enough to resume bit for bit.
 
 A checkpoint is a folder `checkpoints/step-0000100/` holding
-    student.safetensors   the student's parameters
+    student.safetensors   the student's parameters (a LoRA student's adapters and `kd_` modules only:
+                          models.lora.checkpoint_state)
     optimizer.safetensors AdamW moments and step counts, one tensor each
     state.json            step, optimizer hyper-parameters, data position, RNG, counters
 It is written into `checkpoints/.tmp-step-.../` and renamed into place only when every file is
@@ -11,7 +12,8 @@ Nothing is ever unpickled: tensors go through safetensors and everything else th
 Under torchrun a checkpoint is sharded instead (`save_sharded_checkpoint`): the folder holds
     shards/               torch.distributed.checkpoint files, each process's own shards of the
                           student and its AdamW state (nothing gathered to one process; a LoRA
-                          student's adapters only, as in a one-process checkpoint)
+                          student's trainable tensors only, its adapters and `kd_` modules, as in a
+                          one-process checkpoint)
     state.json            as above, with "format": "sharded" and the number of processes
 written the same way: every process writes into the temp folder, then rank 0 adds state.json and
 renames it into place. `load_checkpoint` returns no tensors for it (None): they are read straight into

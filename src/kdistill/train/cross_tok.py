@@ -84,7 +84,9 @@ def cross_tokenizer_loss(
             t_hidden = teacher(t_ids)  # (B, Lt, Ht)
         b_idx = torch.arange(len(t_ids), device=t_ids.device)[:, None].expand_as(pairs)
         t_rows = t_hidden[b_idx[valid], pairs[valid]].float()  # (n, Ht)
-        ws, wt = student.lm_head_weight, teacher.lm_head_weight.float()
+        # fp32 GEMMs on both sides (the plan's ULD shapes): a student lm_head stored or gathered in a
+        # lower precision (a LoRA base_dtype, FSDP2's compute-dtype gathers) is cast, not mixed with hs
+        ws, wt = student.lm_head_weight.float(), teacher.lm_head_weight.float()
         for start in range(0, n, kd.chunk_size):
             end = min(start + kd.chunk_size, n)
             hs = s_rows[start:end].float()

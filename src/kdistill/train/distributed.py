@@ -28,15 +28,17 @@ write its own shards of the student and its AdamW state, nothing is gathered; `l
 back into a model sharded over any number of processes, or into a plain model in one process (DCP
 reshards by tensor name and offsets). A one-process checkpoint holds full tensors (safetensors):
 `load_full_state` puts them into a sharded model and optimizer. So a run saved on N processes resumes on
-M. The exported student is gathered once (`unsharded_copy`).
+M. The exported student is gathered once (`unsharded_copy`). Modules that train beside the student outside
+its decoder (kd.layer_map's projections, attached after sharding) are FSDP2 units of their own
+(`shard_beside`), so their gradients are averaged and their state sharded like the student's.
 
 A LoRA student (`student.lora`) is sharded the same way, the frozen base and the fp32 adapters of a block in
 one unit, but without FSDP's mixed precision: every unit gathers its parameters in the dtypes they are
 stored in (the base in `student.lora.base_dtype`, the adapters in fp32), which is what one process computes
-with and what the kernel plan expects of a LoRA student (see `shard_student`). Only the adapters have
-gradients, AdamW state and a place in the sharded checkpoints: the frozen base is student.path's weights,
-read again on resume. The adapters are gathered once at the end (`full_model_state(trainable_only=True)`)
-for rank 0 to write PEFT's adapter directory.
+with and what the kernel plan expects of a LoRA student (see `shard_student`). Only the adapters (and
+kd.layer_map's projections) have gradients, AdamW state and a place in the sharded checkpoints: the frozen
+base is student.path's weights, read again on resume. The adapters are gathered once at the end
+(`full_model_state(trainable_only=True)`) for rank 0 to write PEFT's adapter directory.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from kdistill.errors import UserError
-from kdistill.models.decoder import build_decoder
+from kdistill.models.decoder import KD_ONLY_PREFIX, build_decoder
 from kdistill.models.lora import has_lora
 
 
@@ -279,6 +281,16 @@ def shard_student(model: torch.nn.Module, compute_dtype: torch.dtype = torch.flo
     return model
 
 
+def shard_beside(module: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 for a module that trains beside the sharded student but outside its decoder (one of
+    kd.layer_map's projections, attached after `shard_student`): its own unit, gathered in the dtype it
+    is stored in (fp32, as one process computes it: the layer loss runs outside autocast), its gradient
+    reduce-scattered with the student's. Unsharded, its gradient would differ by process (each its own
+    rows) and clipping would mix DTensor and plain gradients."""
+    fully_shard(module, mesh=_mesh())
+    return module
+
+
 def shard_teacher(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 for the frozen teacher: the same units, each resharded right after its forward."""
     mesh = _mesh()
@@ -413,10 +425,12 @@ def load_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) 
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
-    """A plain CPU Decoder with the sharded model's full weights on rank 0 (None elsewhere); collective."""
+    """A plain CPU Decoder with the sharded model's full weights on rank 0 (None elsewhere); collective.
+    Distillation-only modules (`kd_`, e.g. kd.layer_map's projections) are left out, as every export does."""
     sd = full_model_state(model)
     if not is_main():
         return None
+    sd = {k: v for k, v in sd.items() if not k.startswith(KD_ONLY_PREFIX)}
     dtype = next(iter(sd.values())).dtype
     plain = build_decoder(model.spec, device="cpu", dtype=dtype, seed=None)  # type: ignore[arg-type]
     plain.load_state_dict(sd)

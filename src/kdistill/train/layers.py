@@ -8,7 +8,9 @@ For each pair [t, s] of kd.layer_map the student's output of block s, through a 
 kdistill.ops.layer_kd): kd.hidden_weight * mean over pairs of the hidden loss (mse or cosine), plus
 kd.attention_weight * mean over pairs of KL between the head-averaged attention maps. The
 projections live in the student as `kd_layer_proj` (trained by the same optimizer, saved in
-checkpoints, left out of the exported model: models.decoder.KD_ONLY_PREFIX).
+checkpoints, a LoRA student's too, left out of the exported model: models.decoder.KD_ONLY_PREFIX).
+Under torchrun each projection is its own FSDP2 unit (`distributed.shard_beside`), so its gradient is
+averaged over the processes like the student's and it is sharded in checkpoints.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kdistill.models.decoder import Decoder
 from kdistill.models.spec import ModelSpec
 from kdistill.ops.attention import document_mask
 from kdistill.ops.layer_kd import attention_map_loss, hidden_state_loss
+from kdistill.train import distributed as dist
 
 
 def check_layer_map(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec) -> None:
@@ -50,6 +53,9 @@ def attach_projections(student: Decoder, teacher: ModelSpec, cfg: RunConfig, see
             lin.weight.copy_(torch.randn(ht, hs, generator=g) / hs**0.5)
         proj[str(s)] = lin
     student.kd_layer_proj = proj.to(dev)
+    if dist.active():  # a sharded student: each projection its own FSDP2 unit (its gradient reduced)
+        for lin in proj.values():
+            dist.shard_beside(lin)
 
 
 def _capture(model: Decoder, layers: set[int], on: bool) -> None:

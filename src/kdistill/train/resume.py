@@ -4,16 +4,20 @@
     save_state(run_dir, step, student, opt, batcher, counters, cfg)              # every checkpoint
     start_step = restore_state(run_dir, student, opt, batcher, counters, cfg, device)   # --resume
 
-Saved: the student's weights (a LoRA student's adapters only) and the AdamW state (tensors, checkpoint.py), and state.json: the step,
-the data position (the batcher's shuffle state), the CPU RNG, the counters below and the config. So a
-resumed run draws the same batches, the same random numbers and continues the same schedule; its
-metrics.jsonl and eval.jsonl keep the lines up to the step resumed from.
+Saved: the student's weights (a LoRA student's adapters and `kd_` modules only, see below) and the AdamW
+state (tensors, checkpoint.py), and state.json: the step, the data position (the batcher's shuffle state),
+the CPU RNG, the counters below and the config. So a resumed run draws the same batches, the same random
+numbers and continues the same schedule; its metrics.jsonl and eval.jsonl keep the lines up to the step
+resumed from.
 
 Under torchrun (`dist.active()`) every process writes its own shards (torch.distributed.checkpoint;
 collective: every process calls `save_state`), nothing gathered. `restore_state` reads either format into
 either kind of run: a sharded checkpoint into a sharded or a one-process student (DCP reshards), a
-one-process checkpoint's full tensors into a sharded student. A checkpoint of N processes resumes on M.
-A LoRA student's checkpoints hold its adapters and their AdamW state in either format, never the base.
+one-process checkpoint's full tensors into a sharded student. A checkpoint of N processes resumes on M
+(tests/test_distributed.py: 2 -> 1, 1 -> 2, 2 -> 4).
+A LoRA student's checkpoints hold its adapters, the distillation-only `kd_` modules that train with them
+(kd.layer_map's projections: `lora.checkpoint_state`) and their AdamW state in either format, never the
+base.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kdistill.config import RunConfig
 from kdistill.data import Batcher
 from kdistill.errors import UserError
 from kdistill.jsonio import cut, short_repr
-from kdistill.models.lora import adapter_state, has_lora
+from kdistill.models.lora import checkpoint_state, has_lora
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 
@@ -64,8 +68,9 @@ def save_state(
             cfg.output.keep_checkpoints,
         )
         return
-    # A LoRA student's checkpoint holds its adapters only: the frozen base is student.path's weights.
-    held = dist.FullState(adapter_state(student)) if has_lora(student) else student
+    # A LoRA student's checkpoint holds its adapters and `kd_` modules (layer-map projections) only: the
+    # frozen base is student.path's weights. (Sharded: every trainable tensor, the same set.)
+    held = dist.FullState(checkpoint_state(student)) if has_lora(student) else student
     ckpt.save_checkpoint(run_dir, step, held, opt, state, cfg.output.keep_checkpoints)  # type: ignore[arg-type]
 
 
@@ -136,7 +141,7 @@ def _load_full(
     """A one-process checkpoint's full tensors into the student (sharded or not) and its optimizer;
     names and shapes checked first (a ValueError names the first that does not fit)."""
     lora = has_lora(student)
-    own = adapter_state(student) if lora else student.state_dict()
+    own = checkpoint_state(student) if lora else student.state_dict()
     odd = sorted(set(own) ^ set(weights))
     if odd:
         raise ValueError(f"{'unexpected' if odd[0] in weights else 'missing'} tensor {short_repr(odd[0])}")
