@@ -167,21 +167,27 @@ def tiles(inter: int) -> dict[str, int]:
     return {"BLOCK": block, "num_warps": 4 if block <= 512 else 8, "num_stages": 1}
 
 
+def _key(
+    kernel: Kernel, arch: str, inter: int, dtype: str, fused: bool, aligned: Sequence[bool] | None
+) -> KernelKey:
+    return make_key(
+        kernel.op,
+        arch,
+        I=int(inter),
+        SX=int(inter) * (2 if fused else 1),
+        dtype=dtype_name(dtype),
+        align=kernel.align(aligned),
+        **tiles(inter),
+    )
+
+
 @memoized
 def fwd_key(
     arch: str, *, inter: int, dtype: str, fused: bool = False, aligned: Sequence[bool] | None = None
 ) -> KernelKey:
     """silu(gate) * up over rows of `inter` elements; fused: gate and up are the halves of one
     (rows, 2 inter) tensor (row stride 2 inter). aligned: G, U."""
-    return make_key(
-        "swiglu_fwd",
-        arch,
-        I=int(inter),
-        SX=int(inter) * (2 if fused else 1),
-        dtype=dtype_name(dtype),
-        align=FWD.align(aligned),
-        **tiles(inter),
-    )
+    return _key(FWD, arch, inter, dtype, fused, aligned)
 
 
 @memoized
@@ -189,15 +195,7 @@ def bwd_key(
     arch: str, *, inter: int, dtype: str, fused: bool = False, aligned: Sequence[bool] | None = None
 ) -> KernelKey:
     """d gate, d up (fused: as fwd_key). aligned: DY, G, U."""
-    return make_key(
-        "swiglu_bwd",
-        arch,
-        I=int(inter),
-        SX=int(inter) * (2 if fused else 1),
-        dtype=dtype_name(dtype),
-        align=BWD.align(aligned),
-        **tiles(inter),
-    )
+    return _key(BWD, arch, inter, dtype, fused, aligned)
 
 
 # -- registered description -----------------------------------------------------------------------
