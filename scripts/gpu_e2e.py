@@ -67,6 +67,8 @@ def main() -> None:
         "--nproc", default="1", help="processes (GPUs) under torchrun, or a list like 1,2,4; 1: plain python"
     )
     ap.add_argument("--per-gpu-batch", type=int, default=0, help="sequences per GPU (overrides --batch)")
+    ap.add_argument("--reuse", action="store_true", help="keep model dirs that --work already holds")
+    ap.add_argument("--make-only", action="store_true", help="write the model dirs, run nothing")
     a = ap.parse_args()
     settings = [int(n) for n in str(a.nproc).split(",")]
     from tests.tiny import make_tokenizer
@@ -78,8 +80,17 @@ def main() -> None:
     make_tokenizer(tok_dir, vocab_size=512)
     teacher, student = a.pair.split(":")
     t0 = time.time()
-    t_dir = make_model_dir(teacher, work / "teacher", tok_dir, 1)
-    s_dir = make_model_dir(student, work / "student", tok_dir, 2)
+    made = {}
+    for role, preset, seed in (("teacher", teacher, 1), ("student", student, 2)):
+        path = work / role
+        if a.reuse and (path / "config.json").exists():  # save_model writes a directory atomically
+            made[role] = path
+        else:
+            made[role] = make_model_dir(preset, path, tok_dir, seed)
+    t_dir, s_dir = made["teacher"], made["student"]
+    if a.make_only:
+        print(f"model dirs in {work} after {time.time() - t0:.0f} s", flush=True)
+        return
     print(f"random-weight model dirs written in {time.time() - t0:.0f} s", flush=True)
     results = []
     for i, nproc in enumerate(n for n in settings for _ in range(a.runs)):

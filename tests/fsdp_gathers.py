@@ -3,8 +3,10 @@ tests/test_distributed.py launches under torchrun; not a test module).
 
     torchrun --nproc_per_node=2 --standalone tests/fsdp_gathers.py OUT.json
 
-Writes {"root": n, "blocks": [n, ...]} from rank 0: the all-gathers each FSDP unit issued during a
-forward, the chunked KD loss (many chunks) and the backward, with activation checkpointing on.
+Writes {"regathered": {"root": n, "blocks": [n, ...]}, "kept": {...}} from rank 0: the all-gathers each
+FSDP unit issued during a forward, the chunked KD loss (many chunks) and the backward, with activation
+checkpointing on, the student's blocks resharded after forward (FSDP2's default) or kept gathered
+until their backward.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from kdistill.train.step import compute_loss
 from tests.test_contract import make_run, make_spec
 
 
-def main(out: str) -> None:
-    dist.init_from_env("cpu")
+def count_gathers(keep_gathered: bool) -> dict:
+    """All-gathers per unit of the student in one step: {"root": n, "blocks": [n, ...]}."""
     teacher = build_decoder(make_spec(hidden=32, layers=3), seed=0).eval().requires_grad_(False)
     student = build_decoder(make_spec(hidden=24, inter=40, layers=3), seed=1)
     student.checkpoint_blocks(True)
-    dist.shard_student(student)
+    dist.shard_student(student, keep_gathered=keep_gathered)
     dist.shard_teacher(teacher)
     counts: dict[str, int] = {}
     unshard = param_group.FSDPParamGroup.unshard
@@ -39,17 +41,25 @@ def main(out: str) -> None:
         return unshard(self, *args, **kwargs)
 
     param_group.FSDPParamGroup.unshard = counted
-    run = make_run(batch=2, seq=8, chunk=2)  # 8 chunks of the KD head per process
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 40, (2, 8), generator=g)
-    labels = torch.randint(0, 40, (16,), generator=g)
-    r = compute_loss(student, teacher, ids, labels, run, torch.autocast("cpu", enabled=False))
-    r.loss.backward()
-    dist.reshard(teacher)
+    try:
+        run = make_run(batch=2, seq=8, chunk=2)  # 8 chunks of the KD head per process
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 40, (2, 8), generator=g)
+        labels = torch.randint(0, 40, (16,), generator=g)
+        r = compute_loss(student, teacher, ids, labels, run, torch.autocast("cpu", enabled=False))
+        r.loss.backward()
+        dist.reshard(teacher)
+    finally:
+        param_group.FSDPParamGroup.unshard = unshard
+    return {"root": counts.get("root", 0), "blocks": [counts.get(f"model.layers.{i}", 0) for i in range(3)]}
+
+
+def main(out: str) -> None:
+    dist.init_from_env("cpu")
+    result = {"regathered": count_gathers(False), "kept": count_gathers(True)}
     if dist.is_main():
-        blocks = [counts.get(f"model.layers.{i}", 0) for i in range(3)]
         with open(out, "w") as f:
-            json.dump({"root": counts.get("root", 0), "blocks": blocks}, f)
+            json.dump(result, f)
     dist.destroy()
 
 

@@ -157,6 +157,7 @@ def more(runs):
     procs["replicated"] = start_torchrun(
         ["run", str(cfg), f"output.dir={dirs['replicated']}", "--quiet"]
         + ["runtime.teacher_placement=replicate", "runtime.activation_checkpointing=blocks"]
+        + ["runtime.student_reshard=after_backward"]
     )
     procs["gathers"] = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
@@ -320,15 +321,19 @@ def test_root_gathered_once_per_step_and_blocks_once_each_way(more):
     dirs, out = more
     assert out["gathers"].returncode == 0, out["gathers"].stderr[-3000:]
     # forward, 8 chunks of the KD head and the backward (checkpointed blocks recomputed): the root's
-    # embeddings and lm_head once, each block once for forward and once for backward.
-    assert json.loads(dirs["gathers"].read_text()) == {"root": 1, "blocks": [2, 2, 2]}
+    # embeddings and lm_head once, each block once for forward and once for backward; kept gathered
+    # from forward to backward, each block once.
+    assert json.loads(dirs["gathers"].read_text()) == {
+        "regathered": {"root": 1, "blocks": [2, 2, 2]},
+        "kept": {"root": 1, "blocks": [1, 1, 1]},
+    }
 
 
-def test_replicated_teacher_and_checkpointed_blocks_match(runs, more):
+def test_replicated_teacher_checkpointed_blocks_and_kept_student_match(runs, more):
     dirs, out = more
     assert out["replicated"].returncode == 0, out["replicated"].stderr[-3000:]
     layout = read_summary(dirs["replicated"])["layout"]
-    assert layout == {"world": 2, "teacher_sharded": False, "checkpointing": True}
+    assert layout == {"world": 2, "teacher_sharded": False, "checkpointing": True, "student_kept": True}
     assert read_summary(runs[2]["two"])["layout"]["teacher_sharded"]  # auto on the CPU: sharded
     _close_to(dirs["replicated"], runs[2]["two"])
 

@@ -195,3 +195,13 @@ def test_fp8_with_a_sharded_teacher_is_refused():
     with pytest.raises(UserError, match=r"set runtime.teacher_placement=replicate$"):
         check_fp8_layout(cfg, teacher_sharded=True)
     check_fp8_layout(cfg, teacher_sharded=False)
+
+
+def test_quant_kernel_constant_is_the_fp32_reciprocal_of_448():
+    """The kernel multiplies by a literal; it must be the fp32 constant the reference multiplies by."""
+    import inspect
+
+    from kdistill.kernels import fp8_quant
+
+    assert fp8_quant.INV_FP8_MAX == float(torch.tensor(1 / 448, dtype=torch.float32))
+    assert repr(fp8_quant.INV_FP8_MAX) in inspect.getsource(fp8_quant.fp8_quant_rows_kernel.fn)

@@ -59,9 +59,12 @@ def test_checkpointing_makes_the_7b_pair_at_4096_fit_one_80gb_gpu():
 def test_auto_placement_replicates_when_it_fits_and_explicit_choices_hold():
     t, s = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
     budget = int(80 * GIB * 0.95)
-    assert choose_layout(t, s, _cfg(), budget, world=2, batch=4) == Layout(2, False, False)
+    # it fits: the teacher whole, and the student's blocks kept gathered from forward to backward
+    assert choose_layout(t, s, _cfg(), budget, world=2, batch=4) == Layout(2, False, False, True)
     shard = choose_layout(t, s, _cfg(teacher_placement="shard"), budget, world=2, batch=4)
-    assert shard == Layout(2, True, False)
+    assert shard == Layout(2, True, False, True)
+    regather = choose_layout(t, s, _cfg(student_reshard="after_forward"), budget, world=2, batch=4)
+    assert regather == Layout(2, False, False, False)
     big = load_spec("qwen2.5-72b")  # 135 GiB in bf16: never whole on one GPU
     assert choose_layout(big, s, _cfg(), budget, world=2, batch=4).teacher_sharded
     pinned = choose_layout(big, s, _cfg(teacher_placement="replicate"), budget, world=2, batch=4)
@@ -111,3 +114,30 @@ def test_sharded_lora_student_is_planned_with_its_own_terms():
     assert terms["student_weights"] == (s.param_counts()["total"] * 4 + adapters * 4) // 2
     full = estimate_memory(t, s, RunConfig(), layout=Layout(world=2))
     assert terms["student_gathered_units"] > 1.9 * full["student_gathered_units"]
+
+
+def test_student_kept_gathered_plans_every_block_in_bf16_and_is_dropped_when_it_does_not_fit():
+    """Kept from forward to backward, all of the student's blocks are gathered at the peak (2 bytes per
+    weight) instead of two; `auto` gives that up before it shards the teacher or checkpoints."""
+    t, s = load_spec("qwen2.5-7b"), load_spec("qwen2.5-1.5b")
+    cfg = _cfg()
+    per_block = estimate_memory(t, s, cfg, batch=4, layout=Layout(world=2))
+    kept = estimate_memory(t, s, cfg, batch=4, layout=Layout(world=2, student_kept=True))
+    c = s.param_counts()
+    extra = kept["student_gathered_units"] - per_block["student_gathered_units"]
+    assert extra == (s.num_layers - 2) * c["per_layer"] * 2
+    assert kept["total"] - per_block["total"] == extra
+    # a budget between the two: the blocks are regathered in backward, nothing else is traded
+    budget = (kept["total"] + per_block["total"]) // 2
+    assert choose_layout(t, s, cfg, budget, world=2, batch=4) == Layout(2, False, False, False)
+    pinned = choose_layout(t, s, _cfg(student_reshard="after_backward"), budget, world=2, batch=4)
+    assert pinned.student_kept
+    assert choose_layout(t, s, cfg, 10**15, world=1, batch=8) == Layout()  # one process: no FSDP
+
+
+def test_student_reshard_must_be_one_of_the_choices(capsys):
+    rc, _, err = run_cli(capsys, "plan", "qwen2.5-1.5b:qwen2.5-0.5b", "runtime.student_reshard=never")
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == (
+        "kdistill: error: runtime.student_reshard is 'never', expected one of: auto, after_forward, after_backward"
+    )

@@ -13,7 +13,8 @@ A run config is YAML with these sections (every field has a default except the m
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
     runtime:  {device, dtype, kernels, strict_kernels, arch, on_nonfinite, max_nonfinite, auto_fit,
-               gpu_memory_gib, teacher_placement, activation_checkpointing, profile_steps}
+               gpu_memory_gib, teacher_placement, activation_checkpointing, student_reshard,
+               profile_steps}
 
 Command-line overrides are dotted: `kd.temperature=2 output.dir=runs/a`. Unknown keys are one-line
 errors that name the key and the closest valid one.
@@ -268,6 +269,11 @@ class RuntimeConfig:
     # Recompute each student decoder block in backward instead of keeping its activations; auto: only
     # when the memory plan would not fit the GPU otherwise (never on the CPU).
     activation_checkpointing: str = "auto"  # auto | none | blocks
+    # Under torchrun: when the student's decoder blocks free their gathered parameters: after each
+    # block's forward (FSDP2's default: gathered again in backward) or after its backward (kept from
+    # forward to backward: half the all-gathers, the whole student in bf16 at the peak); auto: after
+    # the backward when the memory plan says it fits.
+    student_reshard: str = "auto"  # auto | after_forward | after_backward
     # Profile this many training steps right after the warm-up steps (torch.profiler; every process
     # writes profile/rank{R}.txt and .json into the run directory); 0: off.
     profile_steps: int = 0
@@ -281,6 +287,7 @@ class RuntimeConfig:
         _positive("runtime.max_nonfinite", self.max_nonfinite)
         _choice("runtime.teacher_placement", self.teacher_placement, ("auto", "shard", "replicate"))
         _choice("runtime.activation_checkpointing", self.activation_checkpointing, ("auto", "none", "blocks"))
+        _choice("runtime.student_reshard", self.student_reshard, ("auto", "after_forward", "after_backward"))
         if self.profile_steps < 0:
             raise UserError(
                 f"runtime.profile_steps is {self.profile_steps}, expected 0 (off) or a positive integer"

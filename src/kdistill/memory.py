@@ -44,11 +44,20 @@ class Layout:
     world: int = 1
     teacher_sharded: bool = False
     checkpointing: bool = False
+    # Under FSDP2: the student's blocks stay gathered from their forward to their backward (freed after
+    # it: no all-gathers in backward, the whole student in the compute dtype at the peak), instead of
+    # being freed after each block's forward and gathered again in backward.
+    student_kept: bool = False
 
     def describe(self) -> str:
         parts = [f"{self.world} process{'es' if self.world > 1 else ''}"]
         if self.world > 1:
             parts.append("teacher sharded" if self.teacher_sharded else "teacher replicated")
+            parts.append(
+                "student gathered from forward to backward"
+                if self.student_kept
+                else "student regathered in backward"
+            )
         parts.append("activation checkpointing" if self.checkpointing else "no activation checkpointing")
         return ", ".join(parts)
 
@@ -134,8 +143,10 @@ def estimate_memory(
             "student_weights": (ps * base_bytes + (trainable * 4 if lora.enabled else 0)) // w,
             "optimizer_state": trainable * 8 // w,
             # a LoRA student is gathered as stored (its base in lora.base_dtype, the adapters fp32)
-            "student_gathered_units": _gathered(student, base_bytes if lora.enabled else act_bytes)
-            + (_gathered_adapters(student, lora) if lora.enabled else 0),
+            "student_gathered_units": _gathered(
+                student, base_bytes if lora.enabled else act_bytes, layout.student_kept
+            )
+            + (_gathered_adapters(student, lora, layout.student_kept) if lora.enabled else 0),
         }
     head_grad = 0 if lora.enabled else vocab * student.hidden_size * 4  # a frozen lm_head has none
     if layout.checkpointing:
@@ -182,16 +193,18 @@ def estimate_memory(
     return terms
 
 
-def _gathered(spec: ModelSpec, nbytes: int) -> int:
-    """Bytes of a sharded model's parameters gathered at once: the root and two decoder blocks."""
+def _gathered(spec: ModelSpec, nbytes: int, every_block: bool = False) -> int:
+    """Bytes of a sharded model's parameters gathered at once: the root and two decoder blocks (the
+    one computing and the one prefetched), or every block when they stay gathered until backward."""
     c = spec.param_counts()
-    return (c["embedding"] + c["lm_head"] + spec.hidden_size + 2 * c["per_layer"]) * nbytes
+    blocks = spec.num_layers if every_block else 2
+    return (c["embedding"] + c["lm_head"] + spec.hidden_size + blocks * c["per_layer"]) * nbytes
 
 
-def _gathered_adapters(spec: ModelSpec, lora) -> int:
-    """Bytes of a LoRA student's fp32 adapters in two gathered decoder blocks."""
+def _gathered_adapters(spec: ModelSpec, lora, every_block: bool = False) -> int:
+    """Bytes of a LoRA student's fp32 adapters in the gathered decoder blocks (see `_gathered`)."""
     per_layer = spec.lora_params(lora.rank, lora.targets) // max(1, spec.num_layers)
-    return 2 * per_layer * 4
+    return (spec.num_layers if every_block else 2) * per_layer * 4
 
 
 def choose_layout(
@@ -203,17 +216,21 @@ def choose_layout(
     batch: int | None = None,
     device: str = "cuda",
 ) -> Layout:
-    """The layout runtime.teacher_placement and runtime.activation_checkpointing ask for, their `auto`
-    resolved against `budget` bytes per device: the first that fits of (teacher replicated, no
-    checkpointing), (sharded, none), (replicated, blocks), (sharded, blocks), keeping only what the
-    config allows; when none fits, the most frugal allowed (the caller refuses or fits the batch).
-    One process never shards its teacher."""
+    """The layout runtime.teacher_placement, runtime.activation_checkpointing and
+    runtime.student_reshard ask for, their `auto` resolved against `budget` bytes per device: the first
+    that fits of (teacher replicated, no checkpointing), (sharded, none), (replicated, blocks),
+    (sharded, blocks), each first with the student's blocks kept gathered from forward to backward
+    (under torchrun), keeping only what the config allows; when none fits, the most frugal allowed (the
+    caller refuses or fits the batch). One process never shards its teacher."""
     rt = cfg.runtime
     placements = [False, True] if world > 1 else [False]
     if world > 1 and rt.teacher_placement != "auto":
         placements = [rt.teacher_placement == "shard"]
     ckpts = {"none": [False], "blocks": [True], "auto": [False, True]}[rt.activation_checkpointing]
-    candidates = [Layout(world, sharded, ck) for ck in ckpts for sharded in placements]
+    kept = {"auto": [True, False], "after_backward": [True], "after_forward": [False]}[rt.student_reshard]
+    if world == 1:
+        kept = [False]
+    candidates = [Layout(world, sharded, ck, keep) for ck in ckpts for sharded in placements for keep in kept]
     for layout in candidates:
         if estimate_memory(teacher, student, cfg, device, batch, layout)["total"] <= budget:
             return layout

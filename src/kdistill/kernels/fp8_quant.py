@@ -1,7 +1,8 @@
 """Triton row-wise FP8 quantisation of GEMM inputs (an FP8 teacher's activations): kernel, launcher.
 
-    s_i = max(max_j |x_ij|, tiny) / 448          (fp32, one scale per row: per token)
-    q_ij = e4m3(clamp(x_ij / s_i, -448, 448))    (float8_e4m3fn, round to nearest even)
+    s_i = max(max_j |x_ij|, tiny) * fp32(1/448)      (fp32, one scale per row: per token)
+    q_ij = e4m3(clamp(x_ij * (1 / s_i), -448, 448))  (float8_e4m3fn, round to nearest even; the
+                                                       reciprocal IEEE-rounded)
 
 so that x ~ q * s[:, None]; the FP8 GEMM (`torch._scaled_mm` with row-wise scales) takes q and s
 directly. One program per row: a first pass over the row finds its absolute maximum, a second writes
@@ -27,6 +28,7 @@ from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 INT32_MAX = 2**31 - 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 TINY = 1e-12  # an all-zero row gets this amax (its q is all zeros either way)
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # 1/448 rounded to fp32
 
 
 @jit
@@ -39,9 +41,11 @@ def fp8_quant_rows_kernel(X, Q, S, K: tl.constexpr, BLOCK: tl.constexpr):
         c = k0 + cols
         x = tl.load(X + base + c, mask=c < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # IEEE-rounded divisions (`/` on fp32 is the approximate one on the GPU): the same scale and
-    # reciprocal as the reference's torch ops, so the same bytes come out
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)  # TINY, FP8_MAX
+    # The scale is a product with the fp32 constant 1/448 and the reciprocal an IEEE-rounded division
+    # (`/` on fp32 is the approximate one on the GPU), as in the reference, so the same bytes come out.
+    scale = (
+        tl.maximum(tl.max(amax, axis=0), 1e-12) * 0.0022321429569274187
+    )  # TINY, INV_FP8_MAX (exact in fp32)
     tl.store(S + row, scale)
     inv = tl.math.div_rn(1.0, scale)
     for k0 in range(0, K, BLOCK):
@@ -74,8 +78,8 @@ def run(spec) -> tuple:
 def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (rows, K) float8_e4m3fn, scale (rows,) fp32): the kernel's math with PyTorch ops."""
     x2 = x.reshape(-1, x.shape[-1]).float()
-    scale = x2.abs().amax(dim=-1).clamp_min(TINY) / FP8_MAX
-    q = (x2 * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = x2.abs().amax(dim=-1).clamp_min(TINY) * INV_FP8_MAX
+    q = (x2 * torch.reciprocal(scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 

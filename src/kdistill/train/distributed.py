@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from kdistill.errors import UserError
 from kdistill.models.decoder import KD_ONLY_PREFIX, build_decoder
@@ -219,12 +219,20 @@ def batch_slice(batch_size: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def loss_weight(tokens: int) -> tuple[float, int]:
-    """(scale for this process's mean loss, tokens over all processes): see the module docstring."""
-    total = int(all_reduce_sum([float(tokens)])[0])
+def loss_weight(tokens: int, total: int) -> tuple[float, int]:
+    """(scale for this process's mean loss, tokens over all processes) from this process's scored
+    tokens and those of the whole global batch (which every process reads: see the module docstring)."""
     if total == 0:
         return 1.0, 0
     return tokens * _INFO.world / total, total
+
+
+def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over processes in place, on its device, without waiting for it (unchanged when not
+    distributed)."""
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,10 +260,14 @@ def _prefetch(root: torch.nn.Module, units: list[torch.nn.Module], backward: boo
             unit.set_modules_to_backward_prefetch([units[i - 1]])  # type: ignore[operator]
 
 
-def shard_student(model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def shard_student(
+    model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32, keep_gathered: bool = False
+) -> torch.nn.Module:
     """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head). compute_dtype other
     than fp32: parameters gathered in it, gradients reduced in fp32; block inputs keep their dtypes (the
-    residual stream stays as the decoder makes it). A LoRA student's parameters are gathered as stored."""
+    residual stream stays as the decoder makes it). A LoRA student's parameters are gathered as stored.
+    keep_gathered (memory.Layout.student_kept): the blocks stay gathered from their forward to their
+    backward (`reshard_after_forward=False`), so the backward gathers nothing."""
     mesh = _mesh()
     kwargs: dict[str, Any] = {"mesh": mesh}
     # A LoRA student: the same units (a block's frozen base linears, its norms and its trainable adapters
@@ -275,9 +287,11 @@ def shard_student(model: torch.nn.Module, compute_dtype: torch.dtype = torch.flo
         )
     units = _shard_units(model)
     for unit in units:
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
-    _prefetch(model, units, backward=True)
+        fully_shard(unit, reshard_after_forward=not keep_gathered, **kwargs)
+    # The root keeps its gathered parameters after forward in either case (FSDP2's default for a root):
+    # the KD head reads the lm_head after the decoder's forward and again in its backward.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    _prefetch(model, units, backward=not keep_gathered)
     return model
 
 
@@ -318,10 +332,14 @@ def check_lora_sharding(base_dtype: torch.dtype) -> None:
 
 
 def reshard(model: torch.nn.Module) -> None:
-    """Free the gathered root parameters a forward left behind (FSDP2 keeps the root's after forward)."""
-    fn = getattr(model, "reshard", None)
-    if fn is not None:
-        fn()
+    """Free the gathered parameters a forward without backward left behind: the root's (FSDP2 keeps
+    them after forward) and, with the student's blocks kept gathered until backward, the blocks'."""
+    if getattr(model, "reshard", None) is None:
+        return
+    for module in model.modules():
+        fn = getattr(module, "reshard", None)
+        if isinstance(module, FSDPModule) and fn is not None:
+            fn()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # One fused kernel for the whole update on a GPU (plain CUDA tensors; sharded parameters and the
-    # CPU keep the multi-tensor path, whose CPU results the tests and the demo pin down).
+    # One fused kernel for the whole update on a GPU, FSDP2's sharded parameters (DTensors) included:
+    # its `found_inf` flag lets a non-finite step be skipped without the host waiting for the GPU
+    # (train.step). The CPU keeps the multi-tensor path, whose results the tests and the demo pin down.
     params = decay + no_decay
-    fused = bool(params) and all(type(p) is torch.nn.Parameter and p.is_cuda for p in params)
+    fused = bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True if fused else None
     )

@@ -194,7 +194,9 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     stage(t_start, quiet, f"loaded {who} and student ({init}) on {device}")
     student.checkpoint_blocks(layout.checkpointing)
     if multi:
-        dist.shard_student(student, dtype)  # a LoRA student: its base and adapters gathered as stored
+        dist.shard_student(
+            student, dtype, keep_gathered=layout.student_kept
+        )  # a LoRA student: its base and adapters gathered as stored
         if teacher is not None and layout.teacher_sharded:
             for t in [t for t, _ in mixture] if mixture else [teacher]:
                 dist.shard_teacher(t)
@@ -390,7 +392,10 @@ def check_memory(
     gpu = device.type == "cuda"
     rt = cfg.runtime
     layout = Layout(
-        world, world > 1 and rt.teacher_placement != "replicate", rt.activation_checkpointing == "blocks"
+        world,
+        world > 1 and rt.teacher_placement != "replicate",
+        rt.activation_checkpointing == "blocks",
+        world > 1 and rt.student_reshard == "after_backward",
     )
     if rt.gpu_memory_gib > 0:
         free: int | None = int(rt.gpu_memory_gib * GIB)

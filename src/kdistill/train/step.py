@@ -344,56 +344,106 @@ class NonFinitePolicy:
 def train_step(
     ctx: StepContext, batcher: Batcher, step: int, counters: dict[str, Any], policy: NonFinitePolicy
 ) -> StepResult:
-    """Optimizer step `step` (0-based): accumulate grad_accum micro-batches, clip, then AdamW or skip."""
+    """Optimizer step `step` (0-based): accumulate grad_accum micro-batches, clip, then AdamW or skip.
+
+    The step waits for the GPU once, at its end, when it reads back its logged values. Everything it
+    decides on before that stays on the device: the losses' finiteness and the gradient norm make the
+    fused AdamW's `found_inf` flag, which skips the update in the kernel (a skipped step changes no
+    weight, moment or step count, as before). An optimizer without that flag (the CPU's multi-tensor
+    AdamW) reads the flag back before its step instead."""
     cfg, opt = ctx.cfg, ctx.opt
     lr = lr_at(step, cfg.schedule.steps, cfg.optim)
     for g in opt.param_groups:
         g["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    sums, tokens, degenerate, cause = _accumulate(ctx, batcher, step, counters)
-    grad_norm = None
-    if cause is None:
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(ctx.student.parameters(), clip)
-        if ctx.rows is not None and hasattr(norm, "full_tensor"):  # a DTensor: the norm over every shard
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
-        if not math.isfinite(grad_norm):
-            cause = f"gradient norm is {grad_norm}"
+    means, tokens, degenerate = _accumulate(ctx, batcher, step, counters)
+    loss_ok = torch.isfinite(means[:, 0]).all()
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    norm = clip_gradients(ctx.student, clip)
+    ok = loss_ok & torch.isfinite(norm)
+    if opt.defaults.get("fused"):
+        opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
+        opt.step()
+    elif bool(ok):
+        opt.step()
+    # the step's one read-back: [loss, ce, kd] summed over the micro-batches, the norm, the flags
+    parts = [means.sum(0), norm.double().reshape(1), torch.stack([loss_ok, ok]).double()]
+    if isinstance(tokens, torch.Tensor):
+        parts.append(tokens.reshape(1))
+    out = torch.cat(parts).tolist()
+    loss_sum, ce_sum, kd_sum, grad_norm, loss_finite, good = out[:6]
+    if isinstance(tokens, torch.Tensor):
+        tokens = int(out[6])
+    cause = None
+    if not loss_finite:
+        bad = next(v for v in means[:, 0].tolist() if not math.isfinite(v))
+        cause, grad_norm = f"loss is {bad}", None
+    elif not good:
+        cause = f"gradient norm is {grad_norm}"
     if cause is not None:
         opt.zero_grad(set_to_none=True)
         policy.bad(step + 1, cause, counters)
     else:
-        opt.step()
         policy.good()
     acc = cfg.schedule.grad_accum
-    means = [None if cause is not None else s / acc for s in sums]
-    return StepResult(lr, means[0], means[1], means[2], grad_norm, tokens, cause, degenerate)
+    sums = [loss_sum, ce_sum, kd_sum]
+    mean = [None if cause is not None else v / acc for v in sums]
+    return StepResult(lr, mean[0], mean[1], mean[2], grad_norm, tokens, cause, degenerate)
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over the model's gradients, as a device scalar, without waiting for the GPU.
+    Sharded gradients (FSDP2's DTensors) are clipped through their local shards: one all-reduce of the
+    squared norm instead of DTensor's dispatch for every tensor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros((), device=next(model.parameters()).device)
+    sharded = [p for p in params if hasattr(p.grad, "to_local")]
+    if not sharded:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if len(sharded) != len(params):
+        raise RuntimeError("gradients partly sharded: the student's parameters are all FSDP2 units or none")
+    local = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
+    local = [g for g in local if g.numel()]  # a process can hold an empty shard of a small tensor
+    square = torch.zeros((), dtype=torch.float32, device=local[0].device if local else params[0].device)
+    if local:
+        square = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
+    dist.all_reduce_tensor(square)
+    norm = square.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if local:
+            torch._foreach_mul_(local, coef.to(local[0].dtype))
+    return norm
 
 
 def _accumulate(
     ctx: StepContext, batcher: Batcher, step: int, counters: dict[str, Any]
-) -> tuple[list[float], int, bool, str | None]:
-    """The micro-batches of one step, forward and backward: ([loss, ce, kd] sums, tokens, degenerate,
-    why the step must be skipped or None).
+) -> tuple[torch.Tensor, int | torch.Tensor, bool]:
+    """The micro-batches of one step, forward and backward: (their loss, ce, kd means (M, 3) on the
+    device, float64, token-weighted over the processes under torchrun; the scored tokens, over all
+    processes as a device scalar under torchrun; whether a micro-batch was degenerate).
 
-    Nothing here waits for the GPU before the last backward is queued: the scored tokens are counted
-    on the labels' host copy before the forward (under torchrun, with the all-reduce of the counts
-    that weighs each process's loss), and the losses are read back once, after the backward. A
-    non-finite loss then skips the step as before (its gradients are dropped)."""
+    Nothing here waits for the GPU: the scored tokens are counted on the batch's host copy before the
+    forward (under torchrun, on the global batch, so every process knows every process's count and the
+    weight of its own loss without a collective), and the means are combined on the device (one
+    all-reduce under torchrun)."""
     cfg, multi = ctx.cfg, ctx.rows is not None
     step_tokens = 0
     degenerate = False
-    losses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float]] = []
+    rows: list[torch.Tensor] = []
     vocab = ctx.student.lm_head_weight.shape[0]
+    ignore = cfg.kd.ignore_index
     for micro in range(cfg.schedule.grad_accum):
         batch = batcher.next()  # (input_ids, labels[, position_ids, doc_ids]), on the host
-        reason = check_batch(batch[1], cfg.kd.ignore_index)
+        reason = check_batch(batch[1], ignore)
         if reason:
             degenerate = True
             counters["degenerate_batches"] += 1
             log.warning("step %d: degenerate batch (%s)", step + 1, reason)
+        weight = 1.0
         if multi:
+            everyone = int((torch.as_tensor(batch[1]) != ignore).sum())
             batch = tuple(t[ctx.rows] for t in batch)
         cached = {}
         if ctx.cache is not None:  # the teacher's targets of the batch's dataset rows
@@ -406,11 +456,11 @@ def _accumulate(
         if ctx.cross is not None:
             cached = dict(cross=ctx.cross)
         else:
-            cached["n_tokens"] = label_count(torch.as_tensor(batch[1]).flatten(), vocab, cfg.kd.ignore_index)
-        input_ids, labels, *docs = (t.to(ctx.device) for t in batch)
-        weight = 1.0
+            cached["n_tokens"] = label_count(torch.as_tensor(batch[1]).flatten(), vocab, ignore)
         if multi:  # this process's share of the tokens over all processes weighs its mean loss
-            weight, _ = dist.loss_weight(cached.get("n_tokens", int((labels != cfg.kd.ignore_index).sum())))
+            mine = cached.get("n_tokens", int((torch.as_tensor(batch[1]) != ignore).sum()))
+            weight, _ = dist.loss_weight(mine, everyone)
+        input_ids, labels, *docs = (t.to(ctx.device, non_blocking=True) for t in batch)
         r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
         if multi:
             (r.loss * (weight / cfg.schedule.grad_accum)).backward()
@@ -419,23 +469,16 @@ def _accumulate(
                     dist.reshard(teacher)  # after backward: the KD head's backward reads its lm_head
         else:
             (r.loss / cfg.schedule.grad_accum).backward()
-        losses.append((r.loss.detach(), r.ce, r.kd, int(r.tokens), weight))
-        faults.at(f"{step + 1}.{micro + 1}")
-    # One read-back for every micro-batch's loss values (the step's only wait before clipping).
-    values = torch.stack([torch.stack([lo, ce, kd]).float() for lo, ce, kd, _, _ in losses]).tolist()
-    sums = [0.0, 0.0, 0.0]
-    for micro, ((loss_value, ce_value, kd_value), (_, _, _, tokens, _)) in enumerate(zip(values, losses)):
+        values = torch.stack([r.loss.detach(), r.ce, r.kd]).double()
         if faults.nan_step(step + 1) and micro == 0:
-            loss_value = float("nan")
-        if multi:  # token-weighted means over all processes (the same on every one)
-            total = dist.all_reduce_sum([loss_value * tokens, ce_value * tokens, kd_value * tokens, tokens])
-            n = max(total[3], 1.0)
-            loss_value, ce_value, kd_value = total[0] / n, total[1] / n, total[2] / n
-            tokens = int(total[3])
-        if not math.isfinite(loss_value):
-            return sums, step_tokens, degenerate, f"loss is {loss_value}"
-        sums[0] += loss_value
-        sums[1] += ce_value
-        sums[2] += kd_value
-        step_tokens += tokens
-    return sums, step_tokens, degenerate, None
+            values = values * torch.tensor([float("nan"), 1.0, 1.0], dtype=values.dtype, device=values.device)
+        if multi:  # summed over processes as loss x tokens, then divided by all their tokens
+            values = torch.cat([values * r.tokens, values.new_tensor([float(r.tokens)])])
+        rows.append(values)
+        step_tokens += int(r.tokens)
+        faults.at(f"{step + 1}.{micro + 1}")
+    stacked = torch.stack(rows)  # (M, 3), or (M, 4) with the token counts under torchrun
+    if not multi:
+        return stacked, step_tokens, degenerate
+    dist.all_reduce_tensor(stacked)
+    return stacked[:, :3] / stacked[:, 3:].clamp(min=1.0), stacked[:, 3].sum(), degenerate
