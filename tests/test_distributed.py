@@ -352,3 +352,23 @@ def test_layer_map_projections_are_sharded_and_left_out_of_the_export(runs, more
     assert {k for k in names if k.startswith("kd_")} == {"kd_layer_proj.0.weight", "kd_layer_proj.1.weight"}
     exported = student_weights(run / "student" / "model.safetensors")
     assert exported.keys() == student_weights(runs[2]["two"] / "student" / "model.safetensors").keys()
+
+
+def test_sharded_gradients_are_clipped_like_clip_grad_norm(tmp_path):
+    """The step clips FSDP2 gradients through their local shards: the same norm and the same clipped
+    gradients as torch's clip_grad_norm_ on an unsharded copy (a clip far below the norm)."""
+    out = tmp_path / "clip.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+        + [str(REPO / "tests" / "fsdp_clip.py"), str(out)],
+        cwd=REPO,
+        env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(out.read_text())
+    sharded, plain = result["norm"]
+    assert plain > 1e-2 and sharded == pytest.approx(plain, rel=1e-5)
+    assert result["max_abs_diff"] < 1e-8
