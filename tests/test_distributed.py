@@ -372,3 +372,30 @@ def test_sharded_gradients_are_clipped_like_clip_grad_norm(tmp_path):
     sharded, plain = result["norm"]
     assert plain > 1e-2 and sharded == pytest.approx(plain, rel=1e-5)
     assert result["max_abs_diff"] < 1e-8
+
+
+def test_two_teachers_and_cross_tokenizer_runs_under_torchrun(tmp_path):
+    """The other loss paths under torchrun (a mixture of two teachers; a student with another
+    tokenizer): each process weighs its loss by its share of the global batch's tokens and the run
+    trains."""
+    import yaml
+
+    from tests.test_cross_tokenizer import other_student
+    from tests.test_multi_teacher import two_teachers
+    from tests.test_train_kit import base_config
+
+    mix = two_teachers(tmp_path / "mix", steps=4, batch_size=4)
+    cross = base_config(tmp_path / "cross", steps=4, batch_size=4)
+    cross["student"] = {"path": str(other_student())}
+    cross["kd"]["cross_tokenizer"] = True
+    paths = []
+    for name, cfg in (("mix", mix), ("cross", cross)):
+        paths.append(tmp_path / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(cfg, sort_keys=False))
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda p: torchrun(["run", str(p), "--quiet"]), paths))
+    for name, r in zip(("mix", "cross"), results, strict=True):
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        s = read_summary(tmp_path / name)
+        assert s["status"] == "completed" and s["world_size"] == 2, name
+        assert s["final_loss"] < s["initial_loss"], name
