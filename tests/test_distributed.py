@@ -399,3 +399,22 @@ def test_two_teachers_and_cross_tokenizer_runs_under_torchrun(tmp_path):
         s = read_summary(tmp_path / name)
         assert s["status"] == "completed" and s["world_size"] == 2, name
         assert s["final_loss"] < s["initial_loss"], name
+
+
+def test_fused_adamw_on_local_shards_matches_torch_on_dtensors(tmp_path):
+    """The sharded student's AdamW runs torch's fused kernel on the local shards: the same parameters,
+    moments and step counts as torch's fused AdamW on the DTensors, a step skipped by found_inf
+    included (its step count not advanced)."""
+    out = tmp_path / "adamw.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+        + [str(REPO / "tests" / "fsdp_adamw.py"), str(out)],
+        cwd=REPO,
+        env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result == {"same": [True, True, True], "steps": [2.0], "moved": True}
