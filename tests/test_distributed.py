@@ -354,13 +354,11 @@ def test_layer_map_projections_are_sharded_and_left_out_of_the_export(runs, more
     assert exported.keys() == student_weights(runs[2]["two"] / "student" / "model.safetensors").keys()
 
 
-def test_sharded_gradients_are_clipped_like_clip_grad_norm(tmp_path):
-    """The step clips FSDP2 gradients through their local shards: the same norm and the same clipped
-    gradients as torch's clip_grad_norm_ on an unsharded copy (a clip far below the norm)."""
-    out = tmp_path / "clip.json"
+def _helper(script: str, out: Path) -> dict:
+    """Run tests/<script> under torchrun (2 gloo processes) and read the JSON it writes to `out`."""
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-        + [str(REPO / "tests" / "fsdp_clip.py"), str(out)],
+        + [str(REPO / "tests" / script), str(out)],
         cwd=REPO,
         env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
         capture_output=True,
@@ -368,7 +366,13 @@ def test_sharded_gradients_are_clipped_like_clip_grad_norm(tmp_path):
         timeout=180,
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_sharded_gradients_are_clipped_like_clip_grad_norm(tmp_path):
+    """The step clips FSDP2 gradients through their local shards: the same norm and the same clipped
+    gradients as torch's clip_grad_norm_ on an unsharded copy (a clip far below the norm)."""
+    result = _helper("fsdp_clip.py", tmp_path / "clip.json")
     sharded, plain = result["norm"]
     assert plain > 1e-2 and sharded == pytest.approx(plain, rel=1e-5)
     assert result["max_abs_diff"] < 1e-8
@@ -405,16 +409,5 @@ def test_fused_adamw_on_local_shards_matches_torch_on_dtensors(tmp_path):
     """The sharded student's AdamW runs torch's fused kernel on the local shards: the same parameters,
     moments and step counts as torch's fused AdamW on the DTensors, a step skipped by found_inf
     included (its step count not advanced)."""
-    out = tmp_path / "adamw.json"
-    p = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-        + [str(REPO / "tests" / "fsdp_adamw.py"), str(out)],
-        cwd=REPO,
-        env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _helper("fsdp_adamw.py", tmp_path / "adamw.json")
     assert result == {"same": [True, True, True], "steps": [2.0], "moved": True}
