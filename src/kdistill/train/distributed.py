@@ -11,7 +11,9 @@ self-contained `Block` whose forward the decoder calls) as one unit, then the ro
 embeddings, the final norm and the lm_head. On a GPU the student's units gather their parameters in the
 compute dtype and reduce gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
 the fp32 masters and AdamW state stay sharded). Each block prefetches the next block's all-gather in
-forward and the previous block's in backward. The root is not resharded after forward (FSDP2's rule for
+forward. With `keep_gathered` (memory.Layout.student_kept, runtime.student_reshard) the blocks stay
+gathered until their backward, which then gathers nothing; otherwise each is freed after its forward
+and prefetches the previous block's all-gather in backward. The root is not resharded after forward (FSDP2's rule for
 the root), so the KD head reads the gathered lm_head for every chunk and in its backward without another
 all-gather: the root's weights are gathered once per micro-batch. The teacher (runtime.teacher_placement)
 is sharded the same way (frozen, blocks resharded after forward, the root after the loss's backward) or
