@@ -450,6 +450,9 @@ def _accumulate(
             targets = ctx.cache.targets(batcher.last_indices)
             if multi:
                 targets = targets[ctx.rows]
+            # on the device before the forward is queued: copied later (inside compute_loss) the host
+            # would wait for the student's forward first
+            targets = targets.to(ctx.device, non_blocking=True)
             cached = dict(targets=targets, cache_mode=ctx.cache.mode, cache_k=ctx.cache.k)
         if ctx.mixture is not None:
             cached = dict(mixture=ctx.mixture)
@@ -469,11 +472,13 @@ def _accumulate(
                     dist.reshard(teacher)  # after backward: the KD head's backward reads its lm_head
         else:
             (r.loss / cfg.schedule.grad_accum).backward()
+        # Device tensors only: a host value copied to the GPU (torch.tensor(..., device=), new_tensor)
+        # waits for the stream, that is for this micro-batch's backward; fills do not.
         values = torch.stack([r.loss.detach(), r.ce, r.kd]).double()
         if faults.nan_step(step + 1) and micro == 0:
-            values = values * torch.tensor([float("nan"), 1.0, 1.0], dtype=values.dtype, device=values.device)
+            values[0] = float("nan")
         if multi:  # summed over processes as loss x tokens, then divided by all their tokens
-            values = torch.cat([values * r.tokens, values.new_tensor([float(r.tokens)])])
+            values = torch.cat([values * r.tokens, values.new_full((1,), float(r.tokens))])
         rows.append(values)
         step_tokens += int(r.tokens)
         faults.at(f"{step + 1}.{micro + 1}")
