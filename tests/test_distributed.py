@@ -411,3 +411,27 @@ def test_fused_adamw_on_local_shards_matches_torch_on_dtensors(tmp_path):
     included (its step count not advanced)."""
     result = _helper("fsdp_adamw.py", tmp_path / "adamw.json")
     assert result == {"same": [True, True, True], "steps": [2.0], "moved": True}
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(runs, tmp_path):
+    """SIGTERM to rank 1 alone, inside step 4: both processes finish that step, save it and write an
+    interrupted summary (exit 0); resumed under torchrun, the run ends with the uninterrupted run's
+    weights, bit for bit."""
+    _, cfg, dirs, _ = runs
+    run = tmp_path / "signalled"
+    r = torchrun(
+        ["run", str(cfg), f"output.dir={run}", "--quiet"],
+        KDISTILL_TEST_KILL_AT="SIGTERM@4.1",
+        KDISTILL_TEST_KILL_RANK="1",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_summary(run)["status"] == "interrupted"
+    assert [row["step"] for row in _losses(run)] == [1, 2, 3, 4]
+    assert (run / "checkpoints" / "step-0000004").is_dir()
+    r = torchrun(["run", "--resume", str(run), "--quiet"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_summary(run)["status"] == "completed"
+    assert_same_weights(
+        student_weights(run / "student" / "model.safetensors"),
+        student_weights(dirs["two"] / "student" / "model.safetensors"),
+    )

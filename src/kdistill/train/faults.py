@@ -1,7 +1,8 @@
 """Fault injection for the tests of resume, signals and the non-finite policy; inert unless set.
 
 KDISTILL_TEST_KILL_AT names points at which the process signals itself ("SIGNAL@POINT,..."; a bare
-POINT means SIGKILL). The step loop calls `at(point)` at these points:
+POINT means SIGKILL); under torchrun KDISTILL_TEST_KILL_RANK=R limits that to the process of rank R.
+The step loop calls `at(point)` at these points:
     "S"        after step S's metrics line,
     "S.M"      after micro-batch M's backward of step S,
     "S.saved"  after the checkpoint of step S.
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 KILL_ENV, NAN_ENV, PAUSE_ENV = "KDISTILL_TEST_KILL_AT", "KDISTILL_TEST_NAN_STEPS", "KDISTILL_TEST_CKPT_PAUSE"
+KILL_RANK_ENV = "KDISTILL_TEST_KILL_RANK"
 HOLD_ENV = "KDISTILL_TEST_HOLD_AT"
 
 
@@ -29,6 +31,9 @@ def at(point: str) -> None:
     hold(point)
     spec = os.environ.get(KILL_ENV)
     if not spec:
+        return
+    only = os.environ.get(KILL_RANK_ENV)
+    if only is not None and os.environ.get("RANK", "0") != only:
         return
     for item in spec.split(","):
         name, _, where = item.rpartition("@")
