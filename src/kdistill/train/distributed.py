@@ -154,13 +154,6 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every process when it is true on any one."""
-    if not active():
-        return flag
-    return all_reduce_sum([1.0 if flag else 0.0])[0] > 0
-
-
 def run_on_main(fn: Callable[[], Any]) -> Any:
     """Run fn on rank 0 only; a UserError there is raised on every process (so none waits forever)."""
     if not active():

@@ -631,7 +631,9 @@ def train_loop(run: Run) -> tuple[str, int, dict[str, Any]]:
                 if prof is not None:
                     prof.begin(step + 1)
                 t0 = time.time()
-                out = train_step(run.ctx, run.batcher, step, run.counters, policy)
+                out = train_step(
+                    run.ctx, run.batcher, step, run.counters, policy, lambda: guard.requested is not None
+                )
                 step += 1
                 if run.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -658,9 +660,10 @@ def train_loop(run: Run) -> tuple[str, int, dict[str, Any]]:
                     save(run, step)
                     saved = True
                     faults.at(f"{step}.saved")
-                if dist.active() and dist.any_rank(guard.requested is not None) and guard.requested is None:
-                    guard.requested = "SIGTERM"  # another process got the signal: stop at the same step
-                if guard.requested and step < steps:
+                # Under torchrun only the step's agreed answer counts (a signal that came after this
+                # step's all-reduce stops every process after the next one); alone, the signal itself.
+                stop = out.stop_any if dist.active() else guard.requested is not None
+                if stop and step < steps:
                     if not saved:  # re-saving the same step would delete it before replacing it
                         save(run, step)
                     status = "interrupted"

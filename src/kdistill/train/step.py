@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -311,6 +312,7 @@ class StepResult:
     tokens: int
     skipped: str | None  # why the batch was skipped (a non-finite loss or gradient norm)
     degenerate: bool  # a micro-batch had too few scored tokens (see data.check_batch)
+    stop_any: bool = False  # under torchrun: some process had been asked to stop (a signal)
 
 
 class NonFinitePolicy:
@@ -342,7 +344,12 @@ class NonFinitePolicy:
 
 
 def train_step(
-    ctx: StepContext, batcher: Batcher, step: int, counters: dict[str, Any], policy: NonFinitePolicy
+    ctx: StepContext,
+    batcher: Batcher,
+    step: int,
+    counters: dict[str, Any],
+    policy: NonFinitePolicy,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> StepResult:
     """Optimizer step `step` (0-based): accumulate grad_accum micro-batches, clip, then AdamW or skip.
 
@@ -350,13 +357,17 @@ def train_step(
     decides on before that stays on the device: the losses' finiteness and the gradient norm make the
     fused AdamW's `found_inf` flag, which skips the update in the kernel (a skipped step changes no
     weight, moment or step count, as before). An optimizer without that flag (the CPU's multi-tensor
-    AdamW) reads the flag back before its step instead."""
+    AdamW) reads the flag back before its step instead.
+
+    Under torchrun `stop_requested()` (this process got a signal) rides on the step's all-reduce, and
+    `stop_any` says whether any process had: every process reads the same answer, so all stop after the
+    same step without a collective of their own."""
     cfg, opt = ctx.cfg, ctx.opt
     lr = lr_at(step, cfg.schedule.steps, cfg.optim)
     for g in opt.param_groups:
         g["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    means, tokens, degenerate = _accumulate(ctx, batcher, step, counters)
+    means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
     loss_ok = torch.isfinite(means[:, 0]).all()
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     norm = clip_gradients(ctx.student, clip)
@@ -368,12 +379,13 @@ def train_step(
         opt.step()
     # the step's one read-back: [loss, ce, kd] summed over the micro-batches, the norm, the flags
     parts = [means.sum(0), norm.double().reshape(1), torch.stack([loss_ok, ok]).double()]
-    if isinstance(tokens, torch.Tensor):
-        parts.append(tokens.reshape(1))
+    if isinstance(tokens, torch.Tensor):  # under torchrun: the tokens and the stop requests, summed
+        parts += [tokens.reshape(1), stops.reshape(1)]  # type: ignore[union-attr]
     out = torch.cat(parts).tolist()
     loss_sum, ce_sum, kd_sum, grad_norm, loss_finite, good = out[:6]
+    stop_any = False
     if isinstance(tokens, torch.Tensor):
-        tokens = int(out[6])
+        tokens, stop_any = int(out[6]), out[7] > 0
     cause = None
     if not loss_finite:
         bad = next(v for v in means[:, 0].tolist() if not math.isfinite(v))
@@ -388,7 +400,7 @@ def train_step(
     acc = cfg.schedule.grad_accum
     sums = [loss_sum, ce_sum, kd_sum]
     mean = [None if cause is not None else v / acc for v in sums]
-    return StepResult(lr, mean[0], mean[1], mean[2], grad_norm, tokens, cause, degenerate)
+    return StepResult(lr, mean[0], mean[1], mean[2], grad_norm, tokens, cause, degenerate, stop_any)
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -418,11 +430,16 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def _accumulate(
-    ctx: StepContext, batcher: Batcher, step: int, counters: dict[str, Any]
-) -> tuple[torch.Tensor, int | torch.Tensor, bool]:
+    ctx: StepContext,
+    batcher: Batcher,
+    step: int,
+    counters: dict[str, Any],
+    stop_requested: Callable[[], bool],
+) -> tuple[torch.Tensor, int | torch.Tensor, bool, torch.Tensor | None]:
     """The micro-batches of one step, forward and backward: (their loss, ce, kd means (M, 3) on the
     device, float64, token-weighted over the processes under torchrun; the scored tokens, over all
-    processes as a device scalar under torchrun; whether a micro-batch was degenerate).
+    processes as a device scalar under torchrun; whether a micro-batch was degenerate; under torchrun
+    the number of processes whose `stop_requested()` was true, a device scalar, else None).
 
     Nothing here waits for the GPU: the scored tokens are counted on the batch's host copy before the
     forward (under torchrun, on the global batch, so every process knows every process's count and the
@@ -484,6 +501,10 @@ def _accumulate(
         faults.at(f"{step + 1}.{micro + 1}")
     stacked = torch.stack(rows)  # (M, 3), or (M, 4) with the token counts under torchrun
     if not multi:
-        return stacked, step_tokens, degenerate
-    dist.all_reduce_tensor(stacked)
-    return stacked[:, :3] / stacked[:, 3:].clamp(min=1.0), stacked[:, 3].sum(), degenerate
+        return stacked, step_tokens, degenerate, None
+    flag = stacked.new_zeros((1, 4))  # one more row: this process's stop request, summed with the rest
+    if stop_requested():
+        flag[0, 0] = 1.0
+    both = dist.all_reduce_tensor(torch.cat([stacked, flag]))
+    sums = both[:-1]
+    return sums[:, :3] / sums[:, 3:].clamp(min=1.0), sums[:, 3].sum(), degenerate, both[-1, 0]
