@@ -69,23 +69,12 @@ def _rotate(
     tl.store(O + ooffs + half, o2.to(O.dtype.element_ty), mask=mask)
 
 
-@jit(
-    do_not_specialize=[
-        "T",
-        "sqb",
-        "sqh",
-        "sqt",
-        "skb",
-        "skh",
-        "skt",
-        "sob",
-        "soh",
-        "sot",
-        "spb",
-        "sph",
-        "spt",
-    ]
-)
+# The sequence length and every stride are runtime ints, not specialised on:
+# one compiled variant serves any T and any layout of q, k, the output and the position tables.
+RUNTIME_INTS = ["T", "sqb", "sqh", "sqt", "skb", "skh", "skt", "sob", "soh", "sot", "spb", "sph", "spt"]
+
+
+@jit(do_not_specialize=RUNTIME_INTS)
 def rope_fwd_kernel(
     Q,
     K,
@@ -151,23 +140,7 @@ def rope_fwd_kernel(
     )
 
 
-@jit(
-    do_not_specialize=[
-        "T",
-        "sqb",
-        "sqh",
-        "sqt",
-        "skb",
-        "skh",
-        "skt",
-        "sob",
-        "soh",
-        "sot",
-        "spb",
-        "sph",
-        "spt",
-    ]
-)
+@jit(do_not_specialize=RUNTIME_INTS)
 def rope_bwd_kernel(
     Q,
     K,
