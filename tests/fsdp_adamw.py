@@ -70,3 +70,4 @@ def _fresh():
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    dist.leave(0)  # no interpreter finalisation after a process group (see dist.leave)

@@ -46,3 +46,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    dist.leave(0)  # no interpreter finalisation after a process group (see dist.leave)

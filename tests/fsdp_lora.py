@@ -131,6 +131,8 @@ def step(out: str) -> None:
 
 
 if __name__ == "__main__":
+    # no interpreter finalisation after a process group (see dist.leave)
     if sys.argv[1] == "run":
-        sys.exit(run(sys.argv[2], sys.argv[3:]))
+        dist.leave(run(sys.argv[2], sys.argv[3:]))
     step(sys.argv[2])
+    dist.leave(0)

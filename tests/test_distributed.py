@@ -435,3 +435,31 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(ru
         student_weights(run / "student" / "model.safetensors"),
         student_weights(dirs["two"] / "student" / "model.safetensors"),
     )
+
+
+def test_a_process_that_joined_a_group_exits_without_finalisation_and_keeps_its_output():
+    """After a process group, the program ends through os._exit (no interpreter finalisation, where the
+    backend's threads could abort a completed run) with its printed output flushed and its exit code."""
+    code = (
+        "import sys\n"
+        "from kdistill.train import distributed as dist\n"
+        "print('partial line without newline', end='')\n"
+        "sys.stderr.write('to stderr')\n"
+        "import atexit; atexit.register(lambda: print('FINALISED'))\n"
+        "dist.leave(3)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True)
+    assert (r.returncode, r.stdout, r.stderr) == (3, "partial line without newline", "to stderr")
+
+
+def test_the_program_leaves_through_dist_leave_only_after_joining(monkeypatch):
+    from kdistill import cli
+    from kdistill.train import distributed as dist
+
+    left: list[int] = []
+    monkeypatch.setattr(dist, "leave", left.append)
+    monkeypatch.setattr(sys, "argv", ["kdistill", "report", "/nonexistent-run"])
+    assert cli.main() == 2 and left == []  # never joined: an ordinary return
+    monkeypatch.setattr(dist, "_JOINED", True)
+    assert cli.main() == 2 and left == [2]  # the program, after a group: leave with the code
+    assert cli.main(["report", "/nonexistent-run"]) == 2 and left == [2]  # in-process call: returns

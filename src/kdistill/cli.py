@@ -39,6 +39,7 @@ from kdistill.commands.run import run_command
 from kdistill.commands.teacher_cache import teacher_cache_command
 from kdistill.errors import UserError
 from kdistill.kernels.keys import ARCHS
+from kdistill.train import distributed as dist
 
 
 def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -234,6 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     SIGTERM/SIGINT handlers are active from here to the return: outside the training loop a signal
     raises `signals.Interrupted` at a safe point, cleanup runs, and the user gets one line."""
+    code = _main(argv)
+    if argv is None and dist.joined():
+        # a process of a torchrun job (the program, not main called in-process): see dist.leave
+        dist.leave(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else list(argv))
     try:
         with signals.installed():  # restored on return (main called in-process, e.g. by tests)

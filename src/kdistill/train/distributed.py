@@ -48,10 +48,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -126,7 +128,39 @@ def init_from_env(device_type: str) -> DistInfo:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
     dist.init_process_group(store=dist.PrefixStore(f"kdistill/attempt-{attempt}", store), **kwargs)
     _INFO = DistInfo(rank, world, local_rank, device)
+    global _JOINED
+    _JOINED = True
+    # FSDP2 warns, on every run, that a block returns a view (its MLP output, a reshaped matmul): an
+    # in-place op on it would skip the block's pre-backward all-gather. The decoder only reads a block's
+    # outputs (out-of-place kernels), and the 2-process runs match one process's gradients (tested).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor")
     return _INFO
+
+
+_JOINED = False  # this process initialised a process group (init_from_env)
+
+
+def joined() -> bool:
+    """Whether this process ever joined a process group (it may have been destroyed since)."""
+    return _JOINED
+
+
+def leave(code: int) -> NoReturn:
+    """End a process that joined a process group: flush what it printed and exit with `code` without
+    the interpreter's finalisation.
+
+    Why: the backend's C++ threads (gloo's workers) can still be dropping their last references to
+    tensors that Python objects own when the interpreter shuts down; such a thread then takes the GIL
+    after finalisation began, which ends the process with SIGABRT ("terminate called without an active
+    exception") after a run that completed. Every file of the run is closed by then (written through
+    temporary files and renamed), so nothing is lost by skipping finalisation."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 def destroy() -> None:
