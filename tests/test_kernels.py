@@ -36,6 +36,17 @@ def test_key_is_frozen_hashable_and_round_trips_through_its_string():
     assert keys.KernelKey.parse(str(k)) == k and hash(keys.KernelKey.parse(str(k))) == hash(k)
     with pytest.raises(dataclasses_frozen()):
         k.op = "x"
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(k))
+    assert copy == k and hash(copy) == hash(k) and copy["H"] == 896 and k.get("nope", 7) == 7
+    assert repr(copy) == repr(k) and "_index" not in repr(k)
+    with pytest.raises(KeyError, match="has no parameter 'nope'"):
+        k["nope"]
+    assert sorted([k, copy, keys.KernelKey("a", "sm_80", (("Z", 1), ("A", 2)))])[0].params == (
+        ("A", 2),
+        ("Z", 1),
+    )
     assert str(k) == str(
         rms_kernel.fwd_key(
             "sm_90", hidden=896, eps=1e-6, dtype="bf16", w_dtype="fp32", residual=True, r_dtype="fp32"

@@ -270,6 +270,47 @@ def case_decoder(device="cpu", dtype=torch.float32, arch="qwen3"):
         _close(name, g_k[name], g_ref[name], dtype, scale=20.0)
 
 
+def case_frozen_forward_skips_autograd(device="cpu", dtype=torch.float32):
+    """A frozen model's forward without grad (a teacher) launches the same kernels without their
+    autograd Functions: bit-identical hidden states to the forward through the Functions."""
+    from kdistill.kernels import rmsnorm, rope, runtime, swiglu
+    from kdistill.models.decoder import build_decoder
+    from kdistill.models.spec import spec_from_hf_config
+
+    cfg = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 50,
+        "hidden_size": 40,
+        "intermediate_size": 72,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+    }
+    model = build_decoder(spec_from_hf_config(cfg), device=device, dtype=dtype, seed=3)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    functions = (rmsnorm.RMSNormFunction, rope.RopeFunction, swiglu.SwiGLUFunction)
+    applied: list[str] = []
+    saved = {f: f.forward for f in functions}
+    for f in functions:
+        f.forward = staticmethod(lambda ctx, *a, _f=f: (applied.append(_f.__name__), saved[_f](ctx, *a))[1])
+    try:
+        with runtime.using(mode="triton", strict=True):
+            through_functions = model(ids).detach()
+            used = sorted(set(applied))
+            applied.clear()
+            model.requires_grad_(False)
+            with torch.no_grad():
+                frozen = model(ids)
+    finally:
+        for f in functions:
+            f.forward = staticmethod(saved[f])
+    assert used == ["RMSNormFunction", "RopeFunction"], used  # SwiGLU: recomputed in backward, no Function
+    assert applied == [], applied
+    assert torch.equal(frozen, through_functions)
+
+
 def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
     """A backward kernel that raises: the reference backward runs, one warning, gradients still right."""
     import warnings
@@ -315,6 +356,7 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
 
 CASES = {
     "bwd_failure_falls_back": (case_bwd_failure_falls_back, {}),
+    "frozen_forward_skips_autograd": (case_frozen_forward_skips_autograd, {}),
     "rmsnorm_fp32_odd": (case_rmsnorm, dict(dtype=torch.float32)),
     "rmsnorm_bf16_odd": (case_rmsnorm, dict(dtype=torch.bfloat16)),
     "rmsnorm_plain_fp32": (case_rmsnorm, dict(dtype=torch.float32, residual=False, hidden=64)),

@@ -72,8 +72,16 @@ __all__ = [
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """The (rows, last) row-major tensor a kernel receives (a copy only when t is not row-major)."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.is_contiguous() else t2.contiguous()
+
+
+def _wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must see this call: grad mode on and an input that requires a gradient. When
+    not (a frozen teacher's forward), the kernel is launched without its autograd Function."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # -- RMSNorm ------------------------------------------------------------------------------------------
@@ -134,19 +142,13 @@ def _norm(
 
     if rt.use_kernel(key, x, weight):
         try:
-            return rt.launch(
-                key,
-                lambda: norm_kernel.RMSNormFunction.apply(
-                    x2.view(x.shape),
-                    r2.view(x.shape) if r2 is not None else None,
-                    weight,
-                    eps,
-                    key,
-                    bwd_key_fn,
-                    rt.kernel_failed,
-                ),
-                lambda: norm_kernel.fwd_launch(key, x2, r2, weight, eps),
-            )
+            if not _wants_grad(x, residual, weight):
+                run = lambda: norm_kernel.forward_only(key, x, residual, weight, eps)  # noqa: E731
+            else:  # x as given: the Function takes its rows inside (no view nodes in the graph)
+                run = lambda: norm_kernel.RMSNormFunction.apply(  # noqa: E731
+                    x, residual, weight, eps, key, bwd_key_fn, rt.kernel_failed
+                )
+            return rt.launch(key, run, lambda: norm_kernel.fwd_launch(key, x2, r2, weight, eps))
         except Exception as e:
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", lambda: norm_kernel.fwd_launch(key, x2, r2, weight, eps))
@@ -241,11 +243,13 @@ def _apply_rope(
 
     if rt.use_kernel(key, q, k):
         try:
-            return rt.launch(
-                key,
-                lambda: rope_kernel.RopeFunction.apply(q, k, cos, sin, key, bwd_key_fn, rt.kernel_failed),
-                lambda: rope_kernel.launch(key, q, k, cos, sin, inverse=False),
-            )
+            if not _wants_grad(q, k):
+                run = lambda: rope_kernel.forward_only(key, q, k, cos, sin)  # noqa: E731
+            else:
+                run = lambda: rope_kernel.RopeFunction.apply(  # noqa: E731
+                    q, k, cos, sin, key, bwd_key_fn, rt.kernel_failed
+                )
+            return rt.launch(key, run, lambda: rope_kernel.launch(key, q, k, cos, sin, inverse=False))
         except Exception as e:
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", lambda: rope_kernel.launch(key, q, k, cos, sin, inverse=False))
@@ -285,11 +289,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     if rt.use_kernel(key, gate, up):
         try:
-            return rt.launch(
-                key,
-                lambda: swiglu_kernel.SwiGLUFunction.apply(gate, up, key, bwd_key_fn, rt.kernel_failed),
-                lambda: swiglu_kernel.fwd_launch(key, gate, up),
-            )
+            if not _wants_grad(gate, up):
+                run = lambda: swiglu_kernel.forward_only(key, gate, up)  # noqa: E731
+            else:
+                run = lambda: swiglu_kernel.SwiGLUFunction.apply(  # noqa: E731
+                    gate, up, key, bwd_key_fn, rt.kernel_failed
+                )
+            return rt.launch(key, run, lambda: swiglu_kernel.fwd_launch(key, gate, up))
         except Exception as e:
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", lambda: swiglu_kernel.fwd_launch(key, gate, up))

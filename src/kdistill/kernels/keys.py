@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kdistill.dtypes import SHORT_NAMES, dtype_name, promote
@@ -63,26 +64,34 @@ class KernelKey:
     op: str
     arch: str
     params: tuple[tuple[str, Param], ...]
+    # Read on every launch (the host's critical path): the parameters by name and the hash, built once.
+    _index: dict[str, Param] = dataclasses.field(init=False, repr=False, compare=False)
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if list(self.params) != sorted(self.params, key=lambda p: p[0]):
             object.__setattr__(self, "params", tuple(sorted(self.params, key=lambda p: p[0])))
+        object.__setattr__(self, "_index", dict(self.params))
+        object.__setattr__(self, "_hash", hash((self.op, self.arch, self.params)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        return (KernelKey, (self.op, self.arch, self.params))  # the hash is per process: rebuilt
 
     def __str__(self) -> str:
         inner = ",".join(f"{k}={_fmt(v)}" for k, v in self.params)
         return f"{self.op}[{self.arch}]({inner})"
 
     def get(self, name: str, default: Any = None) -> Any:
-        for k, v in self.params:
-            if k == name:
-                return v
-        return default
+        return self._index.get(name, default)
 
     def __getitem__(self, name: str) -> Any:
-        for k, v in self.params:
-            if k == name:
-                return v
-        raise KeyError(f"kernel key {self} has no parameter '{name}'")
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"kernel key {self} has no parameter '{name}'") from None
 
     @property
     def is_library(self) -> bool:
@@ -188,9 +197,11 @@ def constexpr_value(v: Param) -> Any:
     return v
 
 
-def launch_options(key: KernelKey) -> dict[str, Any]:
-    """Launch/compile options for the kernel of `key` (the same for JIT launch, warmup and build)."""
+@functools.lru_cache(maxsize=4096)
+def launch_options(key: KernelKey) -> Mapping[str, Any]:
+    """Launch/compile options for the kernel of `key` (the same for JIT launch, warmup and build);
+    computed once per key (read-only)."""
     opts = {"num_warps": int(key["num_warps"])}
     if key.get("num_stages") is not None:  # the KD head's key leaves num_stages at Triton's default
         opts["num_stages"] = int(key["num_stages"])
-    return opts
+    return types.MappingProxyType(opts)

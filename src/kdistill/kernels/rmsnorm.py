@@ -119,9 +119,12 @@ def rmsnorm_bwd_kernel(
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    if x.dim() == 2 and x.is_contiguous():
+        x2 = x
+    else:
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
     if x2.numel() > INT32_MAX:
         raise KernelError(f"rmsnorm: {x2.numel()} elements exceed int32 indexing of rows")
     return x2
@@ -181,6 +184,16 @@ def _run(launch) -> tuple:
     return outs
 
 
+def forward_only(
+    key: KernelKey, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+):
+    """The forward when no gradient is wanted (a frozen teacher): y, or (y, x + residual), with none of
+    the autograd Function's work on the host."""
+    y, s, _ = _run(fwd_launch(key, x, residual, weight, eps))
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if residual is None else (y, s.view(x.shape))
+
+
 class RMSNormFunction(torch.autograd.Function):
     """(y, s) = add_rmsnorm(x, residual, w, eps), or y alone when residual is None. The forward key is
     given; `bwd_key_fn(dy, normed, weight, rstd, ds)` (the dispatcher) computes and records the backward
@@ -209,6 +222,8 @@ class RMSNormFunction(torch.autograd.Function):
             return None, None, None, None, None, None, None
         if dy is None:
             dy = torch.zeros(normed.shape, dtype=ctx.y_dtype, device=normed.device)
+        dy = _rows(dy)  # rows once, for the key and the launch
+        ds = _rows(ds) if ds is not None else None
         key = ctx.bwd_key_fn(dy, normed, weight, rstd, ds)
         try:
             dx, dw = _run(bwd_launch(key, dy, normed, weight, rstd, ds))

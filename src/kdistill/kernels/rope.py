@@ -254,6 +254,11 @@ def _run(spec) -> tuple:
     return outs
 
 
+def forward_only(key: KernelKey, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The forward when no gradient is wanted (a frozen teacher), without the autograd Function."""
+    return _run(launch(key, q, k, cos, sin, inverse=False))
+
+
 class RopeFunction(torch.autograd.Function):
     """(q', k') = rope(q, k, cos, sin). `bwd_key_fn(dq, dk, cos, sin)` computes and records the backward
     key; `on_bwd_failure(key, exc)` warns once (raises in strict mode) before the reference backward."""

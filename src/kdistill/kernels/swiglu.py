@@ -130,6 +130,12 @@ def run(spec) -> tuple:
     return outs
 
 
+def forward_only(key: KernelKey, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The forward when no gradient is wanted (a frozen teacher), without the autograd Function."""
+    (y,) = run(fwd_launch(key, gate, up))
+    return y.view(gate.shape)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """y = silu(gate) * up. `bwd_key_fn(dy, gate, up)` computes and records the backward key;
     `on_bwd_failure(key, exc)` warns once (raises in strict mode) before the reference backward."""
