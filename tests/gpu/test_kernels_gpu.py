@@ -36,6 +36,7 @@ FULL = [
     ("decoder_qwen3_fp32", dict(dtype=FP32, arch="qwen3")),
     ("decoder_qwen2_fp32", dict(dtype=FP32, arch="qwen2")),
     ("bwd_failure_falls_back", {}),
+    ("frozen_forward_skips_autograd", {}),
 ]
 
 
