@@ -56,6 +56,12 @@ def main() -> None:
     results["label"] = args.label
     results["launches"] = "real" if gpu else "none (interpreter flag, launch replaced)"
     results["torch"] = torch.__version__
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        results["triton"] = None
     results["python"] = platform.python_version()
     ops = _ops(torch, dispatch, device)
     for name, fn in ops.items():

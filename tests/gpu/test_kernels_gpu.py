@@ -64,15 +64,16 @@ def test_strict_prewarm_seal_train_step_compiles_nothing(pair, tmp_path, monkeyp
     """Real shapes (2 layers), bf16 autocast, strict: every launch after the seal hits the cache."""
     from test_contract import make_run
 
-    from kdistill.dispatch import kd_loss
     from kdistill.kernels import runtime, seal
     from kdistill.models.decoder import build_decoder
+    from kdistill.train.step import compute_loss, heldout_eval
 
     monkeypatch.setenv("KDISTILL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     teacher_spec, student_spec = _pair(*pair)
     run = make_run(dtype="auto", batch=2, seq=256, divergence="jsd", alpha=0.5, chunk=256)
     run.runtime.kernels, run.runtime.strict_kernels = "triton", True
+    run.kd.temperature = 2.0
     dev = torch.device("cuda")
     s = seal.start(run, teacher_spec, student_spec, dev, BF16, quiet=False)
     try:
@@ -80,38 +81,13 @@ def test_strict_prewarm_seal_train_step_compiles_nothing(pair, tmp_path, monkeyp
         teacher = build_decoder(teacher_spec, device=dev, dtype=BF16).eval().requires_grad_(False)
         student = build_decoder(student_spec, device=dev, dtype=FP32)
         ids = torch.randint(0, student_spec.vocab_size, (2, 256), device=dev)
-        labels = ids.flatten().roll(-1)
+        labels = ids.roll(-1, dims=1)
         amp = torch.autocast("cuda", dtype=BF16)
+        # the training loop's own step and held-out eval (its operand casts and calls), twice
         for _ in range(2):
-            with torch.no_grad(), amp:
-                th = teacher(ids).flatten(0, 1)
-            with amp:
-                sh = student(ids).flatten(0, 1)
-            r = kd_loss(
-                sh,
-                student.lm_head_weight,
-                th,
-                teacher.lm_head_weight,
-                labels,
-                alpha=0.5,
-                temperature=2.0,
-                divergence="jsd",
-                chunk_size=256,
-            )
+            r = compute_loss(student, teacher, ids, labels, run, amp)
             r.loss.backward()
-            with torch.no_grad(), amp:
-                sh = student(ids).flatten(0, 1)
-                kd_loss(
-                    sh,
-                    student.lm_head_weight,
-                    th,
-                    teacher.lm_head_weight,
-                    labels,
-                    alpha=0.5,
-                    temperature=1.0,
-                    divergence="forward_kl",
-                    chunk_size=256,
-                )
+            heldout_eval(student, teacher, [(ids, labels)], run, dev, amp, with_teacher_loss=True)
         torch.cuda.synchronize()
         assert torch.isfinite(r.loss)
         assert not runtime.current().warned, runtime.current().warned  # no reference fallback happened
