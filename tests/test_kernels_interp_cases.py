@@ -234,28 +234,34 @@ def case_norm_to_gemm_autocast(device="cpu", rows=(3, 5), hidden=48):
         _close(name, a, b, torch.bfloat16, scale=2.0 if name != "dw" else 8.0)
 
 
+def _tiny_decoder_spec(arch: str):
+    """A 2-layer decoder config of `arch` (qwen3, qwen2 or llama) small enough for the interpreter."""
+    from kdistill.models.spec import spec_from_hf_config
+
+    names = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+    return spec_from_hf_config(
+        {
+            "model_type": arch,
+            "architectures": [names[arch]],
+            "vocab_size": 50,
+            "hidden_size": 40,
+            "intermediate_size": 72,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 10,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+        }
+    )
+
+
 def case_decoder(device="cpu", dtype=torch.float32, arch="qwen3"):
     """A tiny decoder, forward and backward, kernels vs reference: the dispatch plumbing end to end."""
     from kdistill.kernels import runtime
     from kdistill.models.decoder import build_decoder
-    from kdistill.models.spec import spec_from_hf_config
 
-    cfg = {
-        "model_type": arch,
-        "architectures": [
-            {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
-        ],
-        "vocab_size": 50,
-        "hidden_size": 40,
-        "intermediate_size": 72,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 10,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-    }
-    spec = spec_from_hf_config(cfg)
+    spec = _tiny_decoder_spec(arch)
     ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     results = []
     for mode in ("reference", "triton"):
@@ -275,20 +281,8 @@ def case_frozen_forward_skips_autograd(device="cpu", dtype=torch.float32):
     autograd Functions: bit-identical hidden states to the forward through the Functions."""
     from kdistill.kernels import rmsnorm, rope, runtime, swiglu
     from kdistill.models.decoder import build_decoder
-    from kdistill.models.spec import spec_from_hf_config
 
-    cfg = {
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
-        "vocab_size": 50,
-        "hidden_size": 40,
-        "intermediate_size": 72,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-    }
-    model = build_decoder(spec_from_hf_config(cfg), device=device, dtype=dtype, seed=3)
+    model = build_decoder(_tiny_decoder_spec("qwen2"), device=device, dtype=dtype, seed=3)
     ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     functions = (rmsnorm.RMSNormFunction, rope.RopeFunction, swiglu.SwiGLUFunction)
     applied: list[str] = []
