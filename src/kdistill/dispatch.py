@@ -8,6 +8,7 @@
     o = dispatch.attention(q, k, v)                         # SDPA (a library key is recorded)
     o = dispatch.attention(q, k, v, mask)                   # packed documents: (B, 1, T, T) bool mask
     o = dispatch.cached_attention(q, k, v, mask)            # generation: q (B, Hq, T, D), k/v (B, Hkv, S, D)
+    o = dispatch.decode_attention(q, k_cache, v_cache, pos) # one token per row over a static cache
     r = dispatch.kd_loss(h, W, ht, Wt, labels, alpha=0.5, temperature=2.0, divergence="jsd", chunk_size=1024)
 
 Per call: compute the kernel key (the kernel file's key function), then
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from kdistill.kernels import decode_attention as decode_kernel
 from kdistill.kernels import fp8_quant as fp8_kernel
 from kdistill.kernels import kd_loss as kd_kernel
 from kdistill.kernels import library
@@ -43,7 +45,11 @@ from kdistill.kernels.runtime import (
 )
 from kdistill.kernels.seal import configure
 from kdistill.ops import kd_loss as kd_ops
-from kdistill.ops.attention import attention_reference, cached_attention_reference
+from kdistill.ops.attention import (
+    attention_reference,
+    cached_attention_reference,
+    decode_attention_reference,
+)
 from kdistill.ops.kd_loss import KDLossResult
 from kdistill.ops.rmsnorm import add_rmsnorm_reference, rmsnorm_reference
 from kdistill.ops.rope import rope_reference
@@ -60,6 +66,7 @@ __all__ = [
     "cached_attention",
     "configure",
     "current",
+    "decode_attention",
     "kd_loss",
     "quantize_rows",
     "recording",
@@ -395,6 +402,43 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (B, 1, T, S) bool mask -> (B, Hq, T, D). Records an SDPA library key with T and S (no grad)."""
     _record_sdpa(q, k, grad=False, masked=True, kv_seq=k.shape[2])
     return cached_attention_reference(q, k, v, mask)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
+    """One new token per row over a static KV cache (kdistill.decode): q (B, Hq, D) contiguous, caches
+    (B, Hkv, M, D) contiguous, pos (B,) int64 each row's newest slot -> (B, Hq, D), attending slots
+    0..pos[b] only. The split kernel and its combine (kernels/decode_attention.py), or the reference."""
+    rt = current()
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    d, hq, hkv, m = q.shape[-1], q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    if not decode_kernel.supported(d, hq, hkv):
+        return decode_attention_reference(q, k_cache, v_cache, pos)
+    key = decode_kernel.split_key(
+        rt.arch,
+        head_dim=d,
+        q_heads=hq,
+        kv_heads=hkv,
+        dtype=q.dtype,
+        aligned=aligned(q, k_cache, v_cache, pos),
+    )
+    ckey = decode_kernel.combine_key(rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m)
+    if rt.use_kernel(key, q, k_cache, v_cache):
+        try:
+            split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos)  # noqa: E731
+            parts, lse = rt.launch(key, lambda: decode_kernel.run(split()), split)
+            comb = lambda: decode_kernel.combine_launch(ckey, parts, lse, q.dtype)  # noqa: E731
+            return rt.launch(ckey, lambda: decode_kernel.run(comb()), comb)[0]
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos))
+    rt.record(
+        ckey,
+        "fwd",
+        lambda: decode_kernel.combine_launch(ckey, *decode_kernel.empty_parts(key, q, m), q.dtype),
+    )
+    return decode_attention_reference(q, k_cache, v_cache, pos)
 
 
 # -- FP8 GEMM inputs (an FP8 teacher) -------------------------------------------------------------

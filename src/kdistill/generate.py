@@ -20,9 +20,7 @@ its `text` leaves the stop token out.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ import torch
 from kdistill.data.chat import end_of_turn_token
 from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import ChatTemplate, load_chat_template
+from kdistill.decode import Sampling
 from kdistill.dtypes import dtype_name
 from kdistill.errors import UserError
 from kdistill.kernels.plan import generation_kernels
@@ -42,34 +41,12 @@ from kdistill.models.hf_io import load_model
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 
 ROLES = ("system", "user", "assistant")
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen. temperature 0: greedy; top_k 0: off; top_p 1: off."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise UserError(f"--max-new-tokens is {self.max_new_tokens!r}, expected an integer >= 1")
-        if self.max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens is {self.max_new_tokens}, expected an integer >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise UserError(f"--temperature is {self.temperature}, expected a number >= 0 (0: greedy)")
-        if self.top_k < 0:
-            raise UserError(f"--top-k is {self.top_k}, expected an integer >= 0 (0: off)")
-        if not (0 < self.top_p <= 1):
-            raise UserError(f"--top-p is {self.top_p}, expected a number in (0, 1] (1: off)")
+DEFAULT_SAMPLING = Sampling()  # greedy, 128 new tokens
 
 
 def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
     """Next token per row from fp32 logits (B, V) -> (B,)."""
-    if s.temperature == 0:
+    if s.greedy:
         return logits.argmax(-1)
     logits = logits / s.temperature
     if s.top_k:
@@ -103,7 +80,7 @@ def left_pad(
 def generate_ids(
     model: Decoder,
     prompts: Sequence[Sequence[int]],
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = DEFAULT_SAMPLING,
     stop_ids: Sequence[int] | set[int] = (),
     *,
     pad_id: int = 0,
@@ -280,7 +257,7 @@ def generate_texts(
     prompts: Sequence[str] = (),
     messages_file: str | Path | None = None,
     chat: bool = False,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = DEFAULT_SAMPLING,
     device: str = "auto",
     on_text: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:

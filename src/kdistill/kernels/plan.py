@@ -285,33 +285,40 @@ def required_kernels(
 def generation_kernels(
     spec: ModelSpec, arch: str, dtype: str, *, batch: int, prompt_len: int, max_len: int
 ) -> set[keys.KernelKey]:
-    """Every kernel key of generating with a KV cache (kdistill.generate) from a model whose weights
-    are in `dtype` (no autocast): the decoder's forward without grad, whose Triton keys do not depend
-    on the token count, so the prefill and the one-token decode steps launch the same ones; and the
-    library shapes: SDPA over the cache for the prefill (prompt_len queries and keys) and for a decode
-    step (one query over max_len keys), the linears at batch x prompt_len and at batch tokens, the
-    lm_head at batch rows. A decode step over fewer cached keys is another SDPA shape, run unwarmed:
-    library calls compile nothing, so the seal (which counts Triton compiles) is unaffected."""
+    """Every kernel key of the decode engine (kdistill.decode) for a model whose weights are in `dtype`
+    (no autocast): the decoder's forward without grad, whose Triton keys do not depend on the token
+    count, so the prefill and the one-token step launch the same ones; the decode step's attention
+    over the static cache of max_len slots (kernels/decode_attention.py); and the library shapes: the
+    prefill's causal SDPA at prompt_len, the linears at batch x prompt_len and at batch tokens, the
+    lm_head at batch rows. Prefills of other lengths are other library shapes, run unwarmed: library
+    calls compile nothing, so the seal (which counts Triton compiles) is unaffected."""
     arch = arch if arch == "cpu" else keys.normalize_arch(arch)
     dt = keys.dtype_name(dtype)
     prec = Precision(compute=dt, teacher_weights=dt, student_weights=dt)
     fwd = model_kernels(spec, arch, prec, dt, grad=False, batch=batch, seq=prompt_len, masked=True)
     out = {k for k in fwd if not k.is_library}
-    for t, s in ((prompt_len, prompt_len), (1, max_len)):
-        out.add(
-            library.sdpa_key(
-                arch,
-                batch=batch,
-                q_heads=spec.num_heads,
-                kv_heads=spec.num_kv_heads,
-                seq=t,
-                head_dim=spec.head_dim,
-                dtype=dt,
-                grad=False,
-                masked=True,
-                kv_seq=s,
-            )
+    out |= registry.by_name("decode_attention").plan(
+        arch,
+        grad=False,
+        head_dim=spec.head_dim,
+        q_heads=spec.num_heads,
+        kv_heads=spec.num_kv_heads,
+        dtype=dt,
+        max_len=max_len,
+    )
+    out.add(
+        library.sdpa_key(
+            arch,
+            batch=batch,
+            q_heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            seq=prompt_len,
+            head_dim=spec.head_dim,
+            dtype=dt,
+            grad=False,
+            masked=False,
         )
+    )
     for tokens in {batch * prompt_len, batch}:
         out |= gemm_kernels(spec, arch, dt, grad=False, tokens=tokens, chunk=batch)
     return out

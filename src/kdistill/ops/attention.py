@@ -48,3 +48,18 @@ def cached_attention_reference(
     (B, 1, T, S) bool mask (True: may attend; the mask carries causality) -> (B, Hq, T, D)."""
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
+    """One new token per row over a static cache: q (B, Hq, D), k_cache and v_cache (B, Hkv, M, D),
+    pos (B,) the row's newest slot (its own key, already written) -> (B, Hq, D) attending slots
+    0..pos[b] of row b (the kernel reads only those; here a (B, 1, 1, M) mask hides the rest)."""
+    m = k_cache.shape[2]
+    mask = torch.arange(m, device=q.device)[None, :] <= pos[:, None]  # (B, M)
+    gqa = q.shape[1] != k_cache.shape[1]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None, :], enable_gqa=gqa
+    )
+    return o[:, :, 0]

@@ -1,0 +1,496 @@
+"""The decode engine: static KV cache, one-token step captured as a CUDA graph, sampling on the device,
+slots refilled as rows finish. Used by `kdistill generate`, a run's samples and on-policy rollouts.
+
+    engine = DecodeEngine(model, batch_size=32, max_len=640, sampling=Sampling(max_new_tokens=128),
+                          stop_ids={eos})
+    new = engine.generate(prompts)          # new token ids per prompt (a row's stop token last)
+    engine.refresh(model)                   # the model's weights changed (a training step): copy them in
+
+Layout. The engine keeps its own copy of the weights in the decode dtype (bf16 on a GPU, the model's
+on a CPU), with q/k/v and gate/up stacked once (a decode step reads each weight once, and no
+concatenation runs per step). The KV cache is (B, Hkv, M, D) per layer, allocated once per
+(batch bucket B, max length M); row b's slot i holds position i, so a prompt is written from slot 0
+whatever its length (no left padding) and rows grow independently.
+
+Step. Per row: the last sampled token goes to slot p = lens[b] at position p (RoPE tables gathered per
+row), its k and v are written there, attention reads slots 0..p only (the decode_attention kernel, or
+its reference on a CPU), then the lm_head, the sampler and the bookkeeping run on the device: the
+token is appended to the row's output unless the row is done, and the row becomes done on a stop
+token, at its token budget, or when the cache is full. On a GPU the step is captured once per bucket
+as a CUDA graph after prewarm (capture compiles nothing: the Triton binaries are already loaded by two
+eager warm-up steps) and replayed; the host reads the done flags every `sync_every` steps.
+
+Slot refill. Prompts wait in order; whenever rows finish, the waiting prompts are prefilled into the
+freed slots (a right-padded causal prefill of the new prompts only, written into their cache rows),
+so a file of ragged prompts runs at a full batch until the queue is empty.
+
+Sampling (`Sampling`): temperature below MIN_TEMPERATURE is greedy (argmax); otherwise logits /
+temperature, then top-k, then top-p (the smallest set of most probable tokens reaching p), and one
+uniform number per row from a torch.Generator seeded by `seed` picks the token by inverse CDF. The
+same seed, prompts and settings give the same tokens on the same device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdistill import dispatch
+from kdistill.errors import UserError
+from kdistill.models.decoder import Decoder, rope_tables
+from kdistill.models.spec import ModelSpec
+
+MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1 / T would overflow the logits' scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen. temperature 0 (or below MIN_TEMPERATURE): greedy; top_k 0: off; top_p 1: off."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens is {self.max_new_tokens!r}, expected an integer >= 1")
+        if not is_num(self.temperature) or not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"--temperature is {self.temperature!r}, expected a number >= 0 (0: greedy)")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise UserError(f"--top-k is {self.top_k!r}, expected an integer >= 0 (0: off)")
+        if not is_num(self.top_p) or not (0 < self.top_p <= 1):
+            raise UserError(f"--top-p is {self.top_p!r}, expected a number in (0, 1] (1: off)")
+        if not is_int(self.seed):
+            raise UserError(f"--seed is {self.seed!r}, expected an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+
+def sample_tokens(logits: torch.Tensor, s: Sampling, u: torch.Tensor | None) -> torch.Tensor:
+    """Next token per row from logits (B, V) -> (B,) int64, with no host synchronisation (it runs
+    inside the captured step). u (B,): uniform numbers in [0, 1) (unused when greedy)."""
+    logits = logits.float()
+    if s.greedy or u is None:
+        return logits.argmax(-1)
+    logits = logits / s.temperature
+    idx = None
+    if s.top_k and s.top_k < logits.shape[-1]:
+        logits, idx = torch.topk(logits, s.top_k, dim=-1)  # (B, k), sorted descending
+    elif s.top_p < 1:
+        logits, idx = logits.sort(dim=-1, descending=True)
+    probs = logits.softmax(-1)
+    if s.top_p < 1:  # keep the most probable tokens up to the first whose cumulative mass reaches p
+        drop = probs.cumsum(-1) - probs >= s.top_p
+        probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(-1)  # (B, V')
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    choice = torch.searchsorted(cdf, target).clamp_(max=cdf.shape[-1] - 1)  # (B, 1)
+    if idx is not None:
+        choice = idx.gather(1, choice)
+    return choice[:, 0]
+
+
+# -- the engine's weights -----------------------------------------------------------------------
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (an FSDP2 shard gathered), detached."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def dense_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (out, in), bias or None) of a linear layer as a plain matrix: an nn.Linear as is, a
+    LoRA wrapper merged (W + scaling B A), an FP8 linear dequantised."""
+    from kdistill.models.fp8 import FP8Linear
+    from kdistill.models.lora import LoraLinear
+
+    if isinstance(module, LoraLinear):
+        base = module.base_layer
+        w = _full(base.weight).float()
+        delta = (_full(module.lora_B.weight).float() @ _full(module.lora_A.weight).float()) * module.scaling
+        return w + delta.to(w.device), (_full(base.bias) if base.bias is not None else None)
+    if isinstance(module, FP8Linear):
+        w = module.weight.float() * module.weight_scale.float()[:, None]
+        return w, module.bias
+    return _full(module.weight), (_full(module.bias) if module.bias is not None else None)
+
+
+@dataclasses.dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor  # (q_size + 2 kv_size, H)
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # (H, q_size)
+    ln2: torch.Tensor
+    gate_up: torch.Tensor  # (2I, H)
+    down: torch.Tensor  # (H, I)
+
+
+def _layer_tensors(block: nn.Module) -> dict[str, torch.Tensor | None]:
+    a, m = block.self_attn, block.mlp
+    (wq, bq), (wk, bk), (wv, bv) = (dense_linear(p) for p in (a.q_proj, a.k_proj, a.v_proj))
+    (wg, _), (wu, _), (wd, _) = (dense_linear(p) for p in (m.gate_proj, m.up_proj, m.down_proj))
+    qn = _full(a.q_norm.weight) if hasattr(a, "q_norm") else None
+    kn = _full(a.k_norm.weight) if hasattr(a, "k_norm") else None
+    return {
+        "ln1": _full(block.input_layernorm.weight),
+        "qkv": torch.cat([wq.to(wk.dtype), wk, wv.to(wk.dtype)]),
+        "qkv_bias": torch.cat([bq, bk, bv]) if bq is not None else None,
+        "q_norm": qn,
+        "k_norm": kn,
+        "o": dense_linear(a.o_proj)[0],
+        "ln2": _full(block.post_attention_layernorm.weight),
+        "gate_up": torch.cat([wg, wu.to(wg.dtype)]),
+        "down": wd,
+    }
+
+
+class DecodeWeights:
+    """The decoder's weights in the decode dtype and layout, refreshed in place (graph-safe)."""
+
+    def __init__(self, model: Decoder, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec: ModelSpec = model.spec
+        self.dtype, self.device = dtype, device
+        conv = self._convert
+        body = model.model
+        self.embed = conv(_full(body.embed_tokens.weight))
+        tied = model.spec.tie_word_embeddings
+        self.lm_head = self.embed if tied else conv(_full(model.lm_head.weight))
+        self.norm = conv(_full(body.norm.weight))
+        self.layers = [
+            _Layer(**{k: conv(v) if v is not None else None for k, v in _layer_tensors(b).items()})
+            for b in body.layers
+        ]
+
+    def _convert(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    @torch.no_grad()
+    def refresh(self, model: Decoder) -> None:
+        """Copy the model's current weights into these tensors (their addresses stay: a captured graph
+        reads the new values)."""
+        body = model.model
+        self.embed.copy_(_full(body.embed_tokens.weight))
+        if not model.spec.tie_word_embeddings:
+            self.lm_head.copy_(_full(model.lm_head.weight))
+        self.norm.copy_(_full(body.norm.weight))
+        for layer, block in zip(self.layers, body.layers):
+            for name, value in _layer_tensors(block).items():
+                if value is not None:
+                    getattr(layer, name).copy_(value)
+
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in [self.embed, self.lm_head, self.norm] + [
+            v for layer in self.layers for v in dataclasses.astuple(layer) if v is not None
+        ]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def forward_tokens(
+    w: DecodeWeights,
+    ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The decoder's forward on ids (B, T) with RoPE tables (T, D) or per token (B, T, D) ->
+    final-normed hidden states (B, T, H). attend(layer, q, k, v) with q (B, Hq, T, D) and k, v
+    (B, Hkv, T, D) after RoPE returns attention's output (B, Hq, T, D) (and fills the cache)."""
+    s = w.spec
+    b, t = ids.shape
+    eps = s.rms_eps
+    delta = F.embedding(ids, w.embed)  # (B, T, H)
+    residual = None
+    for i, layer in enumerate(w.layers):
+        if residual is None:
+            residual = delta
+            h = dispatch.rmsnorm(delta, layer.ln1, eps)
+        else:
+            h, residual = dispatch.add_rmsnorm(delta, residual, layer.ln1, eps)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (B, T, q + 2 kv)
+        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.view(b, t, s.num_heads, s.head_dim)
+        k = k.view(b, t, s.num_kv_heads, s.head_dim)
+        v = v.view(b, t, s.num_kv_heads, s.head_dim)
+        if layer.q_norm is not None:
+            q, k = dispatch.rmsnorm(q, layer.q_norm, eps), dispatch.rmsnorm(k, layer.k_norm, eps)
+        q, k = dispatch.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        o = attend(i, q, k, v.transpose(1, 2))  # (B, Hq, T, D)
+        a = F.linear(o.transpose(1, 2).reshape(b, t, s.q_size), layer.o)
+        x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # halves of one (B, T, 2I)
+        delta = F.linear(dispatch.swiglu(gate, up), layer.down)
+    if residual is None:
+        return dispatch.rmsnorm(delta, w.norm, eps)
+    return dispatch.add_rmsnorm(delta, residual, w.norm, eps)[0]
+
+
+# -- the slots: cache and per-row state of one batch bucket --------------------------------------
+class _Slots:
+    """Static buffers of one (batch B, max length M): the KV cache and every row's state. The decode
+    step reads and writes only these, so it can be captured as a graph and replayed."""
+
+    def __init__(self, spec: ModelSpec, batch: int, max_len: int, max_new: int, dtype, device) -> None:
+        shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
+        self.batch, self.max_len = batch, max_len
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        i64 = dict(dtype=torch.int64, device=device)
+        self.rows = torch.arange(batch, **i64)
+        self.tok = torch.zeros(batch, **i64)  # the token each row feeds next
+        self.lens = torch.zeros(batch, **i64)  # filled slots: the next token goes to slot lens[b]
+        self.ngen = torch.zeros(batch, **i64)  # new tokens written to `out`
+        self.limit = torch.ones(batch, **i64)  # each row's budget of new tokens
+        self.done = torch.ones(batch, dtype=torch.bool, device=device)
+        self.out = torch.zeros((batch, max_new + 1), **i64)  # the last column takes done rows' writes
+        self.u = torch.zeros(batch, dtype=torch.float32, device=device)
+        self.graph: Any = None
+
+
+class DecodeEngine:
+    """Batched generation from a Decoder with a static cache, slot refill and (on a GPU) CUDA graphs.
+
+    batch_size: the most rows decoded at once (a call with fewer prompts uses the smallest power-of-two
+    bucket that holds them). max_len: cache slots per row (prompt + new tokens). cuda_graphs: "auto"
+    (on a CUDA device), "on" or "off" (the same step run eagerly: the reference of the graph path).
+    sync_every: decode steps between two reads of the done flags by the host."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        *,
+        batch_size: int,
+        max_len: int,
+        sampling: Sampling = Sampling(),
+        stop_ids: Sequence[int] | set[int] = (),
+        pad_id: int = 0,
+        dtype: torch.dtype | None = None,
+        cuda_graphs: str = "auto",
+        sync_every: int = 8,
+        prefill_tokens: int = 16384,
+    ) -> None:
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise UserError(f"cuda_graphs is '{cuda_graphs}', expected auto, on or off")
+        if batch_size < 1:
+            raise UserError(f"--batch-size is {batch_size}, expected an integer >= 1")
+        self.device = model.lm_head_weight.device
+        on_gpu = self.device.type == "cuda"
+        if cuda_graphs == "on" and not on_gpu:
+            raise UserError("cuda_graphs is 'on' but the model is not on a CUDA device")
+        self.graphs = on_gpu and cuda_graphs != "off"
+        self.dtype = dtype or (torch.bfloat16 if on_gpu else model.lm_head_weight.dtype)
+        self.spec = model.spec
+        self.weights = DecodeWeights(model, self.dtype, self.device)
+        self.batch_size, self.max_len = int(batch_size), int(max_len)
+        self.sampling = sampling
+        self.stops = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.int64, device=self.device)
+        self.pad_id = int(pad_id)
+        self.sync_every = max(1, int(sync_every))
+        self.prefill_tokens = max(1, int(prefill_tokens))
+        self.generator = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
+        cos, sin = rope_tables(self.spec, self.max_len, self.device)  # (M, D) fp32
+        self.cos, self.sin = cos, sin
+        self.slots: _Slots | None = None
+        self.steps = 0  # decode steps run (for tokens/s and the fraction of the floor)
+
+    # -- weights ------------------------------------------------------------------------------
+    def refresh(self, model: Decoder) -> None:
+        """The model's weights changed (an optimizer step): copy them into the engine's."""
+        self.weights.refresh(model)
+
+    def generator_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_generator_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    # -- the step -----------------------------------------------------------------------------
+    def _decode_step(self, st: _Slots) -> None:
+        """One token for every row, all on the device (captured as a graph on a GPU)."""
+        pos = st.lens.clamp(max=st.max_len - 1)  # (B,): a full row rewrites its last slot (it is done)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            st.k[i][st.rows, :, pos] = k[:, :, 0]  # (B, Hkv, D) into slot pos[b] of each row
+            st.v[i][st.rows, :, pos] = v[:, :, 0]
+            b, hq, _, d = q.shape
+            o = dispatch.decode_attention(q.reshape(b, hq, d), st.k[i], st.v[i], pos)  # (B, Hq, D)
+            return o[:, :, None]
+
+        h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend)[:, 0]  # (B, H)
+        tok = sample_tokens(F.linear(h, self.weights.lm_head), self.sampling, st.u)
+        self._append(st, tok, st.rows, st.lens + 1)
+
+    def _append(self, st: _Slots, tok: torch.Tensor, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
+        """Bookkeeping of rows `rows` after sampling `tok` (on the device): the token is a row's next
+        output unless the row is done; its fed token now fills the slots up to new_lens."""
+        active = ~st.done[rows]
+        tok = torch.where(active, tok, torch.full_like(tok, self.pad_id))
+        ngen = st.ngen[rows]
+        st.out[rows, ngen] = tok
+        ngen = ngen + active
+        lens = torch.where(active, new_lens, st.lens[rows])
+        stop = (tok[:, None] == self.stops[None, :]).any(-1) | (ngen >= st.limit[rows]) | (lens >= st.max_len)
+        st.ngen[rows] = ngen
+        st.lens[rows] = lens
+        st.done[rows] = st.done[rows] | (active & stop)
+        st.tok[rows] = tok
+
+    def _step(self, st: _Slots) -> None:
+        if not self.sampling.greedy:
+            st.u.uniform_(generator=self.generator)  # outside the graph: one launch per step
+        if st.graph is not None:
+            st.graph.replay()
+        else:
+            self._decode_step(st)
+        self.steps += 1
+
+    def _capture(self, st: _Slots) -> None:
+        """Capture the decode step of this bucket (all rows done: warm-up and capture change nothing a
+        prefill does not reset). Two eager warm-up steps on a side stream load every kernel first."""
+        torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode_step(st)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._decode_step(st)
+        torch.cuda.synchronize(self.device)
+        st.graph = graph
+
+    # -- prefill ------------------------------------------------------------------------------
+    def _prefill(self, st: _Slots, slots: list[int], prompts: list[list[int]], limits: list[int]) -> None:
+        """Write the prompts into the caches of `slots` (a right-padded causal forward of the prompts
+        alone: padding after a prompt is never attended by it) and sample each row's first token."""
+        n, p = len(prompts), max(len(x) for x in prompts)
+        ids = torch.full((n, p), self.pad_id, dtype=torch.int64)
+        for i, row in enumerate(prompts):
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        ids = ids.to(self.device, non_blocking=True)
+        rows = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        lens = torch.tensor([len(x) for x in prompts], dtype=torch.int64).to(self.device, non_blocking=True)
+        cos, sin = self.cos[:p], self.sin[:p]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            st.k[i][rows, :, :p] = k
+            st.v[i][rows, :, :p] = v
+            return dispatch.attention(q, k, v)  # causal over the prompt
+
+        h = forward_tokens(self.weights, ids, cos, sin, attend)  # (n, P, H)
+        last = h[torch.arange(n, device=self.device), lens - 1]  # (n, H)
+        u = None
+        if not self.sampling.greedy:
+            u = torch.rand(n, generator=self.generator, device=self.device)
+        tok = sample_tokens(F.linear(last, self.weights.lm_head), self.sampling, u)
+        st.done[rows] = False
+        st.ngen[rows] = 0
+        st.lens[rows] = 0
+        st.limit[rows] = torch.tensor(limits, dtype=torch.int64).to(self.device, non_blocking=True)
+        self._append(st, tok, rows, lens)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def bucket(self, n: int) -> int:
+        """Rows decoded at once for n prompts: the smallest power of two >= n, at most batch_size."""
+        return min(self.batch_size, 1 << max(0, n - 1).bit_length())
+
+    def _slots_for(self, batch: int) -> _Slots:
+        n = self.sampling.max_new_tokens
+        st = self.slots
+        if st is None or st.batch != batch or st.out.shape[1] != n + 1:
+            self.slots = None  # free the old cache before the new one
+            st = _Slots(self.spec, batch, self.max_len, n, self.dtype, self.device)
+            if self.graphs:
+                self._capture(st)
+            self.slots = st
+        return st
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        on_finish: Callable[[int, list[int]], None] | None = None,
+    ) -> list[list[int]]:
+        """New token ids per prompt (a row's stop token included, as its last id), in prompt order.
+
+        prompts: token ids per row, each non-empty and shorter than max_len. Rows start as slots free
+        up; on_finish(index, ids) is called as each prompt's answer is complete (in finishing order)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt, each with at least one token")
+        too_long = [i for i, p in enumerate(prompts) if len(p) >= self.max_len]
+        if too_long:
+            i = too_long[0]
+            raise UserError(
+                f"prompt {i + 1} has {len(prompts[i])} tokens, expected fewer than the cache's {self.max_len}"
+            )
+        n_new = self.sampling.max_new_tokens
+        st = self._slots_for(self.bucket(len(prompts)))
+        st.done.fill_(True)
+        waiting = deque(range(len(prompts)))
+        owner: list[int | None] = [None] * st.batch
+        results: list[list[int] | None] = [None] * len(prompts)
+
+        def fill(free: list[int]) -> None:
+            while free and waiting:
+                group: list[int] = []
+                longest = 0
+                while len(group) < len(free) and waiting:
+                    nxt = len(prompts[waiting[0]])
+                    if group and max(longest, nxt) * (len(group) + 1) > self.prefill_tokens:
+                        break
+                    longest = max(longest, nxt)
+                    group.append(waiting.popleft())
+                slots = [free.pop(0) for _ in group]
+                for s, i in zip(slots, group):
+                    owner[s] = i
+                self._prefill(
+                    st,
+                    slots,
+                    [list(prompts[i]) for i in group],
+                    [min(n_new, self.max_len - len(prompts[i])) for i in group],
+                )
+
+        fill(list(range(st.batch)))
+        while any(o is not None for o in owner):
+            flags = torch.stack([st.done.long(), st.ngen]).cpu()  # the host's one read per round
+            finished = [s for s, o in enumerate(owner) if o is not None and bool(flags[0, s])]
+            if finished:
+                outs = st.out[finished].cpu()
+                for j, s in enumerate(finished):
+                    i = owner[s]
+                    assert i is not None
+                    results[i] = outs[j, : int(flags[1, s])].tolist()
+                    owner[s] = None
+                    if on_finish is not None:
+                        on_finish(i, results[i])
+                fill(finished)
+                continue
+            for _ in range(self.sync_every):
+                self._step(st)
+        return [r if r is not None else [] for r in results]

@@ -1,0 +1,285 @@
+"""Triton attention of one new token per row over a static KV cache (generation): kernels, launcher.
+
+    o[b, h] = softmax(q[b, h] . K[b, h // G, 0..p_b]^T / sqrt(D)) V[b, h // G, 0..p_b]
+
+q (B, Hq, D) is each row's newest token (already written to its cache slot p_b = positions[b]); the
+caches K and V are (B, Hkv, M, D) contiguous, M the cache's length; G = Hq / Hkv query heads share a
+key/value head. Only slots 0..p_b are read: a row's cost follows its filled length, not M, and no
+mask over M is built (the decode step of kdistill.decode stays the same graph as rows grow).
+
+Split-K ("flash decoding"): program (b, kv head, s) takes the slots [s * SPLIT, (s + 1) * SPLIT) of
+its row, for all G query heads of that kv head at once (one tile of K and V serves G queries), and
+writes an fp32 partial output and its log-sum-exp; splits past p_b write an empty part. A second
+kernel combines the parts of each (b, head): o = sum_s exp(lse_s - lse) o_s. The number of splits is
+a runtime grid size (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head
+counts and the tiles are in the key.
+
+The file reads top to bottom: kernels, launcher, key functions and tile policy, then the registered
+KernelSpec. No backward: generation runs without gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kdistill.dtypes import torch_dtype
+from kdistill.errors import KernelError
+from kdistill.kernels._triton import jit, tl
+from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, memoized, next_pow2
+from kdistill.kernels.spec import Kernel, KernelSpec, tensor
+
+INT32_MAX = 2**31 - 1
+
+
+@jit(do_not_specialize=["M", "NSPLIT"])
+def decode_attn_split_kernel(
+    Q,
+    K,
+    V,
+    POS,
+    OP,
+    LSE,
+    M,
+    NSPLIT,
+    sm_scale,
+    D: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    last = tl.load(POS + b).to(tl.int32)  # the row's newest slot: keys 0..last are attended
+    start = s * SPLIT
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gmask = g < G
+    heads = h * G + g  # (BLOCK_G,) query heads of this kv head
+    part = (b * HQ + heads) * NSPLIT + s  # (BLOCK_G,) rows of OP / LSE
+    q = tl.load(Q + (b * HQ + heads)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+    kv = (b * HKV + h) * M  # first slot of this (row, kv head)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, D), tl.float32)
+    end = tl.minimum(start + SPLIT, last + 1)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        offs = (kv + n)[:, None].to(tl.int64) * D + d[None, :]
+        k = tl.load(K + offs, mask=nmask[:, None], other=0.0)  # (BLOCK_N, D)
+        v = tl.load(V + offs, mask=nmask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * sm_scale  # (BLOCK_G, BLOCK_N) fp32
+        scores = tl.where(nmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # A split past the row's newest slot ran no iteration: an empty part, weight 0 in the combination.
+    filled = l_i > 0
+    tl.store(
+        LSE + part, tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf")), mask=gmask
+    )
+    out = acc / tl.where(filled, l_i, 1.0)[:, None]
+    tl.store(OP + part[:, None] * D + d[None, :], out, mask=gmask[:, None])
+
+
+@jit(do_not_specialize=["NSPLIT"])
+def decode_attn_combine_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * HQ + head
+    s = tl.arange(0, BLOCK_S)
+    smask = s < NSPLIT
+    lse = tl.load(LSE + row * NSPLIT + s, mask=smask, other=float("-inf"))  # (BLOCK_S,)
+    top = tl.max(lse, axis=0)  # split 0 always holds slot 0: finite
+    w = tl.exp(lse - top)
+    w = w / tl.sum(w, axis=0)
+    d = tl.arange(0, D)
+    parts = tl.load(OP + (row * NSPLIT + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(parts * w[:, None], axis=0)  # (D,)
+    tl.store(O + row * D + d, o.to(O.dtype.element_ty))
+
+
+def launch(key: KernelKey, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor):
+    """The split kernel's (kernel, grid, args, kwargs, (parts, lse)) for q (B, Hq, D) contiguous,
+    caches (B, Hkv, M, D) contiguous and pos (B,) int64 (each row's newest slot)."""
+    b, hq, d = q.shape
+    hkv, m = k_cache.shape[1], k_cache.shape[2]
+    if b * hkv * m * d > INT32_MAX * 64 or m > INT32_MAX:
+        raise KernelError(
+            f"decode_attention: a cache of {b} x {hkv} x {m} x {d} exceeds the kernel's indexing"
+        )
+    parts, lse = empty_parts(key, q, m)
+    nsplit = lse.shape[-1]
+    kwargs = dict(
+        D=d, HQ=hq, HKV=hkv, G=hq // hkv, BLOCK_G=key["BLOCK_G"], BLOCK_N=key["BLOCK_N"], SPLIT=key["SPLIT"]
+    )
+    args = (q, k_cache, v_cache, pos, parts, lse, m, nsplit, 1.0 / math.sqrt(d))
+    return (
+        decode_attn_split_kernel,
+        (b, hkv, nsplit),
+        args,
+        {**kwargs, **launch_options(key)},
+        (parts, lse),
+    )
+
+
+def combine_launch(key: KernelKey, parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype):
+    """The combine kernel's (kernel, grid, args, kwargs, (o,)) for parts (B, Hq, S, D) -> o (B, Hq, D)."""
+    b, hq, nsplit, d = parts.shape
+    o = torch.empty((b, hq, d), dtype=dtype, device=parts.device)
+    kwargs = dict(D=d, HQ=hq, BLOCK_S=key["BLOCK_S"], **launch_options(key))
+    return decode_attn_combine_kernel, (b * hq,), (parts, lse, o, nsplit), kwargs, (o,)
+
+
+def empty_parts(key: KernelKey, q: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (parts, lse) as the split kernel writes them for a cache of max_len slots."""
+    b, hq, d = q.shape
+    nsplit = -(-max_len // key["SPLIT"])
+    return (
+        torch.empty((b, hq, nsplit, d), dtype=torch.float32, device=q.device),
+        torch.empty((b, hq, nsplit), dtype=torch.float32, device=q.device),
+    )
+
+
+def run(spec) -> tuple:
+    kernel, grid, args, kwargs, outs = spec
+    kernel[grid](*args, **kwargs)
+    return outs
+
+
+# -- tile policy and key functions --------------------------------------------------------------
+SPLIT_MAX = 8192  # caches longer than SPLIT * 64 use longer splits (the combine holds <= 64 parts)
+
+
+def tiles(head_dim: int, q_heads: int, kv_heads: int) -> dict[str, int]:
+    """The G query heads of a kv head padded to >= 16 rows (the dot's smallest tile), 64 keys a tile,
+    256 keys a split."""
+    del head_dim
+    return {"BLOCK_G": max(16, next_pow2(q_heads // kv_heads)), "BLOCK_N": 64, "SPLIT": 256}
+
+
+def combine_tiles(max_len: int) -> dict[str, int]:
+    """Enough lanes for every split of a cache of max_len slots."""
+    return {"BLOCK_S": max(16, next_pow2(-(-max_len // 256)))}
+
+
+def supported(head_dim: int, q_heads: int, kv_heads: int) -> bool:
+    """Shapes the kernel takes: whole groups of q heads per kv head, a power-of-two head size >= 16
+    (the dot's smallest K). Other shapes run the reference (no key is planned or launched)."""
+    return q_heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def _check(head_dim: int, q_heads: int, kv_heads: int) -> None:
+    if not supported(head_dim, q_heads, kv_heads):
+        raise KernelError(
+            f"decode_attention: {q_heads} q heads over {kv_heads} kv heads of size {head_dim} "
+            "(needs a whole group per kv head and a power-of-two head size >= 16)"
+        )
+
+
+@memoized
+def split_key(
+    arch: str,
+    *,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    dtype: str,
+    aligned: Sequence[bool] | None = None,
+) -> KernelKey:
+    """The split kernel over caches in `dtype`. aligned: Q, K, V, POS."""
+    _check(head_dim, q_heads, kv_heads)
+    return make_key(
+        SPLIT_K.op,
+        arch,
+        D=int(head_dim),
+        HQ=int(q_heads),
+        HKV=int(kv_heads),
+        G=int(q_heads // kv_heads),
+        dtype=dtype_name(dtype),
+        align=SPLIT_K.align(aligned),
+        num_warps=4,
+        num_stages=2,
+        **tiles(head_dim, q_heads, kv_heads),
+    )
+
+
+@memoized
+def combine_key(arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: int) -> KernelKey:
+    """The combine kernel writing `dtype` for caches of up to max_len slots (the lanes' count)."""
+    return make_key(
+        COMBINE.op,
+        arch,
+        D=int(head_dim),
+        HQ=int(q_heads),
+        dtype=dtype_name(dtype),
+        align=COMBINE.align(),
+        num_warps=4,
+        num_stages=1,
+        **combine_tiles(max_len),
+    )
+
+
+def max_len_lanes(key: KernelKey) -> int:
+    """The longest cache a combine key serves."""
+    return int(key["BLOCK_S"]) * 256
+
+
+# -- registered description ---------------------------------------------------------------------
+def _warm_split(key: KernelKey, device: Any) -> tuple:
+    """A (1, HQ, D) query over (1, HKV, 2, D) caches, aligned as `key` says."""
+    al, d = [c == "A" for c in str(key["align"])], key["D"]
+    q = tensor((1, key["HQ"], d), key["dtype"], device, al[0])
+    k = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[1])
+    v = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[2])
+    buf = torch.ones(3, dtype=torch.int64, device=device)  # newest slot 1: both cached keys attended
+    pos = buf[:1] if al[3] else buf[1:2]
+    return launch(key, q, k, v, pos)
+
+
+def _warm_combine(key: KernelKey, device: Any) -> tuple:
+    parts = tensor((1, key["HQ"], 2, key["D"]), "fp32", device)
+    lse = tensor((1, key["HQ"], 2), "fp32", device)
+    return combine_launch(key, parts, lse, torch_dtype(key["dtype"]))
+
+
+def plan(
+    arch: str, *, grad: bool, head_dim: int, q_heads: int, kv_heads: int, dtype: str, max_len: int
+) -> set[KernelKey]:
+    """Keys of one decode step's attention (no backward: generation only); none for shapes the
+    kernel does not take (`supported`)."""
+    del grad
+    if not supported(head_dim, q_heads, kv_heads):
+        return set()
+    return {
+        split_key(arch, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, dtype=dtype),
+        combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len),
+    }
+
+
+SPLIT_K = Kernel(
+    "decode_attn_split",
+    decode_attn_split_kernel,
+    split_key,
+    _warm_split,
+    {"Q": "dtype", "K": "dtype", "V": "dtype", "POS": "i64", "OP": "fp32", "LSE": "fp32"},
+    outputs=("OP", "LSE"),
+)
+COMBINE = Kernel(
+    "decode_attn_combine",
+    decode_attn_combine_kernel,
+    combine_key,
+    _warm_combine,
+    {"OP": "fp32", "LSE": "fp32", "O": "dtype"},
+    outputs=("O",),
+)
+SPEC = KernelSpec(name="decode_attention", kernels=(SPLIT_K, COMBINE), tiles=tiles, plan=plan)
