@@ -348,6 +348,47 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
         kernel.bwd_launch = saved
 
 
+def case_decode_attention(device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d=16, m=300):
+    """One token per row over a static cache: rows whose newest slot is 0, inside the first split, on
+    a split boundary and at the cache's end (empty splits must weigh nothing)."""
+    from kdistill import dispatch
+    from kdistill.ops.attention import decode_attention_reference
+
+    g = torch.Generator().manual_seed(m)
+    q = torch.randn((b, hq, d), generator=g).to(device=device, dtype=dtype)
+    k = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
+    v = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
+    pos = torch.tensor([0, 37, 256, m - 1][:b], device=device)
+    want = decode_attention_reference(q.float(), k.float(), v.float(), pos)
+    with _kernel_mode():
+        got = dispatch.decode_attention(q, k, v, pos)
+    assert got.dtype == dtype and got.shape == (b, hq, d)
+    _close("o", got, want, dtype)
+
+
+def case_decode_engine(device="cpu", dtype=torch.float32):
+    """The decode engine's greedy tokens with the kernels equal the reference ops' (slot refill, a stop
+    token, a head size the decode-attention kernel takes)."""
+    import tempfile
+
+    from tiny import make_tiny_model
+
+    from kdistill.decode import DecodeEngine, Sampling
+    from kdistill.models.hf_io import load_model
+
+    d = make_tiny_model(
+        tempfile.mkdtemp(), family="qwen2", tied=False, hidden_size=32, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=48, num_hidden_layers=1,
+    )  # fmt: skip
+    model = load_model(d, device, dtype).eval()
+    prompts = [[5, 9, 17, 3], [40, 41], [7, 8, 9, 10, 11, 12]]
+    s = Sampling(max_new_tokens=4)
+    want = DecodeEngine(model, batch_size=2, max_len=16, sampling=s, stop_ids={3}).generate(prompts)
+    with _kernel_mode():
+        got = DecodeEngine(model, batch_size=2, max_len=16, sampling=s, stop_ids={3}).generate(prompts)
+    assert got == want, (got, want)
+
+
 CASES = {
     "bwd_failure_falls_back": (case_bwd_failure_falls_back, {}),
     "frozen_forward_skips_autograd": (case_frozen_forward_skips_autograd, {}),
@@ -373,6 +414,10 @@ CASES = {
     "norm_to_gemm_autocast": (case_norm_to_gemm_autocast, {}),
     "decoder_qwen3_fp32": (case_decoder, dict(dtype=torch.float32, arch="qwen3")),
     "decoder_qwen2_fp32": (case_decoder, dict(dtype=torch.float32, arch="qwen2")),
+    "decode_attention_fp32": (case_decode_attention, dict(dtype=torch.float32)),
+    # fp32 only: the interpreter's dot of bf16 tiles is not the GPU's (the GPU tests cover bf16/fp16)
+    "decode_attention_fp32_gqa3": (case_decode_attention, dict(dtype=torch.float32, hq=6, hkv=2, d=32)),
+    "decode_engine_fp32": (case_decode_engine, {}),
 }
 
 

@@ -436,11 +436,14 @@ class DecodeEngine:
         prompts: Sequence[Sequence[int]],
         *,
         on_finish: Callable[[int, list[int]], None] | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> list[list[int]]:
         """New token ids per prompt (a row's stop token included, as its last id), in prompt order.
 
         prompts: token ids per row, each non-empty and shorter than max_len. Rows start as slots free
-        up; on_finish(index, ids) is called as each prompt's answer is complete (in finishing order)."""
+        up; on_finish(index, ids) is called as each prompt's answer is complete (in finishing order), and
+        on_tokens(index, ids so far) after every round of steps for the rows still running (streaming;
+        one more copy to the host per round)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, each with at least one token")
         too_long = [i for i, p in enumerate(prompts) if len(p) >= self.max_len]
@@ -491,6 +494,11 @@ class DecodeEngine:
                         on_finish(i, results[i])
                 fill(finished)
                 continue
+            if on_tokens is not None:
+                running = [s for s, o in enumerate(owner) if o is not None]
+                outs = st.out[running].cpu()
+                for j, s in enumerate(running):
+                    on_tokens(owner[s], outs[j, : int(flags[1, s])].tolist())
             for _ in range(self.sync_every):
                 self._step(st)
         return [r if r is not None else [] for r in results]

@@ -20,6 +20,7 @@ its `text` leaves the stop token out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,13 +32,13 @@ import torch
 from kdistill.data.chat import end_of_turn_token
 from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import ChatTemplate, load_chat_template
-from kdistill.decode import Sampling
-from kdistill.dtypes import dtype_name
+from kdistill.decode import DecodeEngine, Sampling
 from kdistill.errors import UserError
 from kdistill.kernels.plan import generation_kernels
 from kdistill.kernels.seal import configure, prewarm, seal, unseal
 from kdistill.models.decoder import Decoder, KVCache
 from kdistill.models.hf_io import load_model
+from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -223,13 +224,13 @@ def encode_prompts(
 
 
 def prepare_kernels(model: Decoder, batch: int, prompt_len: int, max_len: int) -> dict[str, Any]:
-    """Configure the dispatcher; on a GPU in triton mode prewarm the generation plan (the prefill at
-    the prompt length, decoding at one token: kernels.plan.generation_kernels) and seal."""
+    """Configure the dispatcher; on a GPU in triton mode prewarm the decode engine's plan (prefill and
+    one-token step in bf16: kernels.plan.generation_kernels) and seal."""
     device = model.lm_head_weight.device
     rt = configure(kernels="auto", device=device)
     info: dict[str, Any] = {"mode": rt.mode, "arch": rt.arch}
     if rt.mode == "triton" and device.type == "cuda":
-        dtype = dtype_name(model.lm_head_weight.dtype)
+        dtype = "bf16"
         plan = generation_kernels(
             model.spec, rt.arch, dtype, batch=batch, prompt_len=prompt_len, max_len=max_len
         )
@@ -251,6 +252,166 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclasses.dataclass
+class Job:
+    """The prompts of one generate call, encoded, and what answering them needs.
+
+    convs[i]: prompt i as a conversation (chat: a prompt is one user turn; --messages: as read), None
+    for a plain prompt; texts[i]: prompt i as given (plain) or as rendered (chat)."""
+
+    model_dir: Path
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    spec: ModelSpec
+    ids: list[list[int]]
+    texts: list[str]
+    convs: list[list[dict[str, Any]] | None]
+    stops: set[int]
+
+    @property
+    def context(self) -> int:
+        return int(self.spec.max_position_embeddings)
+
+
+def prepare_job(
+    model_dir: str | Path,
+    *,
+    prompts: Sequence[str] = (),
+    messages_file: str | Path | None = None,
+    chat: bool = False,
+) -> Job:
+    """Read the model's config, tokenizer and template and encode every prompt (no weights loaded)."""
+    model_dir = Path(model_dir)
+    if not prompts and messages_file is None:
+        raise UserError("expected --prompt TEXT or --messages FILE")
+    spec = load_spec(model_dir)
+    convs_in = read_messages_file(messages_file) if messages_file is not None else []
+    tokenizer = load_tokenizer(model_dir)
+    template = _template(model_dir, needed=chat or bool(convs_in))
+    ids = encode_prompts(tokenizer, template, prompts=prompts, conversations=convs_in, chat=chat)
+    if chat or convs_in:
+        convs: list[list[dict[str, Any]] | None] = [[{"role": "user", "content": p}] for p in prompts]
+        convs += [list(c) for c in convs_in]
+    else:
+        convs = [None] * len(prompts)
+    texts = [tokenizer.decode(r) for r in ids] if chat or convs_in else list(prompts)
+    stops = stop_token_ids(model_dir, tokenizer, template)
+    return Job(model_dir, tokenizer, template, spec, ids, texts, convs, stops)
+
+
+def cache_length(job: Job, sampling: Sampling, max_length: int | None) -> int:
+    """Cache slots per row: --max-length, else the longest prompt + --max-new-tokens, within the
+    model's context. Every size is checked here, before anything is allocated."""
+    ctx = job.context
+    longest = max(len(r) for r in job.ids)
+    if sampling.max_new_tokens >= ctx:
+        raise UserError(
+            f"--max-new-tokens is {sampling.max_new_tokens}, expected fewer than the model's context of "
+            f"{ctx} tokens (max_position_embeddings in {job.model_dir / 'config.json'})"
+        )
+    if max_length is not None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+            raise UserError(f"--max-length is {max_length!r}, expected an integer >= 2 (prompt + new tokens)")
+        if max_length > ctx:
+            raise UserError(
+                f"--max-length is {max_length}, expected at most the model's context of {ctx} tokens"
+            )
+        limit = max_length
+    else:
+        limit = min(ctx, longest + sampling.max_new_tokens)
+    for i, r in enumerate(job.ids):
+        if len(r) >= limit:
+            where = "--max-length" if max_length is not None else "the model's context"
+            raise UserError(
+                f"prompt {i + 1} has {len(r)} tokens, expected fewer than {limit} ({where}) to leave room for an answer"
+            )
+    return limit
+
+
+def generation_bytes(
+    spec: ModelSpec, batch: int, max_len: int, prefill_tokens: int, dtype_bytes: int = 2
+) -> int:
+    """Device memory of generating (an upper estimate): the weights twice (the loaded model and the
+    engine's stacked copy while it is built), the KV cache of batch x max_len slots, the sampler's
+    fp32 logits (a few copies of batch x vocab) and a prefill's activations."""
+    weights = spec.param_counts()["total"] * dtype_bytes
+    kv = 2 * spec.num_layers * batch * spec.num_kv_heads * max_len * spec.head_dim * dtype_bytes
+    logits = 4 * batch * spec.vocab_size * 4
+    width = spec.q_size + 2 * spec.kv_size + 2 * spec.intermediate_size + 4 * spec.hidden_size
+    prefill = prefill_tokens * width * dtype_bytes
+    return 2 * weights + kv + logits + prefill
+
+
+def check_memory(
+    spec: ModelSpec, device: torch.device, batch: int, max_len: int, prefill_tokens: int
+) -> None:
+    """Refuse in one line, before any weight is loaded, a generation that does not fit the GPU's free
+    memory."""
+    if device.type != "cuda":
+        return
+    need = generation_bytes(spec, batch, max_len, prefill_tokens)
+    free, _total = torch.cuda.mem_get_info(device)
+    if need > free:
+        gib = 2**30
+        raise UserError(
+            f"generation needs about {need / gib:.1f} GiB on {device} (KV cache for --batch-size {batch} x "
+            f"--max-length {max_len}, weights, logits) but {free / gib:.1f} GiB are free: lower --batch-size "
+            "or --max-length"
+        )
+
+
+def build_engine(
+    job: Job,
+    sampling: Sampling,
+    *,
+    device: str = "auto",
+    batch_size: int = 32,
+    max_length: int | None = None,
+    cuda_graphs: str = "auto",
+) -> tuple[DecodeEngine, dict[str, Any]]:
+    """Check sizes and memory, load the model, prewarm and seal the generation plan, and build the
+    decode engine (the loaded module is dropped: the engine keeps its own weights)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UserError(f"--batch-size is {batch_size!r}, expected an integer >= 1")
+    max_len = cache_length(job, sampling, max_length)
+    dev = resolve_device(device)
+    batch = min(batch_size, 1 << max(0, len(job.ids) - 1).bit_length())
+    prefill_tokens = 16384
+    check_memory(job.spec, dev, batch, max_len, prefill_tokens)
+    model = load_model(job.model_dir, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
+    info = prepare_kernels(model, batch, max(len(r) for r in job.ids), max_len)
+    pad = job.tokenizer.eos_id if job.tokenizer.eos_id is not None else 0
+    engine = DecodeEngine(
+        model,
+        batch_size=batch,
+        max_len=max_len,
+        sampling=sampling,
+        stop_ids=job.stops,
+        pad_id=pad,
+        cuda_graphs=cuda_graphs,
+        prefill_tokens=prefill_tokens,
+    )
+    del model
+    info.update(batch=batch, max_len=max_len)
+    return engine, info
+
+
+def answer_row(job: Job, index: int, sample: int, new: list[int]) -> dict[str, Any]:
+    """One answer as a record: the new text (stop token left out), its ids and why it ended; with the
+    conversation and the answer appended as an assistant turn (chat and --messages: the format a run
+    trains on) or the prompt and its completion (plain prompts)."""
+    stopped = bool(new) and new[-1] in job.stops
+    text = job.tokenizer.decode(new[:-1] if stopped else new)
+    row: dict[str, Any] = {"index": index, "sample": sample, "text": text, "token_ids": new}
+    row["finish_reason"] = "stop" if stopped else "length"
+    conv = job.convs[index]
+    if conv is not None:
+        row["messages"] = [*conv, {"role": "assistant", "content": text}]
+    else:
+        row["prompt"], row["completion"] = job.texts[index], text
+    return row
+
+
 def generate_texts(
     model_dir: str | Path,
     *,
@@ -260,43 +421,58 @@ def generate_texts(
     sampling: Sampling = DEFAULT_SAMPLING,
     device: str = "auto",
     on_text: Callable[[str], None] | None = None,
+    batch_size: int = 32,
+    max_length: int | None = None,
+    samples_per_prompt: int = 1,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    cuda_graphs: str = "auto",
 ) -> list[dict[str, Any]]:
-    """Load a model directory and answer every prompt (and conversation of messages_file) in one batch:
-    [{"text": new text without the stop token, "token_ids": new ids}] per prompt. on_text: the new
-    text of a single prompt as it grows (streaming), piece by piece."""
-    model_dir = Path(model_dir)
-    if not prompts and messages_file is None:
-        raise UserError("expected --prompt TEXT or --messages FILE")
-    convs = read_messages_file(messages_file) if messages_file is not None else []
-    tokenizer = load_tokenizer(model_dir)
-    template = _template(model_dir, needed=chat or bool(convs))
-    ids = encode_prompts(tokenizer, template, prompts=prompts, conversations=convs, chat=chat)
-    dev = resolve_device(device)
-    model = load_model(model_dir, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
-    stops = stop_token_ids(model_dir, tokenizer, template)
-    p = max(len(x) for x in ids)
-    prepare_kernels(model, len(ids), p, p + sampling.max_new_tokens)
-    pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    on_step = None
-    if on_text is not None and len(ids) == 1:
-        seen: list[int] = []
+    """Load a model directory and answer every prompt (and conversation of messages_file) with the
+    decode engine: one row per prompt and sample, in order (see answer_row). on_text: the new text of
+    a single prompt as it grows (streaming); on_row(row): each row as it is complete."""
+    if (
+        isinstance(samples_per_prompt, bool)
+        or not isinstance(samples_per_prompt, int)
+        or samples_per_prompt < 1
+    ):
+        raise UserError(f"--samples-per-prompt is {samples_per_prompt!r}, expected an integer >= 1")
+    job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
+    work = [(i, j) for i in range(len(job.ids)) for j in range(samples_per_prompt)]
+    engine, _info = build_engine(
+        job, sampling, device=device, batch_size=batch_size, max_length=max_length, cuda_graphs=cuda_graphs
+    )
+    return run_job(job, engine, work, on_row=on_row, on_text=on_text)
+
+
+def run_job(
+    job: Job,
+    engine: DecodeEngine,
+    work: list[tuple[int, int]],
+    *,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    on_text: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Answer (prompt index, sample) pairs with the engine; rows in the order of `work`."""
+    rows: list[dict[str, Any] | None] = [None] * len(work)
+
+    def finished(k: int, new: list[int]) -> None:
+        rows[k] = answer_row(job, work[k][0], work[k][1], new)
+        if on_row is not None:
+            on_row(rows[k])
+
+    on_tokens = None
+    if on_text is not None and len(work) == 1:
         shown = [""]
 
-        def on_step(toks: list[int], done: list[bool]) -> None:
-            if toks[0] in stops:
-                return
-            seen.append(toks[0])
-            text = tokenizer.decode(seen)
-            if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence waits for its next byte
+        def on_tokens(_k: int, ids: list[int]) -> None:
+            body = [t for t in ids if t not in job.stops]
+            text = job.tokenizer.decode(body)
+            if not text.endswith("\ufffd") and len(text) > len(shown[0]):  # a UTF-8 sequence waits whole
                 on_text(text[len(shown[0]) :])
                 shown[0] = text
 
-    new = generate_ids(model, ids, sampling, stops, pad_id=pad, on_step=on_step)
-    out = []
-    for row in new:
-        body = row[:-1] if row and row[-1] in stops else row
-        out.append({"text": tokenizer.decode(body), "token_ids": row})
-    return out
+    engine.generate([job.ids[i] for i, _ in work], on_finish=finished, on_tokens=on_tokens)
+    return [r for r in rows if r is not None]
 
 
 # -- the run's samples --------------------------------------------------------------------------
@@ -325,8 +501,18 @@ def sample_prompts(heldout: Any, n: int) -> list[list[int]]:
 def answer_rows(
     model: Decoder, prompts: list[list[int]], tokens: int, stops: set[int], decode: Callable[[list[int]], str]
 ) -> list[dict[str, Any]]:
-    """Greedy answers, as {"prompt", "answer", "answer_ids"} rows (the stop token left out of the text)."""
-    new = generate_ids(model, prompts, Sampling(max_new_tokens=tokens), stops, pad_id=min(stops, default=0))
+    """Greedy answers through the decode engine, as {"prompt", "answer", "answer_ids"} rows (the stop
+    token left out of the text). The engine copies the model's current weights (bf16 on a GPU)."""
+    longest = max(len(p) for p in prompts)
+    engine = DecodeEngine(
+        model,
+        batch_size=len(prompts),
+        max_len=longest + tokens,
+        sampling=Sampling(max_new_tokens=tokens),
+        stop_ids=stops,
+        pad_id=min(stops, default=0),
+    )
+    new = engine.generate(prompts)
     out = []
     for p, row in zip(prompts, new):
         body = row[:-1] if row and row[-1] in stops else row

@@ -1,11 +1,15 @@
-"""`kdistill generate`: answer prompts with a model directory (our decoder, a KV cache, batched).
+"""`kdistill generate`: answer prompts with a model directory (the decode engine: static KV cache,
+CUDA-graph steps on a GPU, slots refilled as rows finish).
 
     kdistill generate --model DIR --prompt "Hello" [--prompt ...] [--chat] [--max-new-tokens 128]
-    kdistill generate --model DIR --messages chats.jsonl --json       # one {"text", "token_ids"} per line
+    kdistill generate --model DIR --messages chats.jsonl --json       # one JSON line per answer
     kdistill generate --model DIR --prompt "Hi" --temperature 0.8 --top-p 0.9 --seed 1
+    kdistill generate --model TEACHER --messages prompts.jsonl --out answers.jsonl --samples-per-prompt 4
 
-Greedy by default (temperature 0). A single prompt streams to the terminal as tokens come; several
-prompts run as one left-padded batch and print in order. See kdistill.generate.
+Greedy by default (temperature 0). A single prompt streams to the terminal as tokens come; --json
+prints each answer as a JSON line as soon as it is complete (its "index" says which prompt); --out
+writes a resumable file of conversations with the answers appended (kdistill.answer_file) with a
+progress bar on stderr. See kdistill.generate and kdistill.decode.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import json
 import sys
 from typing import Any
 
-from kdistill.generate import Sampling, generate_texts
+from kdistill.decode import Sampling
+from kdistill.generate import generate_texts
 
 
 def generate_command(args: Any) -> int:
-    """Validate the flags, generate, print text (streamed for one prompt) or JSON lines."""
+    """Validate the flags, generate, print text (streamed for one prompt) or JSON lines, or write --out."""
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -27,7 +32,32 @@ def generate_command(args: Any) -> int:
         seed=args.seed,
     )
     prompts = list(args.prompt or [])
-    single = len(prompts) == 1 and args.messages is None
+    common = dict(
+        prompts=prompts,
+        messages_file=args.messages,
+        chat=args.chat,
+        sampling=sampling,
+        device=args.device,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        samples_per_prompt=args.samples_per_prompt,
+    )
+    if args.out:
+        from kdistill.answer_file import generate_to_file
+
+        def print_row(row: dict[str, Any]) -> None:
+            print(json.dumps(row, ensure_ascii=False), flush=True)
+
+        m = generate_to_file(
+            args.model, args.out, progress=not args.quiet, on_row=print_row if args.json else None, **common
+        )
+        print(
+            f"kdistill: {m['written']} answers in {args.out} ({m.get('tokens_per_s', 0):,.0f} new tokens/s); "
+            f"manifest: {args.out}.manifest.json",
+            file=sys.stderr,
+        )
+        return 0
+    single = len(prompts) * args.samples_per_prompt == 1 and args.messages is None
     stream = single and not args.json
 
     streamed: list[str] = []
@@ -37,19 +67,15 @@ def generate_command(args: Any) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    def on_row(row: dict[str, Any]) -> None:
+        print(json.dumps(row, ensure_ascii=False), flush=True)
+
     rows = generate_texts(
-        args.model,
-        prompts=prompts,
-        messages_file=args.messages,
-        chat=args.chat,
-        sampling=sampling,
-        device=args.device,
-        on_text=on_text if stream else None,
+        args.model, on_text=on_text if stream else None, on_row=on_row if args.json else None, **common
     )
     if args.json:
-        for row in rows:
-            print(json.dumps(row, ensure_ascii=False))
-    elif stream:
+        return 0
+    if stream:
         print(rows[0]["text"][len("".join(streamed)) :])  # a tail the stream held back, if any
     else:
         for i, row in enumerate(rows):

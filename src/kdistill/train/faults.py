@@ -5,7 +5,9 @@ POINT means SIGKILL); under torchrun KDISTILL_TEST_KILL_RANK=R limits that to th
 The step loop calls `at(point)` at these points:
     "S"        after step S's metrics line,
     "S.M"      after micro-batch M's backward of step S,
-    "S.saved"  after the checkpoint of step S.
+    "S.saved"  after the checkpoint of step S;
+`kdistill generate --out` calls `at("generate.N")` once its N-th chunk of answers is on disk, and
+KDISTILL_TEST_GENERATE_CHUNK sets the answers per chunk.
 KDISTILL_TEST_NAN_STEPS="3,4" makes the loss of those (1-based) steps non-finite (`nan_step`).
 KDISTILL_TEST_CKPT_PAUSE=FILE makes a checkpoint write stop between its files: it writes the stage name
 to FILE and sleeps, so that a test can kill the process inside the write (`checkpoint_pause`).
@@ -24,6 +26,7 @@ from pathlib import Path
 KILL_ENV, NAN_ENV, PAUSE_ENV = "KDISTILL_TEST_KILL_AT", "KDISTILL_TEST_NAN_STEPS", "KDISTILL_TEST_CKPT_PAUSE"
 KILL_RANK_ENV = "KDISTILL_TEST_KILL_RANK"
 HOLD_ENV = "KDISTILL_TEST_HOLD_AT"
+GENERATE_CHUNK_ENV = "KDISTILL_TEST_GENERATE_CHUNK"
 
 
 def at(point: str) -> None:

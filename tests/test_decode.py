@@ -1,0 +1,237 @@
+"""The decode engine on the CPU: the same tokens as transformers and as the reference path, slot refill
+bookkeeping, stops found on the device, seeded sampling, the planned keys, and `generate --out`.
+
+- Greedy tokens equal transformers' `generate` for a ragged batch with a stop token, whatever the
+  bucket (1, 2 or 8 rows at once: rows wait and take freed slots).
+- Slot refill: answers come back in prompt order, on_finish once per prompt as each ends, and a row
+  ends at its stop token, its budget or the cache's end.
+- The sampler: inverse CDF over the kept tokens (top-k, top-p), greedy below MIN_TEMPERATURE; seeded
+  sampling reproduces its tokens and another seed differs.
+- Every Triton key the engine launches is in kernels.plan.generation_kernels.
+- `kdistill generate --out`: rows with the conversation and the answer as an assistant turn, a manifest,
+  resume after a kill (the torn line dropped, the rest kept, the result equal to an uninterrupted run),
+  another process's file or other settings refused, bad sizes refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdistill.cli import main
+from kdistill.decode import MIN_TEMPERATURE, DecodeEngine, Sampling, sample_tokens
+from kdistill.generate import generate_ids
+from kdistill.kernels import plan as plan_mod
+from kdistill.kernels import runtime
+from kdistill.models.hf_io import load_model
+from tests.test_generate import TEMPLATE, hf_greedy
+from tests.tiny import load_hf, make_tiny_model, sample_ids
+
+LENS = (7, 3, 11, 5, 9)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ragged(vocab: int) -> list[list[int]]:
+    return [sample_ids(vocab, 1, n, seed=n)[0].add(1).clamp(max=vocab - 1).tolist() for n in LENS]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+def pair(request, tmp_path_factory):
+    d = make_tiny_model(tmp_path_factory.mktemp(request.param), family=request.param, tied=False)
+    return load_model(d).eval(), load_hf(d)
+
+
+def test_greedy_equals_transformers_in_every_bucket(pair):
+    model, hf = pair
+    rows = ragged(model.spec.vocab_size)
+    free = generate_ids(model, rows, Sampling(max_new_tokens=10))
+    eos = free[0][3]  # a token greedy decoding meets: rows end at different steps
+    want = [hf_greedy(hf, [r], 10, eos)[0] for r in rows]
+    for batch in (1, 2, 8):
+        eng = DecodeEngine(
+            model, batch_size=batch, max_len=32, sampling=Sampling(max_new_tokens=10), stop_ids={eos}
+        )
+        assert eng.generate(rows) == want, batch
+    assert len({len(r) for r in want}) > 1
+
+
+def test_slot_refill_bookkeeping(pair):
+    model, _ = pair
+    rows = ragged(model.spec.vocab_size)
+    free = generate_ids(model, rows, Sampling(max_new_tokens=6))
+    stop = free[2][1]
+    eng = DecodeEngine(model, batch_size=2, max_len=14, sampling=Sampling(max_new_tokens=6), stop_ids={stop})
+    seen: list[tuple[int, list[int]]] = []
+    out = eng.generate(rows, on_finish=lambda i, ids: seen.append((i, ids)))
+    assert sorted(i for i, _ in seen) == list(range(len(rows)))  # each prompt once
+    assert [dict(seen)[i] for i in range(len(rows))] == out  # in prompt order
+    for prompt, new, ref in zip(rows, out, free):
+        budget = min(6, 14 - len(prompt))  # the cache's end limits a long prompt's answer
+        cut = ref[: ref.index(stop) + 1] if stop in ref else ref
+        assert new == cut[:budget]
+    assert out[2][-1] == stop and len(out[2]) == free[2].index(stop) + 1 < 6
+
+
+def test_sampler_inverse_cdf_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]]))
+    s = Sampling(temperature=1.0)
+    u = torch.tensor([0.1, 0.1])
+    assert sample_tokens(logits, s, u).tolist() == [0, 0]  # the CDF in vocabulary order: [.5 .8 1], [.2 .5 1]
+    assert sample_tokens(logits, s, torch.tensor([0.6, 0.6])).tolist() == [1, 2]
+    assert sample_tokens(logits, s, torch.tensor([0.95, 0.95])).tolist() == [2, 2]
+    # top-p 0.6 keeps the two likeliest (0.5 + 0.3 reaches it); u is scaled to their mass
+    assert sample_tokens(
+        logits, Sampling(temperature=1.0, top_p=0.6), torch.tensor([0.99, 0.99])
+    ).tolist() == [1, 1]
+    assert sample_tokens(logits, Sampling(temperature=1.0, top_k=1), torch.tensor([0.99, 0.99])).tolist() == [
+        0,
+        2,
+    ]
+    tiny = Sampling(temperature=MIN_TEMPERATURE / 10)
+    assert tiny.greedy and sample_tokens(logits, tiny, u).tolist() == [0, 2]
+
+
+def test_seeded_sampling_reproduces(pair):
+    model, _ = pair
+    rows = ragged(model.spec.vocab_size)
+    s = Sampling(max_new_tokens=8, temperature=1.3, top_k=40, top_p=0.95, seed=5)
+
+    def run(sampling):
+        return DecodeEngine(model, batch_size=2, max_len=24, sampling=sampling).generate(rows)
+
+    a = run(s)
+    assert a == run(s)
+    assert a != run(Sampling(max_new_tokens=8, temperature=1.3, top_k=40, top_p=0.95, seed=6))
+    greedy = [r[:8] for r in generate_ids(model, rows, Sampling(max_new_tokens=8))]
+    assert run(Sampling(max_new_tokens=8, temperature=1.0, top_k=1)) == greedy
+
+
+def test_engine_keys_are_planned(tmp_path):
+    d = make_tiny_model(
+        tmp_path, family="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    model = load_model(d).eval()
+    rows = ragged(model.spec.vocab_size)
+    with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+        DecodeEngine(model, batch_size=2, max_len=40, sampling=Sampling(max_new_tokens=5)).generate(rows)
+    plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=2, prompt_len=11, max_len=40)
+    triton = {k for k in rec.keys() if not k.is_library}
+    assert triton <= plan, triton - plan
+    assert {k.op for k in triton} >= {
+        "rmsnorm_fwd",
+        "rope_fwd",
+        "swiglu_fwd",
+        "decode_attn_split",
+        "decode_attn_combine",
+    }
+
+
+# -- generate --out ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    d = make_tiny_model(tmp_path_factory.mktemp("chat"), family="qwen2")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def prompts_file(path: Path, n: int) -> Path:
+    words = ["the fox", "a cat sat", "quick brown", "over the lazy dog", "hello", "jumps"]
+    lines = [json.dumps([{"role": "user", "content": words[i % len(words)] * (1 + i % 3)}]) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def generate_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(["generate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_out_writes_conversations_and_a_manifest(chat_dir, tmp_path, capsys):
+    msgs = prompts_file(tmp_path / "p.jsonl", 5)
+    out = tmp_path / "answers.jsonl"
+    argv = ["--model", str(chat_dir), "--messages", str(msgs), "--out", str(out), "--device", "cpu"]
+    rc, _, err = generate_cli(
+        capsys, *argv, "--max-new-tokens", "5", "--samples-per-prompt", "2", "--batch-size", "3"
+    )
+    assert rc == 0, err
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in rows] == [(i, j) for i in range(5) for j in range(2)]
+    first = json.loads(msgs.read_text().splitlines()[0])
+    assert rows[0]["messages"] == [*first, {"role": "assistant", "content": rows[0]["text"]}]
+    assert rows[0]["token_ids"] == rows[1]["token_ids"]  # greedy: both samples agree
+    m = json.loads((tmp_path / "answers.jsonl.manifest.json").read_text())
+    assert m["status"] == "complete" and m["written"] == 10 and m["sampling"]["max_new_tokens"] == 5
+    assert m["samples_per_prompt"] == 2 and m["model"] == str(chat_dir.resolve())
+    # a second start has nothing to do and changes nothing
+    before = out.read_bytes()
+    rc, _, _ = generate_cli(capsys, *argv, "--max-new-tokens", "5", "--samples-per-prompt", "2")
+    assert rc == 0 and out.read_bytes() == before
+    # other settings on the same file: one line, nothing changed
+    rc, _, err = generate_cli(capsys, *argv, "--max-new-tokens", "6", "--samples-per-prompt", "2")
+    assert rc == 2 and err.count("\n") == 1 and "other settings" in err and "sampling" in err, err
+    assert out.read_bytes() == before
+
+
+def test_out_never_replaces_a_file_kdistill_did_not_write(chat_dir, tmp_path, capsys):
+    msgs = prompts_file(tmp_path / "p.jsonl", 2)
+    out = tmp_path / "notes.jsonl"
+    out.write_text("my own notes\n")
+    rc, _, err = generate_cli(
+        capsys, "--model", str(chat_dir), "--messages", str(msgs), "--out", str(out), "--device", "cpu"
+    )
+    assert rc == 2 and err.count("\n") == 1 and "was not written by kdistill" in err, err
+    assert out.read_text() == "my own notes\n"
+
+
+def test_out_resumes_after_a_kill(chat_dir, tmp_path, capsys):
+    msgs = prompts_file(tmp_path / "p.jsonl", 12)
+    out, ref = tmp_path / "a.jsonl", tmp_path / "ref.jsonl"
+    argv = ["generate", "--model", str(chat_dir), "--messages", str(msgs), "--device", "cpu", "--batch-size", "2",
+            "--max-new-tokens", "4", "--quiet"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "KDISTILL_TEST_GENERATE_CHUNK": "3",
+           "KDISTILL_TEST_KILL_AT": "generate.2"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "kdistill", *argv, "--out", str(out)], env=env, capture_output=True
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]  # killed after its second chunk
+    kept = out.read_text().splitlines()
+    assert len(kept) == 6
+    with open(out, "a") as f:
+        f.write('{"index": 11, "sample": 0, "te')  # a line torn by the kill
+    m = json.loads((tmp_path / "a.jsonl.manifest.json").read_text())
+    assert m["status"] == "running"
+    rc, _, err = generate_cli(capsys, *argv[1:], "--out", str(out))
+    assert rc == 0, err
+    rc, _, err = generate_cli(capsys, *argv[1:], "--out", str(ref))
+    assert rc == 0, err
+    assert out.read_text() == ref.read_text()  # greedy: the resumed file equals an uninterrupted one
+    assert set(kept) <= set(out.read_text().splitlines())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "0"], "--batch-size is 0"),
+        (["--temperature", "-0.5"], "--temperature is -0.5"),
+        (["--top-p", "1.5"], "--top-p is 1.5"),
+        (["--samples-per-prompt", "0"], "--samples-per-prompt is 0"),
+        (["--max-new-tokens", "1000000000"], "expected fewer than the model's context"),
+        (["--max-length", "4"], "prompt 1 has"),
+        (["--max-length", "100000000"], "--max-length is 100000000"),
+    ],
+)
+def test_bad_sizes_are_one_line_errors(chat_dir, capsys, argv, message):
+    rc, _, err = generate_cli(
+        capsys, "--model", str(chat_dir), "--prompt", "the quick brown fox", "--device", "cpu", *argv
+    )
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
