@@ -253,6 +253,15 @@ def _version(name: str) -> str | None:
         return None
 
 
+def _argv_for_record() -> str:
+    """The command line as run, with the output file named by its base name only."""
+    args = list(sys.argv[1:])
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--json":
+            args[i + 1] = "benchmarks/results/" + args[i + 1].rsplit("/", 1)[-1]
+    return " ".join(args)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
@@ -278,7 +287,7 @@ def main() -> None:
             "transformers": _version("transformers"),
             "python": sys.version.split()[0],
         },
-        "command": "python3 benchmarks/generate_bench.py " + " ".join(sys.argv[1:]),
+        "command": "python3 benchmarks/generate_bench.py " + _argv_for_record(),
         "copy_bandwidth_bytes_per_s": bw,
         "models": {},
     }
