@@ -276,7 +276,8 @@ class DecodeEngine:
     batch_size: the most rows decoded at once (a call with fewer prompts uses the smallest power-of-two
     bucket that holds them). max_len: cache slots per row (prompt + new tokens). cuda_graphs: "auto"
     (on a CUDA device), "on" or "off" (the same step run eagerly: the reference of the graph path).
-    sync_every: decode steps between two reads of the done flags by the host."""
+    sync_every: decode steps between two reads of the done flags by the host. generator: draws the
+    sampler's uniforms (default: a new one seeded with sampling.seed)."""
 
     def __init__(
         self,
@@ -291,6 +292,7 @@ class DecodeEngine:
         cuda_graphs: str = "auto",
         sync_every: int = 8,
         prefill_tokens: int = 16384,
+        generator: torch.Generator | None = None,
     ) -> None:
         if cuda_graphs not in ("auto", "on", "off"):
             raise UserError(f"cuda_graphs is '{cuda_graphs}', expected auto, on or off")
@@ -310,7 +312,8 @@ class DecodeEngine:
         self.pad_id = int(pad_id)
         self.sync_every = max(1, int(sync_every))
         self.prefill_tokens = max(1, int(prefill_tokens))
-        self.generator = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
+        # The caller's generator (its state checkpointed with a run) or one seeded by sampling.seed.
+        self.generator = generator or torch.Generator(device=self.device).manual_seed(int(sampling.seed))
         cos, sin = rope_tables(self.spec, self.max_len, self.device)  # (M, D) fp32
         self.cos, self.sin = cos, sin
         self.slots: _Slots | None = None
