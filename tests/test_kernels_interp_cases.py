@@ -359,11 +359,17 @@ def case_decode_attention(device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d
     k = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
     v = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
     pos = torch.tensor([0, 37, 256, m - 1][:b], device=device)
-    want = decode_attention_reference(q.float(), k.float(), v.float(), pos)
+    # the step's new k and v: k with contiguous rows, v a strided view (as the q/k/v GEMM gives it)
+    kn = torch.randn((b, hkv, d), generator=g).to(device=device, dtype=dtype)
+    vn = torch.randn((b, 3, hkv, d), generator=g).to(device=device, dtype=dtype)[:, 1]
+    kr, vr = k.float().clone(), v.float().clone()
+    want = decode_attention_reference(q.float(), kr, vr, pos, kn.float(), vn.float())
     with _kernel_mode():
-        got = dispatch.decode_attention(q, k, v, pos)
+        got = dispatch.decode_attention(q, k, v, pos, kn, vn)
     assert got.dtype == dtype and got.shape == (b, hq, d)
     _close("o", got, want, dtype)
+    _close("k cache", k, kr, dtype)  # the new key and value are in the cache, nothing else changed
+    _close("v cache", v, vr, dtype)
 
 
 def case_decode_engine(device="cpu", dtype=torch.float32):

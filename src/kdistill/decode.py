@@ -13,8 +13,8 @@ concatenation runs per step). The KV cache is (B, Hkv, M, D) per layer, allocate
 whatever its length (no left padding) and rows grow independently.
 
 Step. Per row: the last sampled token goes to slot p = lens[b] at position p (RoPE tables gathered per
-row), its k and v are written there, attention reads slots 0..p only (the decode_attention kernel, or
-its reference on a CPU), then the lm_head, the sampler and the bookkeeping run on the device: the
+row), the attention kernel writes its k and v there and reads slots 0..p only (kernels/
+decode_attention.py, or its reference on a CPU), then the lm_head, the sampler and the bookkeeping run on the device: the
 token is appended to the row's output unless the row is done, and the row becomes done on a stop
 token, at its token budget, or when the cache is full. On a GPU the step is captured once per bucket
 as a CUDA graph after prewarm (capture compiles nothing: the Triton binaries are already loaded by two
@@ -337,11 +337,10 @@ class DecodeEngine:
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            st.k[i][st.rows, :, pos] = k[:, :, 0]  # (B, Hkv, D) into slot pos[b] of each row
-            st.v[i][st.rows, :, pos] = v[:, :, 0]
+            # k and v (B, Hkv, 1, D) go into slot pos[b] of each row inside the attention kernel
             b, hq, _, d = q.shape
-            o = dispatch.decode_attention(q.reshape(b, hq, d), st.k[i], st.v[i], pos)  # (B, Hq, D)
-            return o[:, :, None]
+            o = dispatch.decode_attention(q.reshape(b, hq, d), st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0])
+            return o[:, :, None]  # (B, Hq, 1, D)
 
         h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend)[:, 0]  # (B, H)
         tok = sample_tokens(F.linear(h, self.weights.lm_head), self.sampling, st.u)

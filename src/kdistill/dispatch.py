@@ -405,40 +405,51 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
 ) -> torch.Tensor:
-    """One new token per row over a static KV cache (kdistill.decode): q (B, Hq, D) contiguous, caches
-    (B, Hkv, M, D) contiguous, pos (B,) int64 each row's newest slot -> (B, Hq, D), attending slots
-    0..pos[b] only. The split kernel and its combine (kernels/decode_attention.py), or the reference."""
+    """One new token per row over a static KV cache (kdistill.decode): q (B, Hq, D), caches (B, Hkv, M, D)
+    contiguous, pos (B,) int64 each row's newest slot, k_new and v_new (B, Hkv, D) the step's key and
+    value, written into slot pos[b] -> (B, Hq, D), attending slots 0..pos[b] only. The split kernel
+    (which also writes the new key and value) and its combine (kernels/decode_attention.py), or the
+    reference."""
     rt = current()
-    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    q = q.contiguous()
     d, hq, hkv, m = q.shape[-1], q.shape[1], k_cache.shape[1], k_cache.shape[2]
-    if not decode_kernel.supported(d, hq, hkv):
-        return decode_attention_reference(q, k_cache, v_cache, pos)
+    if not decode_kernel.supported(d, hq, hkv) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new)
+    if k_new.stride(-1) != 1 or k_new.stride(1) != d:
+        k_new = k_new.contiguous()
+    if v_new.stride(-1) != 1 or v_new.stride(1) != d:
+        v_new = v_new.contiguous()
     key = decode_kernel.split_key(
         rt.arch,
         head_dim=d,
         q_heads=hq,
         kv_heads=hkv,
         dtype=q.dtype,
-        aligned=aligned(q, k_cache, v_cache, pos),
+        aligned=aligned(q, k_cache, v_cache, pos, k_new, v_new),
     )
     ckey = decode_kernel.combine_key(rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m)
+    split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos, k_new, v_new)  # noqa: E731
     if rt.use_kernel(key, q, k_cache, v_cache):
         try:
-            split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos)  # noqa: E731
             parts, lse = rt.launch(key, lambda: decode_kernel.run(split()), split)
             comb = lambda: decode_kernel.combine_launch(ckey, parts, lse, q.dtype)  # noqa: E731
             return rt.launch(ckey, lambda: decode_kernel.run(comb()), comb)[0]
         except Exception as e:
             rt.kernel_failed(key, e)
-    rt.record(key, "fwd", lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos))
+    rt.record(key, "fwd", split)
     rt.record(
         ckey,
         "fwd",
         lambda: decode_kernel.combine_launch(ckey, *decode_kernel.empty_parts(key, q, m), q.dtype),
     )
-    return decode_attention_reference(q, k_cache, v_cache, pos)
+    return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new)
 
 
 # -- FP8 GEMM inputs (an FP8 teacher) -------------------------------------------------------------

@@ -35,12 +35,16 @@ def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype):
     k = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=dtype)
     v = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=dtype)
     pos = torch.tensor([0, m - 1, m // 2, 255, 256], device="cuda").clamp(max=m - 1)
+    kn = torch.randn((b, hkv, d), generator=g, device="cuda", dtype=dtype)
+    vn = torch.randn((b, 2, hkv, d), generator=g, device="cuda", dtype=dtype)[:, 0]  # strided rows
+    kr, vr = k.double().clone(), v.double().clone()
+    ref = decode_attention_reference(q.double(), kr, vr, pos, kn.double(), vn.double())
     with dispatch.using(mode="triton", arch="sm_90"):
-        out = dispatch.decode_attention(q, k, v, pos)
-    ref = decode_attention_reference(q.double(), k.double(), v.double(), pos)
+        out = dispatch.decode_attention(q, k, v, pos, kn, vn)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
     assert torch.isfinite(out).all()
+    assert torch.equal(k.double(), kr) and torch.equal(v.double(), vr)  # the new token in its slot
 
 
 def _model(preset: str = "qwen2.5-0.5b", layers: int = 4):

@@ -1,10 +1,12 @@
 """Triton attention of one new token per row over a static KV cache (generation): kernels, launcher.
 
+    K[b, :, p_b], V[b, :, p_b] = k_new[b], v_new[b]          (the step's token joins the cache)
     o[b, h] = softmax(q[b, h] . K[b, h // G, 0..p_b]^T / sqrt(D)) V[b, h // G, 0..p_b]
 
-q (B, Hq, D) is each row's newest token (already written to its cache slot p_b = positions[b]); the
-caches K and V are (B, Hkv, M, D) contiguous, M the cache's length; G = Hq / Hkv query heads share a
-key/value head. Only slots 0..p_b are read: a row's cost follows its filled length, not M, and no
+q (B, Hq, D) is each row's newest token, at cache slot p_b = positions[b]; its key and value are read
+from k_new and v_new (B, Hkv, D) and written into the cache by the program whose split holds p_b (no
+separate scatter kernels); the caches K and V are (B, Hkv, M, D) contiguous, M the cache's length;
+G = Hq / Hkv query heads share a key/value head. Only slots 0..p_b are read: a row's cost follows its filled length, not M, and no
 mask over M is built (the decode step of kdistill.decode stays the same graph as rows grow).
 
 Split-K ("flash decoding"): program (b, kv head, s) takes the slots [s * SPLIT, (s + 1) * SPLIT) of
@@ -35,16 +37,20 @@ from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 INT32_MAX = 2**31 - 1
 
 
-@jit(do_not_specialize=["M", "NSPLIT"])
+@jit(do_not_specialize=["M", "NSPLIT", "skn", "svn"])
 def decode_attn_split_kernel(
     Q,
     K,
     V,
     POS,
+    KN,
+    VN,
     OP,
     LSE,
     M,
     NSPLIT,
+    skn,
+    svn,
     sm_scale,
     D: tl.constexpr,
     HQ: tl.constexpr,
@@ -66,6 +72,10 @@ def decode_attn_split_kernel(
     part = (b * HQ + heads) * NSPLIT + s  # (BLOCK_G,) rows of OP / LSE
     q = tl.load(Q + (b * HQ + heads)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
     kv = (b * HKV + h) * M  # first slot of this (row, kv head)
+    # The newest token's key and value come from the step's own k and v (rows strided by skn / svn);
+    # the program whose split holds slot `last` also writes them into the cache there.
+    kn = tl.load(KN + b * skn + h * D + d)  # (D,)
+    vn = tl.load(VN + b * svn + h * D + d)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
@@ -73,9 +83,13 @@ def decode_attn_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
+        newest = (n == last)[:, None]
+        cached = (nmask & (n != last))[:, None]
         offs = (kv + n)[:, None].to(tl.int64) * D + d[None, :]
-        k = tl.load(K + offs, mask=nmask[:, None], other=0.0)  # (BLOCK_N, D)
-        v = tl.load(V + offs, mask=nmask[:, None], other=0.0)
+        k = tl.load(K + offs, mask=cached, other=0.0)  # (BLOCK_N, D)
+        v = tl.load(V + offs, mask=cached, other=0.0)
+        k = tl.where(newest, kn[None, :].to(k.dtype), k)
+        v = tl.where(newest, vn[None, :].to(v.dtype), v)
         scores = tl.dot(q, tl.trans(k)) * sm_scale  # (BLOCK_G, BLOCK_N) fp32
         scores = tl.where(nmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -84,6 +98,11 @@ def decode_attn_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    at = d * 0 + last  # (D,): the newest slot, once per lane
+    own = (at >= start) & (at < start + SPLIT)
+    slot = (kv + last).to(tl.int64) * D + d
+    tl.store(K + slot, kn.to(K.dtype.element_ty), mask=own)
+    tl.store(V + slot, vn.to(V.dtype.element_ty), mask=own)
     # A split past the row's newest slot ran no iteration: an empty part, weight 0 in the combination.
     filled = l_i > 0
     tl.store(
@@ -108,9 +127,18 @@ def decode_attn_combine_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.const
     tl.store(O + row * D + d, o.to(O.dtype.element_ty))
 
 
-def launch(key: KernelKey, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor):
+def launch(
+    key: KernelKey,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+):
     """The split kernel's (kernel, grid, args, kwargs, (parts, lse)) for q (B, Hq, D) contiguous,
-    caches (B, Hkv, M, D) contiguous and pos (B,) int64 (each row's newest slot)."""
+    caches (B, Hkv, M, D) contiguous, pos (B,) int64 (each row's newest slot) and the step's k_new and
+    v_new (B, Hkv, D), each row's heads contiguous (any row stride), written into slot pos[b]."""
     b, hq, d = q.shape
     hkv, m = k_cache.shape[1], k_cache.shape[2]
     if b * hkv * m * d > INT32_MAX * 64 or m > INT32_MAX:
@@ -122,7 +150,11 @@ def launch(key: KernelKey, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kwargs = dict(
         D=d, HQ=hq, HKV=hkv, G=hq // hkv, BLOCK_G=key["BLOCK_G"], BLOCK_N=key["BLOCK_N"], SPLIT=key["SPLIT"]
     )
-    args = (q, k_cache, v_cache, pos, parts, lse, m, nsplit, 1.0 / math.sqrt(d))
+    for t in (k_new, v_new):
+        if t.stride(2) != 1 or t.stride(1) != d:
+            raise KernelError("decode_attention: the new k and v need contiguous heads in each row")
+    args = (q, k_cache, v_cache, pos, k_new, v_new, parts, lse, m, nsplit, k_new.stride(0), v_new.stride(0))
+    args = (*args, 1.0 / math.sqrt(d))
     return (
         decode_attn_split_kernel,
         (b, hkv, nsplit),
@@ -196,7 +228,7 @@ def split_key(
     dtype: str,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
-    """The split kernel over caches in `dtype`. aligned: Q, K, V, POS."""
+    """The split kernel over caches in `dtype`. aligned: Q, K, V, POS, KN, VN."""
     _check(head_dim, q_heads, kv_heads)
     return make_key(
         SPLIT_K.op,
@@ -243,7 +275,9 @@ def _warm_split(key: KernelKey, device: Any) -> tuple:
     v = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[2])
     buf = torch.ones(3, dtype=torch.int64, device=device)  # newest slot 1: both cached keys attended
     pos = buf[:1] if al[3] else buf[1:2]
-    return launch(key, q, k, v, pos)
+    kn = tensor((1, key["HKV"], d), key["dtype"], device, al[4])
+    vn = tensor((1, key["HKV"], d), key["dtype"], device, al[5])
+    return launch(key, q, k, v, pos, kn, vn)
 
 
 def _warm_combine(key: KernelKey, device: Any) -> tuple:
@@ -271,7 +305,16 @@ SPLIT_K = Kernel(
     decode_attn_split_kernel,
     split_key,
     _warm_split,
-    {"Q": "dtype", "K": "dtype", "V": "dtype", "POS": "i64", "OP": "fp32", "LSE": "fp32"},
+    {
+        "Q": "dtype",
+        "K": "dtype",
+        "V": "dtype",
+        "POS": "i64",
+        "KN": "dtype",
+        "VN": "dtype",
+        "OP": "fp32",
+        "LSE": "fp32",
+    },
     outputs=("OP", "LSE"),
 )
 COMBINE = Kernel(

@@ -51,11 +51,21 @@ def cached_attention_reference(
 
 
 def decode_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per row over a static cache: q (B, Hq, D), k_cache and v_cache (B, Hkv, M, D),
-    pos (B,) the row's newest slot (its own key, already written) -> (B, Hq, D) attending slots
-    0..pos[b] of row b (the kernel reads only those; here a (B, 1, 1, M) mask hides the rest)."""
+    pos (B,) the row's newest slot; k_new and v_new (B, Hkv, D), when given, are written into slot
+    pos[b] first (in place: the step's token joins the cache). -> (B, Hq, D) attending slots 0..pos[b]
+    of row b (the kernel reads only those; here a (B, 1, 1, M) mask hides the rest)."""
+    if k_new is not None and v_new is not None:
+        rows = torch.arange(q.shape[0], device=q.device)
+        k_cache[rows, :, pos] = k_new
+        v_cache[rows, :, pos] = v_new
     m = k_cache.shape[2]
     mask = torch.arange(m, device=q.device)[None, :] <= pos[:, None]  # (B, M)
     gqa = q.shape[1] != k_cache.shape[1]
