@@ -260,10 +260,11 @@ def test_install_writes_groups_that_point_into_the_real_cache(built, cache_dir):
 
 # -- prewarm from a pack, in a fresh process, through Triton's JIT --------------------------------------
 PREWARM = """
-import json, sys
+import json, os, sys
 from kdistill.kernels import pack, seal
 from kdistill.kernels.keys import KernelKey
-for phase in json.loads(sys.argv[2]):   # [[keys, strict], ...], one prewarm each
+for phase in json.loads(sys.argv[2]):   # [[keys, strict, environment], ...], one prewarm each
+    os.environ.update(phase[2])
     seal.configure(kernels="triton", strict=phase[1], arch="sm_90", device="cpu")
     with pack.targeting("sm_90"):   # Triton's JIT, with its driver standing in for an sm_90 GPU
         r = seal.prewarm([KernelKey.parse(k) for k in phase[0]], "cpu", pack=sys.argv[1], arch="sm_90")
@@ -275,7 +276,7 @@ for phase in json.loads(sys.argv[2]):   # [[keys, strict], ...], one prewarm eac
 def _prewarm(folder: Path, phases, cache: Path) -> list[dict]:
     env = {**os.environ, "KDISTILL_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
     env.pop("TRITON_CACHE_DIR", None)
-    arg = json.dumps([[[str(k) for k in key_list], strict] for key_list, strict in phases])
+    arg = json.dumps([[[str(k) for k in key_list], strict, environ] for key_list, strict, environ in phases])
     out = subprocess.run(
         [sys.executable, "-c", PREWARM, str(folder), arg],
         capture_output=True,
@@ -284,21 +285,27 @@ def _prewarm(folder: Path, phases, cache: Path) -> list[dict]:
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(phases) :]]
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(phases) :]], out.stderr
 
 
 def test_prewarm_in_a_fresh_process_loads_the_pack_and_compiles_nothing(built, tmp_path):
     """An empty Triton cache, Triton's own JIT warmup for every key (strict): each is found where the
-    pack put it. Then a key the pack lacks is compiled as without a pack (not strict)."""
-    first, second = _prewarm(built, [(PACKED, True), ([*PACKED, MISSING], False)], tmp_path / "fresh")
-    assert (first["from_pack"], first["compiled"], first["from_cache"], first["failed"]) == (
-        len(PACKED),
-        0,
-        0,
-        [],
-    )
-    assert f"(from pack {len(PACKED)}, compiled 0, 0 from cache)" in first["line"], first["line"]
-    assert (second["from_pack"], second["compiled"], second["missing"]) == (len(PACKED), 1, 1), second["line"]
+    pack put it. Then a key the pack lacks is compiled as without a pack (not strict); and under an
+    environment variable Triton keys its cache on, a packed kernel is compiled anyway, with a warning."""
+    first_keys = PACKED[:2]  # PACKED[2] is left for the third prewarm (not yet in the JIT's memory)
+    phases = [
+        (first_keys, True, {}),
+        ([*first_keys, MISSING], False, {}),
+        (PACKED[2:], False, {"TRITON_DEFAULT_FP_FUSION": "0"}),
+    ]
+    (first, second, third), err = _prewarm(built, phases, tmp_path / "fresh")
+    got = (first["from_pack"], first["compiled"], first["from_cache"], first["failed"])
+    assert got == (2, 0, 0, []), first["line"]
+    assert "(from pack 2, compiled 0, 0 from cache)" in first["line"], first["line"]
+    assert (second["from_pack"], second["compiled"], second["missing"]) == (2, 1, 1), second["line"]
+    assert (third["from_pack"], third["compiled"]) == (0, 1), third["line"]
+    assert "1 packed kernels were compiled anyway (Triton's cache key differs here" in err, err[-2000:]
+    assert str(PACKED[2]) in err
 
 
 # -- archs and configuration --------------------------------------------------------------------------

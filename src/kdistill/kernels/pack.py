@@ -132,12 +132,13 @@ def targeting(arch: str) -> Iterator[None]:
     """Inside the block, Triton's JIT compiles for `arch` (no GPU needed; nothing can be launched)."""
     from triton.runtime.driver import driver
 
-    saved = getattr(driver, "_active", None)
+    saved = dict(vars(driver))  # whatever this Triton keeps there (the active driver, lazily made)
     driver.set_active(_TargetDriver(arch_capability(arch)))
     try:
         yield
     finally:
-        driver._active = saved
+        vars(driver).clear()
+        vars(driver).update(saved)
 
 
 def jit_compile(key: KernelKey) -> Any:

@@ -315,6 +315,13 @@ def prewarm(
         report.per_key.append((str(key), status, time.perf_counter() - t1))
         if _log_kernels() and not new:
             _emit(f"kernel already in memory: {key}")
+    packed_names = {str(k) for k in packed}
+    recompiled = [k for k, status, _ in report.per_key if status == "compiled" and k in packed_names]
+    if recompiled:  # in the pack, yet Triton looked elsewhere: its cache key differs in this process
+        _emit(
+            f"warning: kernel pack {pack}: {len(recompiled)} packed kernels were compiled anyway (Triton's cache "
+            f"key differs here: a TRITON_* environment variable?), e.g. {recompiled[0]}"
+        )
     if not dry and torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
