@@ -161,6 +161,9 @@ def test_a_failed_build_leaves_the_pack_as_it_was(built, tmp_path, cache_dir, mo
     assert "not written" in capsys.readouterr().out
     assert (folder / pack.MANIFEST).read_bytes() == manifest
     assert not list(folder.glob(".staging-*"))
+    args.out = str(tmp_path / "new")  # a folder the failed build would have created
+    assert build_command(args) == 1
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_full_disk_while_writing_the_manifest_leaves_the_pack_as_it_was(built, tmp_path, cache_dir):

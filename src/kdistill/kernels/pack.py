@@ -252,12 +252,13 @@ def portable_metadata(data: bytes) -> bytes:
 class PackWriter:
     """Collects compiled kernels and adds them to the pack at `folder` in one step.
 
-        writer = PackWriter(out)            # reads an existing manifest (same Triton version only)
-        writer.add(key, compiled_kernel)    # the CompiledKernel triton.compile returned
+        writer = PackWriter(out)            # reads an existing manifest (same Triton build only)
+        writer.add(key, compiled_kernel)    # the CompiledKernel jit_compile(key) returned
         writer.commit()                     # moves the binaries in, then replaces the manifest
 
     Until `commit` everything is staged in a hidden folder inside the pack, removed by `abort` (or on
-    any failure of commit), so an interrupted or failed build leaves the pack as it was."""
+    any failure of commit), so an interrupted or failed build leaves the pack as it was (a folder it
+    created is removed again if it stayed empty)."""
 
     def __init__(self, folder: Path | str) -> None:
         self.folder = Path(folder)
@@ -273,6 +274,7 @@ class PackWriter:
                 )
         else:
             self.manifest = Manifest(triton=here, build=build, kernels={})
+        self.created = not self.folder.exists()
         self.staging = self.folder / f".staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.added: dict[str, Entry] = {}
 
@@ -294,7 +296,8 @@ class PackWriter:
         dest.mkdir(parents=True, exist_ok=True)
         for n, data in staged.items():
             (dest / n).write_bytes(data)
-        name = str(compiled.metadata.name)
+        # Triton's group is named after its metadata file (<kernel name>.json)
+        name = Path(next(n for n in names if n.endswith(".json"))).stem
         self.added[str(key)] = Entry(
             key=str(key),
             arch=key.arch,
@@ -327,9 +330,11 @@ class PackWriter:
                 )
             except BaseException:
                 remove_quietly(moved)
-                raise
-            finally:
+                remove_quietly(p.parent for p in moved if p.parent.is_dir() and not any(p.parent.iterdir()))
                 remove_quietly([self.staging])
+                self._drop_if_empty()
+                raise
+            remove_quietly([self.staging])
         old = {e.dir for e in self.manifest.kernels.values()} - {e.dir for e in kernels.values()}
         remove_quietly(self.folder / d for d in old)  # binaries the new manifest replaced
         self.manifest.kernels = kernels
@@ -337,6 +342,11 @@ class PackWriter:
 
     def abort(self) -> None:
         remove_quietly([self.staging])
+        self._drop_if_empty()
+
+    def _drop_if_empty(self) -> None:
+        if self.created and self.folder.is_dir() and not any(self.folder.iterdir()):
+            remove_quietly([self.folder])
 
 
 # -- installing a pack into Triton's cache (prewarm) ------------------------------------------------
