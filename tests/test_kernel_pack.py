@@ -332,3 +332,29 @@ def test_kernel_pack_path_is_relative_to_the_config_file(tmp_path):
     cfg = load_config(str(cfg_path))
     assert cfg.runtime.kernel_pack == str(tmp_path / "packs" / "p")
     assert load_config(None, ["runtime.kernel_pack=elsewhere"]).runtime.kernel_pack == "elsewhere"
+
+
+def test_nproc_builds_the_plan_of_a_torchrun_process(monkeypatch, capsys, cache_dir):
+    """Under torchrun FSDP2 gathers the student in the compute dtype: other keys than one process's."""
+    from kdistill.commands.common import resolve_run
+    from kdistill.kernels.plan import required_kernels, triton_keys
+
+    seen = []
+
+    def record(key):  # the keys the build would compile (nothing compiled: the test is about the plan)
+        seen.append(str(key))
+        raise RuntimeError("not compiled here")
+
+    monkeypatch.setattr(build, "jit_compile", record)
+    args = argparse.Namespace(
+        config="qwen2.5-1.5b:qwen2.5-0.5b", overrides=[], arch="sm_90", json=True, nproc=2
+    )
+    assert build_command(args) == 1
+    capsys.readouterr()
+    cfg, t, s = resolve_run("qwen2.5-1.5b:qwen2.5-0.5b")
+    sharded = [str(k) for k in triton_keys(required_kernels(t, s, cfg, "sm_90", sharded=True))]
+    single = [str(k) for k in triton_keys(required_kernels(t, s, cfg, "sm_90"))]
+    assert seen == sharded and set(sharded) != set(single)
+    args.nproc = 0
+    with pytest.raises(UserError, match="--nproc 0: expected the number of torchrun processes"):
+        build_command(args)

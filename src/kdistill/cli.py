@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", action="store_true", help="print JSON")
     b.add_argument("--out", metavar="DIR", help="write the binaries to this kernel pack (or add to it)")
+    b.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="the plan of one of N torchrun processes (default 1: one process)",
+    )
     _add_config_args(b)
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity of a model on data")

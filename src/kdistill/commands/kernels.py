@@ -2,6 +2,7 @@
 
 kdistill prewarm run.yaml [--pack DIR]                    # compile (or load from a pack) the plan on this GPU
 kdistill kernels build --arch sm_80,sm_90 qwen2.5-1.5b:qwen2.5-0.5b [--json] [--out DIR]   # no GPU needed
+kdistill kernels build --arch sm_90 run.yaml --nproc 8 --out DIR   # the plan of a torchrun process
 """
 
 from __future__ import annotations
@@ -74,11 +75,15 @@ def build_command(args: argparse.Namespace) -> int:
         raise UserError("kernels build needs Triton (pip install 'kdistill[kernels]')") from None
     archs = parse_archs(getattr(args, "arch", None) or ",".join(default_archs()))
     cfg, teacher, student = resolve_run(args.config, getattr(args, "overrides", []) or [])
+    nproc = getattr(args, "nproc", None)
+    nproc = 1 if nproc is None else nproc
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: expected the number of torchrun processes (1 or more)")
     out = getattr(args, "out", None)
     pack = PackWriter(out) if out else None
     t0 = time.perf_counter()
     try:
-        results = build_plan(teacher, student, cfg, archs, pack)
+        results = build_plan(teacher, student, cfg, archs, pack, sharded=nproc > 1)
     except BaseException:
         if pack is not None:
             pack.abort()

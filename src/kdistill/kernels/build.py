@@ -69,12 +69,15 @@ def compile_key(key: K.KernelKey, pack: PackWriter | None = None) -> BuildResult
         return BuildResult(key.arch, key.op, str(key), False, time.perf_counter() - t0, msg)
 
 
-def build_plan(teacher, student, run, archs: list[str], pack: PackWriter | None = None) -> list[BuildResult]:
+def build_plan(
+    teacher, student, run, archs: list[str], pack: PackWriter | None = None, *, sharded: bool = False
+) -> list[BuildResult]:
     """Compile the Triton keys of required_kernels(teacher, student, run, arch) for every arch (with
-    `pack`: staged there; the caller commits the pack when every key built)."""
+    `pack`: staged there; the caller commits the pack when every key built). sharded: the plan of a
+    torchrun process (the student gathered in the compute dtype by FSDP2)."""
     setup_cache_dir()
     results = []
     for arch in archs:
-        for key in triton_keys(required_kernels(teacher, student, run, arch)):
+        for key in triton_keys(required_kernels(teacher, student, run, arch, sharded=sharded)):
             results.append(compile_key(key, pack))
     return results
