@@ -286,12 +286,21 @@ def test_cross_arch_build_tiny_pair_from_yaml(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KDISTILL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     args = argparse.Namespace(
-        config=str(cfg), overrides=["kd.divergence=jsd"], arch="sm_80,sm_89,sm_90,sm_100,sm_120", json=True
+        config=str(cfg),
+        overrides=["kd.divergence=jsd"],
+        arch="sm_80,sm_89,sm_90,sm_100,sm_120",
+        json=True,
+        out=str(tmp_path / "pack"),
     )
     assert build_command(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["failed"] == 0
     assert {k["arch"] for k in out["kernels"]} == {"sm_80", "sm_89", "sm_90", "sm_100", "sm_120"}
+    # the same build wrote the pack: every binary it built, per arch
+    manifest = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    assert sorted(manifest["kernels"]) == sorted(k["key"] for k in out["kernels"])
+    assert {e["arch"] for e in manifest["kernels"].values()} == {k["arch"] for k in out["kernels"]}
+    assert out["pack"].endswith(f"{len(out['kernels'])} kernels written, {len(out['kernels'])} in the pack")
     ops = {k["op"] for k in out["kernels"]}
     assert {
         "rmsnorm_fwd",

@@ -2,8 +2,8 @@
 
     kdistill run [CONFIG.yaml] [key=value ...]      distil (no arguments: the embedded demo)
     kdistill plan CONFIG [key=value ...]            parameters, FLOPs, memory estimate
-    kdistill prewarm CONFIG [key=value ...]         compile every kernel the run needs, then stop
-    kdistill kernels build --arch sm_80,... CONFIG  cross-compile the kernel plan without a GPU
+    kdistill prewarm CONFIG [--pack DIR]            compile (or load from a kernel pack) every kernel the run needs
+    kdistill kernels build --arch sm_80,... CONFIG [--out DIR]  cross-compile the kernel plan without a GPU
     kdistill eval --model DIR --data FILE           held-out cross-entropy and perplexity
     kdistill generate --model DIR --prompt TEXT     sample from a model (KV cache, batched, --chat)
     kdistill data preview --model DIR --data FILE   packed conversation rows, learned tokens marked
@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("prewarm", help="compile every kernel of the run's plan, then stop")
+    p.add_argument(
+        "--pack", metavar="DIR", help="load the kernels from this kernel pack (default: runtime.kernel_pack)"
+    )
     _add_config_args(p)
 
     p = sub.add_parser("kernels", help="kernel tools")
@@ -122,10 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = ksub.add_parser("build", help="compile the kernel plan for GPU archs without a GPU")
     b.add_argument(
         "--arch",
-        default=",".join(ARCHS),
-        help="comma-separated archs (default: %(default)s)",
+        default=None,
+        help=f"comma-separated archs (default: {','.join(ARCHS)}, and sm_103,sm_121 where this Triton targets them)",
     )
     b.add_argument("--json", action="store_true", help="print JSON")
+    b.add_argument("--out", metavar="DIR", help="write the binaries to this kernel pack (or add to it)")
+    b.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="the plan of one of N torchrun processes (default 1: one process)",
+    )
     _add_config_args(b)
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity of a model on data")

@@ -12,8 +12,8 @@ A run config is YAML with these sections (every field has a default except the m
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
-    runtime:  {device, dtype, kernels, strict_kernels, arch, on_nonfinite, max_nonfinite, auto_fit,
-               gpu_memory_gib, teacher_placement, activation_checkpointing, student_reshard,
+    runtime:  {device, dtype, kernels, strict_kernels, arch, kernel_pack, on_nonfinite, max_nonfinite,
+               auto_fit, gpu_memory_gib, teacher_placement, activation_checkpointing, student_reshard,
                profile_steps}
 
 Command-line overrides are dotted: `kd.temperature=2 output.dir=runs/a`. Unknown keys are one-line
@@ -257,6 +257,8 @@ class RuntimeConfig:
         default_factory=lambda: os.environ.get("KDISTILL_STRICT_KERNELS", "") not in ("", "0")
     )
     arch: str = "auto"  # GPU arch for kernel keys when no GPU is present, e.g. sm_90
+    # A kernel pack (kdistill kernels build --out DIR): prewarm loads its binaries instead of compiling.
+    kernel_pack: str = ""
     on_nonfinite: str = "skip"  # skip | stop
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
     # When the memory plan does not fit the GPU: lower schedule.batch_size to the largest that fits
@@ -534,6 +536,7 @@ def _rebase_paths(cfg: RunConfig, folder: Path) -> None:
 
     cfg.teacher.path = rebase(cfg.teacher.path)
     cfg.teacher.cache = rebase(cfg.teacher.cache)
+    cfg.runtime.kernel_pack = rebase(cfg.runtime.kernel_pack)
     for t in cfg.teachers:
         t.path = rebase(t.path)
     cfg.student.path = rebase(cfg.student.path)

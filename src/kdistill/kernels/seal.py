@@ -2,6 +2,7 @@
 
     setup_cache_dir()                       # Triton's disk cache under kdistill's (before any compile)
     report = prewarm(keys, "cuda")          # compiles every Triton key, runs each library key once
+    report = prewarm(keys, "cuda", pack=DIR)   # the same, the pack's binaries installed first (kernels/pack.py)
     seal()                                  # from now on every compile is a miss
     ... training ...
     jit_after_prewarm()                     # number of compiles after the seal: 0 in a healthy run
@@ -224,6 +225,9 @@ def cache_misses() -> list[str]:
 class PrewarmReport:
     compiled: int = 0  # Triton kernels compiled now
     from_cache: int = 0  # loaded from the disk cache (or already in memory)
+    from_pack: int = 0  # installed from the kernel pack and loaded, not compiled
+    pack: str = ""  # the kernel pack's folder ("" without one)
+    pack_missing: int = 0  # planned Triton keys the pack lacks (compiled or read from the cache instead)
     library: int = 0  # cuBLAS / SDPA shapes run once
     failed: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
@@ -232,10 +236,14 @@ class PrewarmReport:
     per_key: list[tuple[str, str, float]] = dataclasses.field(default_factory=list)  # key, status, seconds
 
     def line(self) -> str:
+        n = self.compiled + self.from_cache + self.from_pack
+        counts = f"{self.compiled} compiled, {self.from_cache} from cache"
+        if self.pack:
+            counts = f"from pack {self.from_pack}, compiled {self.compiled}, {self.from_cache} from cache"
+        tail = f"; kernel pack: {self.pack} ({self.pack_missing} missing)" if self.pack else ""
         return (
-            f"prewarm: {self.compiled + self.from_cache} kernels ({self.compiled} compiled, {self.from_cache} "
-            f"from cache), {self.library} library shapes, {len(self.failed)} failed, {self.seconds:.1f} s; "
-            f"triton cache: {self.cache_dir}"
+            f"prewarm: {n} kernels ({counts}), {self.library} library shapes, {len(self.failed)} failed, "
+            f"{self.seconds:.1f} s; triton cache: {self.cache_dir}{tail}"
         )
 
 
@@ -248,18 +256,35 @@ def _warm(key: KernelKey, device: Any, dry: bool) -> tuple | None:
         runtime.LAUNCHING.reset(token)
 
 
-def prewarm(keys: Iterable[KernelKey], device: Any = "cuda", *, dry: bool = False) -> PrewarmReport:
+def prewarm(
+    keys: Iterable[KernelKey],
+    device: Any = "cuda",
+    *,
+    dry: bool = False,
+    pack: str | os.PathLike | None = None,
+    arch: str | None = None,
+) -> PrewarmReport:
     """Compile every Triton key (JIT warmup on tiny tensors that specialize as the key) and run every
     library key once, before any model weight is on the GPU. dry=True compiles nothing: it returns the
-    specializations a prewarm would compile (works on a CPU; used by the contract tests)."""
+    specializations a prewarm would compile (works on a CPU; used by the contract tests).
+    pack: a kernel pack folder whose binaries are installed into Triton's cache first, so that the
+    warmup loads them instead of compiling (a key it lacks: compiled, or KernelCacheMiss when strict);
+    arch: the arch of `keys` (default: the dispatcher's)."""
+    keys = set(keys)
     report = PrewarmReport(cache_dir=setup_cache_dir())
+    packed: set[KernelKey] = set()
+    if pack and not dry:
+        from kdistill.kernels import pack as packs
+
+        installed = packs.install(pack, keys, arch or runtime.current().arch, strict=runtime.current().strict)
+        packed, report.pack, report.pack_missing = installed.keys, str(pack), len(installed.missing)
     if not dry:
         install_hooks()
         # A prewarm starts a new session in this process (a second run, or generation after a run in
         # the same Python process): the compiles it makes are not misses of the session before it.
         unseal()
     t0 = time.perf_counter()
-    for key in sorted(set(keys)):
+    for key in sorted(keys):
         if key.is_library:
             if not dry:
                 _warm(key, device, dry)
@@ -284,10 +309,19 @@ def prewarm(keys: Iterable[KernelKey], device: Any = "cuda", *, dry: bool = Fals
         new = _SEAL.events[n_events:]
         compiled = any(hit is not True for _, _, hit in new) if new else False
         report.compiled += compiled
-        report.from_cache += not compiled
-        report.per_key.append((str(key), "compiled" if compiled else "cached", time.perf_counter() - t1))
+        report.from_pack += not compiled and key in packed
+        report.from_cache += not compiled and key not in packed
+        status = "compiled" if compiled else "pack" if key in packed else "cached"
+        report.per_key.append((str(key), status, time.perf_counter() - t1))
         if _log_kernels() and not new:
             _emit(f"kernel already in memory: {key}")
+    packed_names = {str(k) for k in packed}
+    recompiled = [k for k, status, _ in report.per_key if status == "compiled" and k in packed_names]
+    if recompiled:  # in the pack, yet Triton looked elsewhere: its cache key differs in this process
+        _emit(
+            f"warning: kernel pack {pack}: {len(recompiled)} packed kernels were compiled anyway (Triton's cache "
+            f"key differs here: a TRITON_* environment variable?), e.g. {recompiled[0]}"
+        )
     if not dry and torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -322,6 +356,9 @@ class KernelSession:
             out["prewarm"] = {
                 "compiled": r.compiled,
                 "from_cache": r.from_cache,
+                "from_pack": r.from_pack,
+                "pack": r.pack,
+                "pack_missing": r.pack_missing,
                 "library": r.library,
                 "failed": r.failed,
                 "seconds": round(r.seconds, 3),
@@ -362,7 +399,8 @@ def start(
             extra_teachers=extra_teachers,
         )
         session.planned = len(plan)
-        session.report = prewarm(plan, device)
+        pack = getattr(cfg.runtime, "kernel_pack", "") if cfg is not None else ""
+        session.report = prewarm(plan, device, pack=pack or None, arch=rt.arch)
         if not quiet:
             print(session.report.line())
         unseal()
