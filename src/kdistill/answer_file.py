@@ -247,7 +247,10 @@ def _answer(
         flush()
         bar.close()
     seconds = time.monotonic() - t0
+    from kdistill.kernels.seal import jit_after_prewarm
+
     return {
+        "jit_after_prewarm": jit_after_prewarm(),
         "device": info.get("arch") if info.get("mode") == "triton" else str(engine.device),
         "batch_size": info["batch"],
         "cache_length": info["max_len"],
