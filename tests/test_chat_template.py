@@ -204,7 +204,9 @@ def test_train_on_all(models):
     assert tc.trained.all()
     labels = tc.labels(-100)
     assert labels[:-1].tolist() == tc.input_ids[1:].tolist() and labels[-1] == -100
-    with pytest.raises(UserError, match="data.train_on is 'users', expected one of assistant, all"):
+    with pytest.raises(
+        UserError, match="data.train_on is 'users', expected one of assistant, last_assistant, all"
+    ):
         tokenize_conversation(conv, template, tok, train_on="users")
 
 
@@ -267,7 +269,9 @@ def test_template_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="data.chat_template: .*missing.jinja is not a file"):
         load_chat_template(empty, tmp_path / "missing.jinja")
     raising = ChatTemplate("{{ raise_exception('Conversation roles must alternate') }}", "t.jinja")
-    with pytest.raises(UserError, match="t.jinja: chat template failed: Conversation roles must alternate"):
+    with pytest.raises(
+        UserError, match="t.jinja: chat template failed at line 1: Conversation roles must alternate"
+    ):
         raising.render([])
 
 
@@ -297,8 +301,8 @@ def test_template_mismatch_names_both(tmp_path):
     assert "qwen2.5" in note and "llama3.1" in note and "teacher's" in note and "\n" not in note
 
 
-def test_template_that_rewrites_answers_is_a_clear_error():
-    # A template that upper-cases answers: the answer end cannot be found, the error says what to do.
+def test_template_that_transforms_answers_is_located_by_render_diff():
+    # A template that upper-cases every message: spans come from render diffs, not from the text.
     tpl = ChatTemplate(
         "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}</s>{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}",
@@ -308,16 +312,29 @@ def test_template_that_rewrites_answers_is_a_clear_error():
         ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}), (False, True), "f:3"
     )
     text, spans = answer_spans(conv, tpl, ["</s>"])
-    assert text[spans[0][0] : spans[0][1]] == "B</s>"  # upper() keeps the private-use marker
+    assert text[spans[0][0] : spans[0][1]] == "B</s>"
+    assert end_of_turn_token(tpl, _special_tokenizer(["</s>"])) == "</s>"
     dropper = ChatTemplate(
         "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}",
         "drop.jinja",
     )
-    with pytest.raises(UserError, match="f:3: the chat template drop.jinja shows 0 of 1 answers"):
+    with pytest.raises(UserError, match="f:3: the chat template drop.jinja does not render answer 1"):
         answer_spans(conv, dropper)
-    mangler = ChatTemplate("{% for m in messages %}{{ m.content[:-1] }}|{% endfor %}", "mangle.jinja")
-    with pytest.raises(UserError, match="f:3: the chat template mangle.jinja changes an answer's text"):
-        answer_spans(conv, mangler)
+    # A template that cuts the answer's last character: what it does render is learned.
+    cutter = ChatTemplate("{% for m in messages %}{{ m.content[:-1] }}|{% endfor %}", "cut.jinja")
+    conv2 = Conversation(
+        ({"role": "user", "content": "ab"}, {"role": "assistant", "content": "xyz"}), (False, True), "f:4"
+    )
+    text, spans = answer_spans(conv2, cutter)
+    assert text == "a|xy|" and text[spans[0][0] : spans[0][1]] == "xy"
+
+
+def _special_tokenizer(specials):
+    from tokenizers import Tokenizer, models
+
+    tk = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tk.add_special_tokens(specials)
+    return tk
 
 
 def test_fixtures_are_the_real_templates():

@@ -223,13 +223,14 @@ def test_cli_chat_renders_the_template(chat_dir, tmp_path, capsys):
         (["--prompt", "a", "--device", "tpu"], None, "--device is 'tpu'"),
         ([], ["{bad"], "m.jsonl:1: not valid JSON"),
         ([], ["[]"], "m.jsonl:1: expected a non-empty list of messages"),
-        ([], ['[{"role": "user", "content": 3}]'], "m.jsonl:1: message 0 must be"),
-        ([], ['[{"role": "bot", "content": "x"}]'], "m.jsonl:1: message 0 must be"),
+        ([], ['[{"role": "user", "content": 3}]'], "m.jsonl:1: messages[0] (user): content is a number"),
+        ([], ['[{"role": 7, "content": "x"}]'], "m.jsonl:1: messages[0]: role 7 is not a name"),
         (
             [],
             ["", '[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]'],
-            "m.jsonl:2: the last message is 'assistant', expected 'user'",
+            "m.jsonl:2: the last message is 'assistant', expected a turn to answer",
         ),
+        (["--prompt", "a", "--chat", "--chat-template", "missing.jinja"], None, "--chat-template: missing"),
         ([], [""], "no conversations"),
     ],
 )

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kdistill.data.chat import end_of_turn_token
+from kdistill.data.chat import Conversation, conversation_from_record, end_of_turn_token
 from kdistill.data.chat_pack import PackedRows
-from kdistill.data.chat_template import ChatTemplate, load_chat_template
+from kdistill.data.chat_template import CHAT_TEMPLATE_OVERRIDE, ChatTemplate, load_chat_template
 from kdistill.dtypes import dtype_name
 from kdistill.errors import UserError
 from kdistill.kernels.plan import generation_kernels
@@ -162,22 +163,35 @@ def _config_eos_ids(model_dir: Path) -> set[int]:
     return out
 
 
-def stop_token_ids(model_dir: str | Path, tokenizer: Tokenizer, template: ChatTemplate | None) -> set[int]:
+def stop_token_ids(
+    model_dir: str | Path,
+    tokenizer: Tokenizer,
+    template: ChatTemplate | None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> set[int]:
     """The tokenizer's EOS, the eos ids of config.json and generation_config.json, and the chat
-    template's end-of-turn token (when the model has a template)."""
+    template's end-of-turn token (when the model has a template): the special token that follows an
+    answer in the render diff of a probe conversation, never a word searched for in the text. A template
+    that fails on the probe only means no end-of-turn stop (with a warning)."""
     ids = {i for i in _config_eos_ids(Path(model_dir)) if 0 <= i < tokenizer.vocab_size}
     if tokenizer.eos_id is not None:
         ids.add(tokenizer.eos_id)
     if template is not None:
-        eot = end_of_turn_token(template, tokenizer)
+        try:
+            eot = end_of_turn_token(template, tokenizer, template_kwargs)
+        except UserError as e:
+            logging.getLogger("kdistill").warning("no end-of-turn stop token: %s", e)
+            eot = None
         if eot is not None and tokenizer.token_to_id(eot) is not None:
             ids.add(tokenizer.token_to_id(eot))
     return ids
 
 
-def read_messages_file(path: str | Path) -> list[list[dict[str, str]]]:
-    """Conversations to answer from a JSONL file: per line a list of {role, content} or an object
-    with `messages`; roles system/user/assistant, contents strings, the last turn the user's."""
+def read_messages_file(path: str | Path) -> list[Conversation]:
+    """Conversations to answer from a JSONL file: per line a list of messages or an object with
+    `messages` (and optionally `tools`). Every field of a message reaches the template as given (roles
+    such as `tool`, `reasoning_content`, `tool_calls`); the last turn is not the assistant's (the
+    answer is what comes next)."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -196,28 +210,38 @@ def read_messages_file(path: str | Path) -> list[list[dict[str, str]]]:
             raise UserError(
                 f'{where}: not valid JSON, expected a list of messages or {{"messages": [...]}}'
             ) from None
-        msgs = rec.get("messages") if isinstance(rec, dict) else rec
+        if isinstance(rec, list):
+            rec = {"messages": rec}
+        msgs = rec.get("messages") if isinstance(rec, dict) else None
         if not isinstance(msgs, list) or not msgs:
             raise UserError(f'{where}: expected a non-empty list of messages or {{"messages": [...]}}')
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise UserError(
-                    f'{where}: message {i} must be {{"role": system|user|assistant, "content": string}}'
-                )
-        if msgs[-1]["role"] != "user":
-            raise UserError(f"{where}: the last message is '{msgs[-1]['role']}', expected 'user' (to answer)")
-        out.append([{"role": m["role"], "content": m["content"]} for m in msgs])
+        # The training reader's checks (every field kept); a last user turn stands in for the answer
+        # that format requires, and is dropped again.
+        probe = {**rec, "messages": [*msgs, {"role": "assistant", "content": ""}]}
+        conv = conversation_from_record(probe, "messages", where)
+        last = msgs[-1].get("role")
+        if last == "assistant":
+            raise UserError(
+                f"{where}: the last message is 'assistant', expected a turn to answer (user or tool)"
+            )
+        out.append(
+            Conversation(
+                messages=conv.messages[:-1], train=(False,) * len(msgs), source=where, tools=conv.tools
+            )
+        )
     if not out:
         raise UserError(f"{path}: no conversations (expected one JSON list of messages per line)")
     return out
 
 
 def _template(model_dir: Path, needed: bool) -> ChatTemplate | None:
-    """The model's chat template; None when it has none and none is needed (plain prompts)."""
+    """The chat template: `--chat-template PATH` when given (kdistill.data.chat_template.
+    using_chat_template), else the model's; None when it has none and none is needed (plain prompts)."""
+    override = CHAT_TEMPLATE_OVERRIDE.get()
     try:
-        return load_chat_template(model_dir)
+        return load_chat_template(model_dir, override, field="--chat-template")
     except UserError:
-        if needed:
+        if needed or override is not None:
             raise
         return None
 
@@ -227,15 +251,28 @@ def encode_prompts(
     template: ChatTemplate | None,
     *,
     prompts: Sequence[str] = (),
-    conversations: Sequence[Sequence[dict[str, str]]] = (),
+    conversations: Sequence[Conversation | Sequence[Mapping[str, Any]]] = (),
     chat: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt. Chat: a prompt becomes one user turn, and each conversation is
-    rendered with the template and add_generation_prompt=True; plain prompts are encoded as they are."""
+    rendered with the template, its tools (or template_kwargs' `tools`), the template variables and
+    add_generation_prompt=True; plain prompts are encoded as they are."""
     if chat or conversations:
-        assert template is not None
-        convs = [[{"role": "user", "content": p}] for p in prompts] + [list(c) for c in conversations]
-        texts = [template.render(c, add_generation_prompt=True) for c in convs]
+        if template is None:
+            raise UserError("chat prompts need a chat template (give one with --chat-template PATH)")
+        values = dict(template_kwargs or {})
+        run_tools = values.pop("tools", None)
+        items: list[tuple[list[Any], Any]] = [([{"role": "user", "content": p}], None) for p in prompts]
+        for c in conversations:
+            if isinstance(c, Conversation):
+                items.append((list(c.messages), None if c.tools is None else list(c.tools)))
+            else:
+                items.append((list(c), None))
+        texts = [
+            template.render(m, add_generation_prompt=True, tools=run_tools if t is None else t, **values)
+            for m, t in items
+        ]
     else:
         texts = list(prompts)
     ids = tokenizer.encode_batch(texts)

@@ -3,6 +3,7 @@
     kdistill generate --model DIR --prompt "Hello" [--prompt ...] [--chat] [--max-new-tokens 128]
     kdistill generate --model DIR --messages chats.jsonl --json       # one {"text", "token_ids"} per line
     kdistill generate --model DIR --prompt "Hi" --temperature 0.8 --top-p 0.9 --seed 1
+    kdistill generate --model DIR --prompt "Hi" --chat --chat-template chat.jinja   # another template
 
 Greedy by default (temperature 0). A single prompt streams to the terminal as tokens come; several
 prompts run as one left-padded batch and print in order. See kdistill.generate.
@@ -14,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from kdistill.data.chat_template import using_chat_template
 from kdistill.generate import Sampling, generate_texts
 
 
@@ -37,15 +39,16 @@ def generate_command(args: Any) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    rows = generate_texts(
-        args.model,
-        prompts=prompts,
-        messages_file=args.messages,
-        chat=args.chat,
-        sampling=sampling,
-        device=args.device,
-        on_text=on_text if stream else None,
-    )
+    with using_chat_template(getattr(args, "chat_template", None)):
+        rows = generate_texts(
+            args.model,
+            prompts=prompts,
+            messages_file=args.messages,
+            chat=args.chat,
+            sampling=sampling,
+            device=args.device,
+            on_text=on_text if stream else None,
+        )
     if args.json:
         for row in rows:
             print(json.dumps(row, ensure_ascii=False))
