@@ -530,9 +530,10 @@ def _body(text: str, alt: str) -> tuple[int, int]:
 
 
 def _try(fn: Any) -> Any:
+    """fn(), or None where the template raises (e.g. it cannot render an empty conversation)."""
     try:
         return fn()
-    except UserError:  # a template that cannot render an empty conversation: no prompt to match
+    except UserError:
         return None
 
 
@@ -563,11 +564,12 @@ def unrendered_fields(
     render = _Renderer(conv, template, template_kwargs)
     present = sorted({f for m in conv.messages for f in TRACE_FIELDS if m.get(f) not in (None, "", [], {})})
     out: list[str] = []
+    # A template that fails without a field needs it, so renders it: only an equal text counts.
     if present:
         stripped = [{k: v for k, v in m.items() if k not in TRACE_FIELDS} for m in conv.messages]
-        if render(stripped) == text:
+        if _try(lambda: render(stripped)) == text:
             out.extend(present)
-    if render.tools and render(list(conv.messages), tools=None) == text:
+    if render.tools and _try(lambda: render(list(conv.messages), tools=None)) == text:
         out.append("tools")
     return tuple(out)
 
