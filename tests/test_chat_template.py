@@ -345,3 +345,52 @@ def test_fixtures_are_the_real_templates():
     assert "You are Qwen, created by Alibaba Cloud. You are a helpful assistant." in q25
     assert "ns.last_query_index" in q3 and "enable_thinking" in q3
     assert l31.startswith("{{- bos_token }}") and 'set date_string = "26 Jul 2024"' in l31
+
+
+# ---------------------------------------------------------------------------------------------------
+# Templates are untrusted programs: every fault is one line naming the template (and its line), within
+# a time and output budget per rendering.
+
+FAULTS = [
+    ("a\n{{ 1 // 0 }}", r"at line 2: ZeroDivisionError: integer division or modulo by zero"),
+    ("{{ messages[0].content + 1 }}", r"at line 1: TypeError: can only concatenate str"),
+    ("\n\n{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", r"recursion too deep at line 3"),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", r"ran longer than"),
+    ("{% for i in range(99999) %}{{ 'x' * 1000 }}{% endfor %}", r"wrote more than 1048576 characters"),
+    (
+        "{% set ns = namespace(s='x') %}{% for i in range(99) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "more than",
+    ),
+    ("{{ 'x' * 10**9 }}", r"builds a value of more than 1048576 items with '\*'"),
+    ("{{ 'x' | center(10**10) }}", r"asked for a size of 10000000000"),
+    ("{{ 'x'.ljust(10**10) }}", r"asked for a size of 10000000000"),
+    ("{{ '%999999999d' % 1 }}", r"formats a field wider than 1048576 characters"),
+    ("{{ 2 ** 99999999 }}", r"builds a number of more than"),
+    ("{{ raise_exception('no system role') }}", r"failed at line 1: no system role"),
+]
+
+
+@pytest.mark.parametrize("source,message", FAULTS)
+def test_template_faults_are_one_line_within_budget(source, message):
+    import time
+
+    tpl = ChatTemplate(source, "bad.jinja", time_limit_s=0.5, max_chars=1 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^bad.jinja: chat template .*" + message) as e:
+        tpl.render([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 5
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
+def test_a_raising_template_is_one_line_through_the_cli(tmp_path, capsys):
+    from tests.test_train_kit import run_cli
+
+    folder = make_chat_model_dir(tmp_path, "qwen2.5")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n", encoding="utf-8")
+    bad = tmp_path / "recurse.jinja"
+    bad.write_text("{% macro f(n) %}{{ f(n) }}{% endmacro %}\n{{ f(1) }}", encoding="utf-8")
+    rc, _, err = run_cli(
+        capsys, "data", "preview", "--model", str(folder), "--data", str(data), "--chat-template", str(bad)
+    )
+    assert rc == 2 and err.count("\n") == 1 and "recurse.jinja: chat template recursion too deep" in err
