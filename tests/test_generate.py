@@ -263,6 +263,19 @@ def test_a_template_that_transforms_content_does_not_break_generate(tmp_path, ca
         assert rc == 0, err
 
 
+def test_a_template_that_raises_only_costs_plain_prompts_their_end_of_turn_stop(tmp_path, capsys):
+    d = make_tiny_model(tmp_path, family="qwen2")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ raise_exception('no chat here') }}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    rc, _, err = cli(
+        capsys, "--model", str(d), "--prompt", "the fox", "--max-new-tokens", "3", "--device", "cpu"
+    )
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "--model", str(d), "--prompt", "the fox", "--chat", "--device", "cpu")
+    assert rc == 2 and err.count("\n") == 1 and "chat template failed at line 1: no chat here" in err, err
+
+
 def test_chat_template_flag_renders_with_another_template(tmp_path, capsys):
     d = make_tiny_model(tmp_path, family="llama")  # no template of its own
     rc, _, err = cli(capsys, "--model", str(d), "--prompt", "a", "--chat")
