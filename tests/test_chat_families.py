@@ -267,3 +267,28 @@ def test_a_run_warns_once_per_file_about_unrendered_reasoning(families, tmp_path
         prepare_chat_data(cfg, tok, template, require_heldout=False)
     lines = [r.message for r in caplog.records if "reasoning_content" in r.message]
     assert len(lines) == 1 and str(data) in lines[0] and "does not render" in lines[0]
+
+
+def test_a_template_that_checks_tool_turns_still_locates_the_answers(families):
+    from kdistill.data.chat_template import ChatTemplate
+
+    _, _, tok, _ = families["qwen2.5"]
+    strict = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'tool' and not messages[loop.index0 - 1].tool_calls %}"
+        "{{ raise_exception('a tool result needs a call before it') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>"
+        "{{ c.function.name }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "strict.jinja",
+    )
+    record = json.loads(json.dumps(CHATS["tools"]))
+    record["messages"][1]["content"] = "Checking."
+    conv = conversation_from_record(record, "messages", "s:1")
+    tc = tokenize_conversation(conv, strict, tok)
+    # located by its content alone (the template needs the calls kept): the calls are not learned
+    assert _learned(tc, tok) == ["Checking.", "It is 18 C and sunny in Paris.<|im_end|>"]
+    record["messages"][1]["content"] = None
+    with pytest.raises(
+        UserError, match="s:2: the chat template strict.jinja refuses answer 1 without its tool"
+    ):
+        tokenize_conversation(conversation_from_record(record, "messages", "s:2"), strict, tok)

@@ -489,16 +489,31 @@ def locate_answers(
     lo = 0
     for k in learned:
         stand_in = {"role": messages[k].get("role"), "content": mark}
-        alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
+        try:
+            alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
+            content_only = False
+        except UserError:
+            # A template that checks the turns around a tool call (ids, order) may refuse an answer
+            # without its calls: keep every other field, so the content alone is located.
+            stand_in = {**messages[k], "content": mark}
+            alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
+            content_only = True
         if alt == text:
             raise UserError(
                 f"{conv.source}: the chat template {template.origin} does not render answer {k} (the "
                 "same text with or without it), so it cannot be learned (use data.train_on=all)"
             )
         body, body_end = _body(text, alt)
+        if content_only and body == body_end and messages[k].get("tool_calls"):
+            raise UserError(
+                f"{conv.source}: the chat template {template.origin} refuses answer {k} without its tool "
+                "calls and renders no content for it, so it cannot be located (use data.train_on=all)"
+            )
         start = body
-        prompt = render(messages[:k], gen=True) if k else _try(lambda: render([], gen=True))
-        before = render(messages[:k]) if k else ""
+        # (a template that refuses the history alone, e.g. one ending on a tool result, has no prompt
+        # to match: the answer starts at its body)
+        prompt = _try(render, messages[:k], gen=True)
+        before = _try(render, messages[:k]) if k else ""
         if prompt is not None and before is not None:
             gen_text = prompt[_common_prefix(before, prompt) :]
             if k + 1 == len(messages):  # the turn's own rendering is the conversation's
@@ -529,10 +544,10 @@ def _body(text: str, alt: str) -> tuple[int, int]:
     return a, max(a, b)
 
 
-def _try(fn: Any) -> Any:
-    """fn(), or None where the template raises (e.g. it cannot render an empty conversation)."""
+def _try(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), or None where the template raises (e.g. on an empty conversation)."""
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except UserError:
         return None
 
@@ -567,9 +582,9 @@ def unrendered_fields(
     # A template that fails without a field needs it, so renders it: only an equal text counts.
     if present:
         stripped = [{k: v for k, v in m.items() if k not in TRACE_FIELDS} for m in conv.messages]
-        if _try(lambda: render(stripped)) == text:
+        if _try(render, stripped) == text:
             out.extend(present)
-    if render.tools and _try(lambda: render(list(conv.messages), tools=None)) == text:
+    if render.tools and _try(render, list(conv.messages), tools=None) == text:
         out.append("tools")
     return tuple(out)
 
