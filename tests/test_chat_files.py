@@ -202,3 +202,23 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
         UserError, match=r"x.parquet: reading Parquet needs pyarrow \(pip install 'kdistill\[parquet\]'\)"
     ):
         read_conversations(tmp_path / "x.parquet")
+
+
+def test_parquet_keeps_reasoning_tool_fields_and_tools(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "think"},
+        {"role": "tool", "content": "r", "tool_call_id": "1"},
+        {"role": "assistant", "content": "a"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "description": "d"}}]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"messages": [msgs], "tools": [tools]}), path)
+    (conv,) = read_conversations(path)
+    assert conv.tools == tuple(tools) and conv.train == (False, True, False, True)
+    assert conv.messages[1] == {"role": "assistant", "tool_calls": [call], "reasoning_content": "think"}
+    assert conv.messages[2] == {"role": "tool", "content": "r", "tool_call_id": "1"}
