@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer prompts with a model (greedy by default, KV cache)")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
-    p.add_argument("--messages", metavar="FILE", help="JSONL of conversations to answer (last turn: user or tool)")
+    p.add_argument(
+        "--messages", metavar="FILE", help="JSONL of conversations to answer (last turn: user or tool)"
+    )
     p.add_argument("--chat", action="store_true", help="render prompts with the model's chat template")
     p.add_argument(
         "--chat-template", metavar="PATH", default=None, help="a .jinja file to render with instead"
