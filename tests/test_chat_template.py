@@ -357,6 +357,7 @@ FAULTS = [
     ("\n\n{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", r"recursion too deep at line 3"),
     ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", r"ran longer than"),
     ("{% for i in range(99999) %}{{ 'x' * 1000 }}{% endfor %}", r"wrote more than 1048576 characters"),
+    ("{% for c in 'x' * 1000000 %}{% for d in 'y' * 1000000 %}{% endfor %}{% endfor %}", r"ran longer than"),
     (
         "{% set ns = namespace(s='x') %}{% for i in range(99) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
         "more than",

@@ -28,6 +28,8 @@ import functools
 import json
 import operator
 import re
+import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
@@ -49,6 +51,7 @@ SPECIAL_TOKEN_KEYS = (
 )
 MAX_TEMPLATE_FILE_BYTES = 64 << 20  # tokenizer_config.json files are well below this
 TIME_LIMIT_S = 10.0  # per rendering; real templates take milliseconds
+ALARM_SLACK_S = 0.5  # the hooks stop a template first (with a cleaner message); the alarm is the backstop
 MAX_RENDER_CHARS = 64 << 20  # per rendering; a conversation line is at most 16 MiB
 
 
@@ -93,16 +96,17 @@ class ChatTemplate:
         token = _BUDGET.set(budget)
         try:
             pieces, size = [], 0
-            for piece in compiled.generate(
-                messages=[dict(m) for m in messages],
-                tools=None if tools is None else list(tools),
-                documents=None if documents is None else list(documents),
-                add_generation_prompt=add_generation_prompt,
-                **values,
-            ):
-                size += len(piece)
-                budget.check(size)
-                pieces.append(piece)
+            with _alarm(self.time_limit_s + ALARM_SLACK_S):
+                for piece in compiled.generate(
+                    messages=[dict(m) for m in messages],
+                    tools=None if tools is None else list(tools),
+                    documents=None if documents is None else list(documents),
+                    add_generation_prompt=add_generation_prompt,
+                    **values,
+                ):
+                    size += len(piece)
+                    budget.check(size)
+                    pieces.append(piece)
             return "".join(pieces)
         except _BudgetExceeded as e:
             raise UserError(f"{self.origin}: chat template {e}{_template_line(e)}") from None
@@ -124,7 +128,7 @@ class ChatTemplate:
 # -- budgets: a rendering may take at most time_limit_s seconds and write at most max_chars characters.
 # Checked where a template can spend time or memory: every output piece, every call (macros, methods,
 # filters), every attribute or item lookup, every 1024 steps of range(), and before `*`, `**` and `%`
-# build a value larger than the output limit.
+# build a value larger than the output limit; a SIGALRM timer (main thread) stops what no hook sees.
 
 
 class _BudgetExceeded(Exception):
@@ -146,6 +150,31 @@ class _Budget:
 _BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar(
     "kdistill_template_budget", default=None
 )
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """A hard stop for template code that no hook sees (a long loop over a string with an empty
+    body): SIGALRM raises _BudgetExceeded, in the main thread when no other timer is armed."""
+    usable = (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    )
+    if not usable:
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise _BudgetExceeded("ran longer than its time limit per rendering")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _check(size: int = 0) -> None:
