@@ -292,3 +292,18 @@ def test_a_template_that_checks_tool_turns_still_locates_the_answers(families):
         UserError, match="s:2: the chat template strict.jinja refuses answer 1 without its tool"
     ):
         tokenize_conversation(conversation_from_record(record, "messages", "s:2"), strict, tok)
+
+
+def test_end_of_turn_of_a_template_that_needs_a_system_turn(families):
+    from kdistill.data.chat_template import ChatTemplate
+
+    _, _, tok, _ = families["phi4"]
+    needs_system = ChatTemplate(
+        "{% if messages[0].role != 'system' %}{{ raise_exception('a system turn comes first') }}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}<|im_sep|>{{ m.content | upper }}<|im_end|>{% endfor %}",
+        "sys.jinja",
+    )
+    assert end_of_turn_token(needs_system, tok) == "<|im_end|>"
+    never = ChatTemplate("{{ raise_exception('no') }}", "never.jinja")
+    with pytest.raises(UserError, match="never.jinja: chat template failed at line 1: no"):
+        end_of_turn_token(never, tok)

@@ -640,14 +640,28 @@ def end_of_turn_token(
     template: ChatTemplate, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None
 ) -> str | None:
     """The special token the template writes after an answer (e.g. <|im_end|>), or None: a stop token
-    for generation, from the render diff of a probe conversation (never from searching the text)."""
-    probe = Conversation(
-        messages=({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}),
-        train=(False, True),
-        source=f"{template.origin} (probe)",
-    )
-    _, answers = locate_answers(probe, template, special_token_strings(tokenizer), template_kwargs)
-    return answers[0].end_of_turn or None
+    for generation, from the render diff of a probe conversation (never from searching the text).
+    A template that refuses the plain probe is tried with a system turn first.
+
+    Raises:
+        UserError: the template refuses both probes (the first one's message).
+    """
+    hi, hello = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    first: UserError | None = None
+    for messages in ((hi, hello), ({"role": "system", "content": "Be brief."}, hi, hello)):
+        probe = Conversation(
+            messages=messages,
+            train=tuple(m is hello for m in messages),
+            source=f"{template.origin} (probe)",
+        )
+        try:
+            _, answers = locate_answers(probe, template, special_token_strings(tokenizer), template_kwargs)
+        except UserError as e:
+            first = first or e
+            continue
+        return answers[0].end_of_turn or None
+    assert first is not None
+    raise first
 
 
 def warn_unrendered(tokenized: Sequence[TokenizedConversation], template: ChatTemplate) -> list[str]:

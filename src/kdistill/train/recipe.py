@@ -815,7 +815,7 @@ class Samples:
         template = None
         if isinstance(self.run.held.sequences, PackedRows):
             template = load_chat_template(cfg.teacher.path, cfg.data.chat_template or None)
-        return stop_token_ids(cfg.teacher.path, tok, template)
+        return stop_token_ids(cfg.teacher.path, tok, template, cfg.data.template_kwargs)
 
     def __call__(self, step: int) -> None:
         if not self.prompts:
