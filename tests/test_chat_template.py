@@ -366,6 +366,12 @@ FAULTS = [
     ("{{ 'x' | center(10**10) }}", r"asked for a size of 10000000000"),
     ("{{ 'x'.ljust(10**10) }}", r"asked for a size of 10000000000"),
     ("{{ '%999999999d' % 1 }}", r"formats a field wider than 1048576 characters"),
+    ("{{ '%.999999999f' % 1.0 }}", r"formats a field wider than 1048576 characters"),
+    ("{{ '%*d' % (999999999, 1) }}", r"formats a field wider than 1048576 characters"),
+    ("{{ '%999999999d' | format(1) }}", r"formats a field wider than 1048576 characters"),
+    ("{{ '{:>999999999}'.format('x') }}", r"formats a field wider than 1048576 characters"),
+    # a constant filter call is not run while compiling, where no budget applies
+    ("{{ 'a\nb' | indent(999999999) }}", r"asked for a size of 999999999"),
     ("{{ 2 ** 99999999 }}", r"builds a number of more than"),
     ("{{ raise_exception('no system role') }}", r"failed at line 1: no system role"),
 ]

@@ -298,6 +298,17 @@ def _compile(source: str, origin: str) -> Any:
             _check(_size(out))
             return out
 
+        def wrap_str_format(self, value: Any) -> Any:
+            owner = getattr(value, "__self__", None)
+            if isinstance(owner, str) and getattr(value, "__name__", "") in ("format", "format_map"):
+                # '{:>999999999}'.format(x): a width in the format string allocates before any check
+                budget = _BUDGET.get()
+                limit = budget.max_chars if budget is not None else MAX_RENDER_CHARS
+                fields = re.findall(r"\{[^{}]*\}", owner)
+                if any(int(n) > limit for f in fields for n in re.findall(r"\d+", f)):
+                    raise _BudgetExceeded(f"formats a field wider than {limit} characters")
+            return super().wrap_str_format(value)
+
         def getattr(self, obj: Any, attribute: str) -> Any:
             _check()
             return super().getattr(obj, attribute)
@@ -320,9 +331,7 @@ def _compile(source: str, origin: str) -> Any:
                         raise _BudgetExceeded(f"builds a number of more than {limit} bytes with '**'")
                 return operator.pow(left, right)
             if isinstance(left, str):
-                widths = [int(w) for w in re.findall(r"%[-+ #0]*(\d+)", left)]
-                if any(w > limit for w in widths):
-                    raise _BudgetExceeded(f"formats a field wider than {limit} characters with '%'")
+                _check_format(left, right, limit)
             return operator.mod(left, right)
 
     class BudgetedRange:
@@ -348,8 +357,13 @@ def _compile(source: str, origin: str) -> Any:
         def __contains__(self, v: Any) -> bool:
             return v in self._r
 
+    # optimized=False: Jinja's optimizer evaluates constant expressions while compiling, where no
+    # budget applies ('%999999999d' | format(1) would allocate gigabytes before the first rendering).
     env = BudgetedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationBlock, jinja2.ext.loopcontrols],
+        optimized=False,
     )
     for name, fn in list(env.filters.items()):
         env.filters[name] = _budgeted_filter(fn)
@@ -367,13 +381,39 @@ def _compile(source: str, origin: str) -> Any:
         raise UserError(f"{origin}: chat template does not compile: {e}") from None
 
 
-def _budgeted_filter(fn: Any) -> Any:
-    """A Jinja filter whose size arguments and result are checked against the budget."""
+def _check_format(fmt: str, values: Any, limit: int) -> None:
+    """Refuse a printf-style format whose widths or precisions (or `*` values) exceed `limit`."""
+    numbers = [int(n) for n in re.findall(r"%[-+ #0]*(\d*)(?:\.(\d*))?", fmt) for n in [*n] if n]
+    stars = [v for v in (values if isinstance(values, tuple) else (values,)) if isinstance(v, int)]
+    if any(n > limit for n in numbers) or ("*" in fmt and any(abs(v) > limit for v in stars)):
+        raise _BudgetExceeded(f"formats a field wider than {limit} characters with '%'")
 
+
+def _budgeted_filter(fn: Any) -> Any:
+    """A Jinja filter whose size arguments and result are checked against the budget.
+
+    The wrapper takes the context (pass_context), which also keeps Jinja from running the filter on
+    constants while it compiles, where no budget applies; the filter gets what it asked for."""
+    import jinja2.utils
+
+    wants = jinja2.utils._PassArg.from_obj(fn)
+
+    @jinja2.utils.pass_context
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(context: Any, *args: Any, **kwargs: Any) -> Any:
+        budget = _BUDGET.get()
+        limit = budget.max_chars if budget is not None else MAX_RENDER_CHARS
+        if getattr(fn, "__name__", "") == "do_format" and args and isinstance(args[0], str):
+            _check_format(args[0], tuple(args[1:]), limit)
         _check_args(args[1:], kwargs)
-        out = fn(*args, **kwargs)
+        if wants is jinja2.utils._PassArg.context:
+            out = fn(context, *args, **kwargs)
+        elif wants is jinja2.utils._PassArg.eval_context:
+            out = fn(context.eval_ctx, *args, **kwargs)
+        elif wants is jinja2.utils._PassArg.environment:
+            out = fn(context.environment, *args, **kwargs)
+        else:
+            out = fn(*args, **kwargs)
         _check(_size(out))
         return out
 
