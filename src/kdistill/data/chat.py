@@ -433,7 +433,12 @@ class _Renderer:
 def _stand_in(conv: Conversation, template: ChatTemplate) -> str:
     """One private-use character found in neither the template nor the conversation: what an answer is
     replaced by to find where it is rendered."""
-    seen = json.dumps([conv.messages, conv.tools], ensure_ascii=False, default=str)
+    try:
+        seen = json.dumps([conv.messages, conv.tools], ensure_ascii=False, default=str)
+    except (RecursionError, ValueError):
+        raise UserError(
+            f"{conv.source}: a message is nested too deeply, expected plain JSON values"
+        ) from None
     for code in range(0xE000, 0xF900):  # Unicode private use area: never in a template or a tokenizer
         ch = chr(code)
         if ch not in template.source and ch not in seen:
