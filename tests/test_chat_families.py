@@ -307,3 +307,14 @@ def test_end_of_turn_of_a_template_that_needs_a_system_turn(families):
     never = ChatTemplate("{{ raise_exception('no') }}", "never.jinja")
     with pytest.raises(UserError, match="never.jinja: chat template failed at line 1: no"):
         end_of_turn_token(never, tok)
+
+
+def test_a_lone_surrogate_is_one_line(families, tmp_path):
+    from kdistill.data.chat import read_conversations
+
+    _, template, tok, _ = families["qwen2.5"]
+    data = tmp_path / "s.jsonl"
+    data.write_text('{"prompt": "q\\ud800", "completion": "a"}\n', encoding="utf-8")
+    (conv,) = read_conversations(data)
+    with pytest.raises(UserError, match=r"s.jsonl:1: the rendered conversation holds a lone surrogate"):
+        tokenize_conversation(conv, template, tok)

@@ -331,3 +331,8 @@ def test_messages_keep_every_field_and_their_tools(tmp_path):
     tok = load_tokenizer(make_tiny_model(tmp_path, family="qwen2"))
     (ids,) = encode_prompts(tok, tpl, conversations=[conv], template_kwargs={"flavour": "x"})
     assert tok.decode(ids) == "get_weather|user:Weather?0;assistant:look it up1;tool:sunny0;>x"
+
+
+def test_a_prompt_that_is_not_unicode_is_one_line(chat_dir, capsys):
+    rc, _, err = cli(capsys, "--model", str(chat_dir), "--prompt", "a\udcff", "--device", "cpu")
+    assert rc == 2 and err.count("\n") == 1 and "prompt 1 holds a lone surrogate" in err, err

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdistill.data.chat import Conversation, conversation_from_record, end_of_turn_token
+from kdistill.data.chat import Conversation, check_unicode, conversation_from_record, end_of_turn_token
 from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import CHAT_TEMPLATE_OVERRIDE, ChatTemplate, load_chat_template
 from kdistill.dtypes import dtype_name
@@ -275,6 +275,8 @@ def encode_prompts(
         ]
     else:
         texts = list(prompts)
+    for i, text in enumerate(texts):
+        check_unicode(text, f"prompt {i + 1}")
     ids = tokenizer.encode_batch(texts)
     for i, row in enumerate(ids):
         if not row:

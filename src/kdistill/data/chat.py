@@ -622,6 +622,7 @@ def tokenize_conversation(
         spans = [(0, len(text))]
     else:
         text, spans = answer_spans(conv, template, special_token_strings(backend), template_kwargs, train_on)
+    check_unicode(text, f"{conv.source}: the rendered conversation")
     enc = backend.encode(text, add_special_tokens=False)
     ids = np.asarray(enc.ids, dtype=np.int64)
     offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
@@ -639,6 +640,22 @@ def tokenize_conversation(
         source=conv.source,
         unrendered=unrendered_fields(conv, template, text, template_kwargs),
     )
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text a tokenizer cannot take: a lone surrogate (a JSON escape such as \\ud800, or a
+    template's own) is not Unicode text.
+
+    Raises:
+        UserError: naming `what` and the character's offset.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"{what} holds a lone surrogate at character {e.start} (expected Unicode text; a JSON "
+            "escape such as \\ud800 without its pair is not)"
+        ) from None
 
 
 def end_of_turn_token(
