@@ -70,6 +70,10 @@ def test_preview_errors_are_one_line(tmp_path, capsys):
             "--template-kwargs is not valid",
         ),
         (
+            ["--model", str(model), "--data", str(data), "--template-kwargs", '{"messages": []}'],
+            "--template-kwargs has key 'messages'",
+        ),
+        (
             ["--model", str(model), "--data", str(data), "--chat-template", "x.jinja"],
             "--chat-template: x.jinja",
         ),

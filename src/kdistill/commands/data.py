@@ -102,6 +102,12 @@ def _template_kwargs(text: str | None) -> dict[str, Any]:
         ) from None
     if not isinstance(value, dict):
         raise UserError(f"--template-kwargs is not a JSON object, expected one such as {EXAMPLE}")
+    for key in value:
+        if not key.isidentifier() or key in ("messages", "add_generation_prompt"):
+            raise UserError(
+                f"--template-kwargs has key {key!r}, expected template variable names "
+                "(not messages or add_generation_prompt)"
+            )
     tools = value.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise UserError("--template-kwargs: 'tools' is not a list of tool definitions (objects)")
