@@ -318,3 +318,22 @@ def test_a_lone_surrogate_is_one_line(families, tmp_path):
     (conv,) = read_conversations(data)
     with pytest.raises(UserError, match=r"s.jsonl:1: the rendered conversation holds a lone surrogate"):
         tokenize_conversation(conv, template, tok)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.template_kwargs=3", "data.template_kwargs is 3, expected a mapping of template variables"),
+        ("data.template_kwargs={messages: 1}", "data.template_kwargs has key 'messages'"),
+        ("data.template_kwargs={tools: 3}", "data.template_kwargs.tools is not a list of tool definitions"),
+        ("data.train_on=users", "data.train_on is 'users', expected one of: assistant, last_assistant, all"),
+    ],
+)
+def test_chat_config_is_checked(override, message):
+    from kdistill.config import load_config
+
+    with pytest.raises(UserError, match=message.replace(".", r"\.")):
+        load_config(None, [override]).validate(need_paths=False)
+    assert load_config(None, ["data.template_kwargs={enable_thinking: false}"]).data.template_kwargs == {
+        "enable_thinking": False
+    }
