@@ -70,15 +70,27 @@ def test_blank_lines_bom_and_extra_keys_are_fine():
 BAD = [
     (
         {"messages": [{"content": "x"}]},
-        r"m.jsonl:2: messages\[0\] has no 'role' \(expected one of system, user, assistant\)",
+        r"m.jsonl:2: messages\[0\] has no 'role' \(expected a string such as system, user, assistant, tool\)",
     ),
     (
-        {"messages": [{"role": "bot", "content": "x"}]},
-        r"m.jsonl:2: messages\[0\]: role 'bot' is unknown, expected one of system, user, assistant",
+        {"messages": [{"role": 3, "content": "x"}]},
+        r"m.jsonl:2: messages\[0\]: role 3 is not a name, expected a string such as system, user",
     ),
     (
-        {"messages": [{"role": "user", "content": ["x"]}]},
-        r"m.jsonl:2: messages\[0\] \(user\): content is a list, expected a string",
+        {"messages": [{"role": "user", "content": 5}]},
+        r"m.jsonl:2: messages\[0\] \(user\): content is a number, expected a string or a list of parts",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": None}]},
+        r"m.jsonl:2: messages\[0\] \(assistant\): content is null, .*\(null only with 'tool_calls'\)",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": {"name": "f"}}]},
+        r"m.jsonl:2: messages\[0\] \(assistant\): tool_calls is an object, expected a list",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "tools": {}},
+        r"m.jsonl:2: 'tools' is an object, expected a list of tool definitions",
     ),
     ({"messages": [{"role": "user"}]}, r"m.jsonl:2: messages\[0\] \(user\) has no 'content'"),
     ({"messages": []}, r"m.jsonl:2: 'messages' is an empty list, expected at least one message"),
@@ -169,7 +181,7 @@ def test_parquet_both_formats_and_errors(tmp_path):
 
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"messages": [CHAT["messages"], [{"role": "robot", "content": "x"}]]}), bad)
-    with pytest.raises(UserError, match=r"bad.parquet:row 2: messages\[0\]: role 'robot' is unknown"):
+    with pytest.raises(UserError, match=r"bad.parquet:row 2: 'messages' has no assistant turn"):
         read_conversations(bad)
     cols = tmp_path / "cols.parquet"
     pq.write_table(pa.table({"text": ["a"]}), cols)
@@ -190,3 +202,23 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
         UserError, match=r"x.parquet: reading Parquet needs pyarrow \(pip install 'kdistill\[parquet\]'\)"
     ):
         read_conversations(tmp_path / "x.parquet")
+
+
+def test_parquet_keeps_reasoning_tool_fields_and_tools(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "think"},
+        {"role": "tool", "content": "r", "tool_call_id": "1"},
+        {"role": "assistant", "content": "a"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "description": "d"}}]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"messages": [msgs], "tools": [tools]}), path)
+    (conv,) = read_conversations(path)
+    assert conv.tools == tuple(tools) and conv.train == (False, True, False, True)
+    assert conv.messages[1] == {"role": "assistant", "tool_calls": [call], "reasoning_content": "think"}
+    assert conv.messages[2] == {"role": "tool", "content": "r", "tool_call_id": "1"}

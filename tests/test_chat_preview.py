@@ -61,6 +61,22 @@ def test_preview_errors_are_one_line(tmp_path, capsys):
         (["--model", str(model), "--data", str(bad)], "bad.jsonl:2"),
         (["--model", str(model), "--data", str(data), "-n", "0"], "-n is 0"),
         (["--model", str(model), "--data", str(data), "--train-on", "users"], "--train-on"),
+        (
+            ["--model", str(model), "--data", str(data), "--template-kwargs", "3"],
+            "--template-kwargs is not a JSON",
+        ),
+        (
+            ["--model", str(model), "--data", str(data), "--template-kwargs", "{"],
+            "--template-kwargs is not valid",
+        ),
+        (
+            ["--model", str(model), "--data", str(data), "--template-kwargs", '{"messages": []}'],
+            "--template-kwargs has key 'messages'",
+        ),
+        (
+            ["--model", str(model), "--data", str(data), "--chat-template", "x.jinja"],
+            "--chat-template: x.jinja",
+        ),
         (["--model", str(model), "--data", str(tmp_path / "nope.jsonl")], "nope.jsonl"),
     ]
     for argv, needle in cases:

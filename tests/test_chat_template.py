@@ -204,7 +204,9 @@ def test_train_on_all(models):
     assert tc.trained.all()
     labels = tc.labels(-100)
     assert labels[:-1].tolist() == tc.input_ids[1:].tolist() and labels[-1] == -100
-    with pytest.raises(UserError, match="data.train_on is 'users', expected one of assistant, all"):
+    with pytest.raises(
+        UserError, match="data.train_on is 'users', expected one of assistant, last_assistant, all"
+    ):
         tokenize_conversation(conv, template, tok, train_on="users")
 
 
@@ -267,7 +269,9 @@ def test_template_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="data.chat_template: .*missing.jinja is not a file"):
         load_chat_template(empty, tmp_path / "missing.jinja")
     raising = ChatTemplate("{{ raise_exception('Conversation roles must alternate') }}", "t.jinja")
-    with pytest.raises(UserError, match="t.jinja: chat template failed: Conversation roles must alternate"):
+    with pytest.raises(
+        UserError, match="t.jinja: chat template failed at line 1: Conversation roles must alternate"
+    ):
         raising.render([])
 
 
@@ -297,8 +301,8 @@ def test_template_mismatch_names_both(tmp_path):
     assert "qwen2.5" in note and "llama3.1" in note and "teacher's" in note and "\n" not in note
 
 
-def test_template_that_rewrites_answers_is_a_clear_error():
-    # A template that upper-cases answers: the answer end cannot be found, the error says what to do.
+def test_template_that_transforms_answers_is_located_by_render_diff():
+    # A template that upper-cases every message: spans come from render diffs, not from the text.
     tpl = ChatTemplate(
         "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}</s>{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}",
@@ -308,16 +312,29 @@ def test_template_that_rewrites_answers_is_a_clear_error():
         ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}), (False, True), "f:3"
     )
     text, spans = answer_spans(conv, tpl, ["</s>"])
-    assert text[spans[0][0] : spans[0][1]] == "B</s>"  # upper() keeps the private-use marker
+    assert text[spans[0][0] : spans[0][1]] == "B</s>"
+    assert end_of_turn_token(tpl, _special_tokenizer(["</s>"])) == "</s>"
     dropper = ChatTemplate(
         "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}",
         "drop.jinja",
     )
-    with pytest.raises(UserError, match="f:3: the chat template drop.jinja shows 0 of 1 answers"):
+    with pytest.raises(UserError, match="f:3: the chat template drop.jinja does not render answer 1"):
         answer_spans(conv, dropper)
-    mangler = ChatTemplate("{% for m in messages %}{{ m.content[:-1] }}|{% endfor %}", "mangle.jinja")
-    with pytest.raises(UserError, match="f:3: the chat template mangle.jinja changes an answer's text"):
-        answer_spans(conv, mangler)
+    # A template that cuts the answer's last character: what it does render is learned.
+    cutter = ChatTemplate("{% for m in messages %}{{ m.content[:-1] }}|{% endfor %}", "cut.jinja")
+    conv2 = Conversation(
+        ({"role": "user", "content": "ab"}, {"role": "assistant", "content": "xyz"}), (False, True), "f:4"
+    )
+    text, spans = answer_spans(conv2, cutter)
+    assert text == "a|xy|" and text[spans[0][0] : spans[0][1]] == "xy"
+
+
+def _special_tokenizer(specials):
+    from tokenizers import Tokenizer, models
+
+    tk = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tk.add_special_tokens(specials)
+    return tk
 
 
 def test_fixtures_are_the_real_templates():
@@ -328,3 +345,59 @@ def test_fixtures_are_the_real_templates():
     assert "You are Qwen, created by Alibaba Cloud. You are a helpful assistant." in q25
     assert "ns.last_query_index" in q3 and "enable_thinking" in q3
     assert l31.startswith("{{- bos_token }}") and 'set date_string = "26 Jul 2024"' in l31
+
+
+# ---------------------------------------------------------------------------------------------------
+# Templates are untrusted programs: every fault is one line naming the template (and its line), within
+# a time and output budget per rendering.
+
+FAULTS = [
+    ("a\n{{ 1 // 0 }}", r"at line 2: ZeroDivisionError: integer division or modulo by zero"),
+    ("{{ messages[0].content + 1 }}", r"at line 1: TypeError: can only concatenate str"),
+    ("\n\n{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", r"recursion too deep at line 3"),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", r"ran longer than"),
+    ("{% for i in range(99999) %}{{ 'x' * 1000 }}{% endfor %}", r"wrote more than 1048576 characters"),
+    ("{% for c in 'x' * 1000000 %}{% for d in 'y' * 1000000 %}{% endfor %}{% endfor %}", r"ran longer than"),
+    (
+        "{% set ns = namespace(s='x') %}{% for i in range(99) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "more than",
+    ),
+    ("{{ 'x' * 10**9 }}", r"builds a value of more than 1048576 items with '\*'"),
+    ("{{ 'x' | center(10**10) }}", r"asked for a size of 10000000000"),
+    ("{{ 'x'.ljust(10**10) }}", r"asked for a size of 10000000000"),
+    ("{{ '%999999999d' % 1 }}", r"formats a field wider than 1048576 characters"),
+    ("{{ '%.999999999f' % 1.0 }}", r"formats a field wider than 1048576 characters"),
+    ("{{ '%*d' % (999999999, 1) }}", r"formats a field wider than 1048576 characters"),
+    ("{{ '%999999999d' | format(1) }}", r"formats a field wider than 1048576 characters"),
+    ("{{ '{:>999999999}'.format('x') }}", r"formats a field wider than 1048576 characters"),
+    # a constant filter call is not run while compiling, where no budget applies
+    ("{{ 'a\nb' | indent(999999999) }}", r"asked for a size of 999999999"),
+    ("{{ 2 ** 99999999 }}", r"builds a number of more than"),
+    ("{{ raise_exception('no system role') }}", r"failed at line 1: no system role"),
+]
+
+
+@pytest.mark.parametrize("source,message", FAULTS)
+def test_template_faults_are_one_line_within_budget(source, message):
+    import time
+
+    tpl = ChatTemplate(source, "bad.jinja", time_limit_s=0.5, max_chars=1 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^bad.jinja: chat template .*" + message) as e:
+        tpl.render([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 5
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
+def test_a_raising_template_is_one_line_through_the_cli(tmp_path, capsys):
+    from tests.test_train_kit import run_cli
+
+    folder = make_chat_model_dir(tmp_path, "qwen2.5")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n", encoding="utf-8")
+    bad = tmp_path / "recurse.jinja"
+    bad.write_text("{% macro f(n) %}{{ f(n) }}{% endmacro %}\n{{ f(1) }}", encoding="utf-8")
+    rc, _, err = run_cli(
+        capsys, "data", "preview", "--model", str(folder), "--data", str(data), "--chat-template", str(bad)
+    )
+    assert rc == 2 and err.count("\n") == 1 and "recurse.jinja: chat template recursion too deep" in err

@@ -220,6 +220,8 @@ def test_chat_run_finishes_and_its_student_loads_in_transformers(tmp_path, capsy
     assert d["format"] == "conversations" and 0.5 < d["packing_efficiency"] <= 1.0
     assert d["train_on"] == "assistant" and d["train_learned_tokens"] > 0
     assert summary["heldout"]["student_loss"] is not None
+    # the template the run rendered with (data.chat_template) is the exported student's
+    assert (tmp_path / "run" / "student" / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "student", dtype=torch.float32)
@@ -284,3 +286,75 @@ def test_heldout_split_of_conversations_is_by_conversation_and_stable(tmp_path):
     held_src = {s for row in a.heldout.sources for s in row}
     assert held_src and not (train_src & held_src) and len(train_src | held_src) == 40
     assert a.stats["packing_efficiency"] == a.train.efficiency and "conversations" in a.summary()
+
+
+# A think-block template of our own over the tiny tokenizer: the answers after the last user turn show
+# their reasoning (the Qwen3 shape); enable_thinking=false closes an empty block in the prompt.
+THINK_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}{{ m.role }}: "
+    "{% if m.role == 'assistant' and loop.index0 > ns.last %}<think>{{ m.reasoning_content or '' }}</think>"
+    "{% endif %}{{ m.content }}<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}assistant: "
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+)
+
+
+def test_reasoning_run_exports_a_student_that_chats(tmp_path, capsys):
+    import shutil
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(assets().teacher, teacher)
+    (teacher / "chat_template.jinja").write_text(THINK_TEMPLATE, encoding="utf-8")
+    side = {"added_tokens.json": {}, "special_tokens_map.json": {"eos_token": "<|endoftext|>"}}
+    side["generation_config.json"] = {"eos_token_id": 0}
+    for name, value in side.items():
+        if not (teacher / name).is_file():
+            (teacher / name).write_text(json.dumps(value), encoding="utf-8")
+    rng = np.random.default_rng(0)
+    data = tmp_path / "think.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for _ in range(40):
+            q, r, a = (" ".join(rng.choice(WORDS, n)) for n in (4, 6, 3))
+            msgs = [
+                {"role": "user", "content": q},
+                {"role": "assistant", "reasoning_content": r, "content": a},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    cfg = base_config(tmp_path / "run", steps=4, batch_size=4)
+    cfg["teacher"]["path"] = str(teacher)
+    cfg["data"] = {
+        "train": [str(data)],
+        "heldout_fraction": 0.2,
+        "seq_len": 64,
+        "train_on": "last_assistant",
+        "template_kwargs": {"enable_thinking": True},
+        "cache_dir": str(assets().cache),
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    student = tmp_path / "run" / "student"
+    assert (student / "chat_template.jinja").read_text(encoding="utf-8") == THINK_TEMPLATE
+    for name in ("tokenizer.json", "tokenizer_config.json", *side):
+        assert (student / name).read_bytes() == (teacher / name).read_bytes(), name
+    assert AutoTokenizer.from_pretrained(student).chat_template == THINK_TEMPLATE
+    rc, out, err = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(student),
+        "--prompt",
+        "the fox",
+        "--chat",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--json",
+    )
+    assert rc == 0, err
+    assert len(json.loads(out)["token_ids"]) >= 1

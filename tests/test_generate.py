@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kdistill.cli import main
-from kdistill.data.chat_template import load_chat_template
-from kdistill.generate import Sampling, generate_ids
+from kdistill.data.chat_template import ChatTemplate, load_chat_template
+from kdistill.generate import Sampling, encode_prompts, generate_ids, read_messages_file, stop_token_ids
 from kdistill.models.decoder import KVCache
 from kdistill.models.hf_io import load_model
 from kdistill.models.tokenizer import load_tokenizer
@@ -205,13 +205,14 @@ def test_cli_chat_renders_the_template(chat_dir, tmp_path, capsys):
         (["--prompt", "a", "--device", "tpu"], None, "--device is 'tpu'"),
         ([], ["{bad"], "m.jsonl:1: not valid JSON"),
         ([], ["[]"], "m.jsonl:1: expected a non-empty list of messages"),
-        ([], ['[{"role": "user", "content": 3}]'], "m.jsonl:1: message 0 must be"),
-        ([], ['[{"role": "bot", "content": "x"}]'], "m.jsonl:1: message 0 must be"),
+        ([], ['[{"role": "user", "content": 3}]'], "m.jsonl:1: messages[0] (user): content is a number"),
+        ([], ['[{"role": 7, "content": "x"}]'], "m.jsonl:1: messages[0]: role 7 is not a name"),
         (
             [],
             ["", '[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]'],
-            "m.jsonl:2: the last message is 'assistant', expected 'user'",
+            "m.jsonl:2: the last message is 'assistant', expected a turn to answer",
         ),
+        (["--prompt", "a", "--chat", "--chat-template", "missing.jinja"], None, "--chat-template: missing"),
         ([], [""], "no conversations"),
     ],
 )
@@ -228,3 +229,92 @@ def test_chat_without_template_is_an_error(tmp_path, capsys):
     d = make_tiny_model(tmp_path, family="llama")
     rc, _, err = cli(capsys, "--model", str(d), "--prompt", "a", "--chat")
     assert rc == 2 and err.count("\n") == 1 and "template" in err, err
+
+
+# -- chat templates: any transformation, another template, every field -------------------------------
+def test_a_template_that_transforms_content_does_not_break_generate(tmp_path, capsys):
+    d = make_tiny_model(tmp_path, family="qwen2")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | upper }}")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(d)
+    # the end-of-turn stop comes from the render diff, whatever the template does to the text
+    assert tok.token_to_id("<|endoftext|>") in stop_token_ids(d, tok, load_chat_template(d))
+    for extra in ([], ["--chat"]):
+        rc, out, err = cli(capsys, "--model", str(d), "--prompt", "the fox", "--max-new-tokens", "3", *extra)
+        assert rc == 0, err
+
+
+def test_a_template_that_raises_only_costs_plain_prompts_their_end_of_turn_stop(tmp_path, capsys):
+    d = make_tiny_model(tmp_path, family="qwen2")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ raise_exception('no chat here') }}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    rc, _, err = cli(
+        capsys, "--model", str(d), "--prompt", "the fox", "--max-new-tokens", "3", "--device", "cpu"
+    )
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "--model", str(d), "--prompt", "the fox", "--chat", "--device", "cpu")
+    assert rc == 2 and err.count("\n") == 1 and "chat template failed at line 1: no chat here" in err, err
+
+
+def test_chat_template_flag_renders_with_another_template(tmp_path, capsys):
+    d = make_tiny_model(tmp_path, family="llama")  # no template of its own
+    rc, _, err = cli(capsys, "--model", str(d), "--prompt", "a", "--chat")
+    assert rc == 2 and "--chat-template PATH" in err and "data.chat_template" not in err
+    tpl = tmp_path / "mine.jinja"
+    tpl.write_text(TEMPLATE, encoding="utf-8")
+    rc, out, err = cli(
+        capsys,
+        "--model",
+        str(d),
+        "--prompt",
+        "the fox",
+        "--chat",
+        "--chat-template",
+        str(tpl),
+        "--json",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+    )
+    assert rc == 0, err
+    tok = load_tokenizer(d)
+    ids = [tok.encode(ChatTemplate(TEMPLATE, "mine").render([{"role": "user", "content": "the fox"}], True))]
+    want = generate_ids(
+        load_model(d).eval(),
+        ids,
+        Sampling(max_new_tokens=4),
+        stop_token_ids(d, tok, None) | {tok.token_to_id("<|endoftext|>")},
+    )
+    assert json.loads(out)["token_ids"] == want[0]
+
+
+def test_messages_keep_every_field_and_their_tools(tmp_path):
+    msgs = tmp_path / "m.jsonl"
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    record = {
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "look it up"},
+            {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+        ],
+    }
+    msgs.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    (conv,) = read_messages_file(msgs)
+    tpl = ChatTemplate(
+        "{{ tools | map(attribute='function.name') | join(',') }}|{% for m in messages %}{{ m.role }}:"
+        "{{ m.content or '' }}{{ m.reasoning_content or '' }}{{ (m.tool_calls or []) | length }};{% endfor %}"
+        "{% if add_generation_prompt %}>{{ flavour }}{% endif %}",
+        "t.jinja",
+    )
+    tok = load_tokenizer(make_tiny_model(tmp_path, family="qwen2"))
+    (ids,) = encode_prompts(tok, tpl, conversations=[conv], template_kwargs={"flavour": "x"})
+    assert tok.decode(ids) == "get_weather|user:Weather?0;assistant:look it up1;tool:sunny0;>x"
+
+
+def test_a_prompt_that_is_not_unicode_is_one_line(chat_dir, capsys):
+    rc, _, err = cli(capsys, "--model", str(chat_dir), "--prompt", "a\udcff", "--device", "cpu")
+    assert rc == 2 and err.count("\n") == 1 and "prompt 1 holds a lone surrogate" in err, err

@@ -158,8 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
-    p.add_argument("--messages", metavar="FILE", help="JSONL of conversations to answer (last turn: user)")
+    p.add_argument(
+        "--messages", metavar="FILE", help="JSONL of conversations to answer (last turn: user or tool)"
+    )
     p.add_argument("--chat", action="store_true", help="render prompts with the model's chat template")
+    p.add_argument(
+        "--chat-template", metavar="PATH", default=None, help="a .jinja file to render with instead"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
@@ -183,7 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-n", type=int, default=3, help="rows to show (default: %(default)s)")
     d.add_argument("--seq-len", type=int, default=512, help="tokens per packed row (default: %(default)s)")
     d.add_argument("--chat-template", default=None, help="a .jinja file to render with instead")
-    d.add_argument("--train-on", default="assistant", help="assistant or all (default: %(default)s)")
+    d.add_argument(
+        "--train-on", default="assistant", help="assistant, last_assistant or all (default: %(default)s)"
+    )
+    d.add_argument(
+        "--template-kwargs",
+        metavar="JSON",
+        default=None,
+        help="template variables, e.g. '{\"enable_thinking\": false}'",
+    )
     d.add_argument("--json", action="store_true", help="per row input_ids, labels and boundaries as JSON")
 
     p = sub.add_parser("inspect", help="architecture, parameter counts, dtype, vocab and tokenizer identity")

@@ -123,12 +123,33 @@ class DataConfig:
     max_tokens: int = 0  # 0: no cap on tokenized training tokens
     cache_dir: str = ""  # default: ~/.cache/kdistill/data
     # Conversation files (JSONL/Parquet with `messages` or `prompt` + `completion`):
-    train_on: str = "assistant"  # assistant: loss on the answers only; all: on every token
+    train_on: str = "assistant"  # assistant: every answer; last_assistant: the last answer; all: every token
     chat_template: str = ""  # a .jinja file (or model directory) to render with; default: the teacher's
+    # Template variables (e.g. {enable_thinking: false}); a `tools` list here is the tools of records
+    # without their own.
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
         _positive("data.seq_len", self.seq_len)
-        _choice("data.train_on", self.train_on, ("assistant", "all"))
+        _choice("data.train_on", self.train_on, ("assistant", "last_assistant", "all"))
+        if not isinstance(self.template_kwargs, dict):
+            raise UserError(
+                f"data.template_kwargs is {short_repr(self.template_kwargs)}, expected a mapping of template "
+                "variables (e.g. {enable_thinking: false})"
+            )
+        for key in self.template_kwargs:
+            if (
+                not isinstance(key, str)
+                or not key.isidentifier()
+                or key in ("messages", "add_generation_prompt")
+            ):
+                raise UserError(
+                    f"data.template_kwargs has key {short_repr(key)}, expected template variable names "
+                    "(not messages or add_generation_prompt)"
+                )
+        tools = self.template_kwargs.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise UserError("data.template_kwargs.tools is not a list of tool definitions (objects)")
         if not 0 <= self.heldout_fraction < 1:
             raise UserError(f"data.heldout_fraction is {self.heldout_fraction}, expected a number in [0, 1)")
         if self.max_tokens < 0:

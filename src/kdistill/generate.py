@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kdistill.data.chat import end_of_turn_token
+from kdistill.data.chat import Conversation, check_unicode, conversation_from_record, end_of_turn_token
 from kdistill.data.chat_pack import PackedRows
-from kdistill.data.chat_template import ChatTemplate, load_chat_template
+from kdistill.data.chat_template import CHAT_TEMPLATE_OVERRIDE, ChatTemplate, load_chat_template
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.errors import UserError
 from kdistill.kernels.plan import generation_kernels
@@ -140,22 +141,35 @@ def _config_eos_ids(model_dir: Path) -> set[int]:
     return out
 
 
-def stop_token_ids(model_dir: str | Path, tokenizer: Tokenizer, template: ChatTemplate | None) -> set[int]:
+def stop_token_ids(
+    model_dir: str | Path,
+    tokenizer: Tokenizer,
+    template: ChatTemplate | None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> set[int]:
     """The tokenizer's EOS, the eos ids of config.json and generation_config.json, and the chat
-    template's end-of-turn token (when the model has a template)."""
+    template's end-of-turn token (when the model has a template): the special token that follows an
+    answer in the render diff of a probe conversation, never a word searched for in the text. A template
+    that fails on the probe only means no end-of-turn stop (with a warning)."""
     ids = {i for i in _config_eos_ids(Path(model_dir)) if 0 <= i < tokenizer.vocab_size}
     if tokenizer.eos_id is not None:
         ids.add(tokenizer.eos_id)
     if template is not None:
-        eot = end_of_turn_token(template, tokenizer)
+        try:
+            eot = end_of_turn_token(template, tokenizer, template_kwargs)
+        except UserError as e:
+            logging.getLogger("kdistill").warning("no end-of-turn stop token: %s", e)
+            eot = None
         if eot is not None and tokenizer.token_to_id(eot) is not None:
             ids.add(tokenizer.token_to_id(eot))
     return ids
 
 
-def read_messages_file(path: str | Path) -> list[list[dict[str, str]]]:
-    """Conversations to answer from a JSONL file: per line a list of {role, content} or an object
-    with `messages`; roles system/user/assistant, contents strings, the last turn the user's."""
+def read_messages_file(path: str | Path) -> list[Conversation]:
+    """Conversations to answer from a JSONL file: per line a list of messages or an object with
+    `messages` (and optionally `tools`). Every field of a message reaches the template as given (roles
+    such as `tool`, `reasoning_content`, `tool_calls`); the last turn is not the assistant's (the
+    answer is what comes next)."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -174,28 +188,38 @@ def read_messages_file(path: str | Path) -> list[list[dict[str, str]]]:
             raise UserError(
                 f'{where}: not valid JSON, expected a list of messages or {{"messages": [...]}}'
             ) from None
-        msgs = rec.get("messages") if isinstance(rec, dict) else rec
+        if isinstance(rec, list):
+            rec = {"messages": rec}
+        msgs = rec.get("messages") if isinstance(rec, dict) else None
         if not isinstance(msgs, list) or not msgs:
             raise UserError(f'{where}: expected a non-empty list of messages or {{"messages": [...]}}')
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise UserError(
-                    f'{where}: message {i} must be {{"role": system|user|assistant, "content": string}}'
-                )
-        if msgs[-1]["role"] != "user":
-            raise UserError(f"{where}: the last message is '{msgs[-1]['role']}', expected 'user' (to answer)")
-        out.append([{"role": m["role"], "content": m["content"]} for m in msgs])
+        # The training reader's checks (every field kept); a last user turn stands in for the answer
+        # that format requires, and is dropped again.
+        probe = {**rec, "messages": [*msgs, {"role": "assistant", "content": ""}]}
+        conv = conversation_from_record(probe, "messages", where)
+        last = msgs[-1].get("role")
+        if last == "assistant":
+            raise UserError(
+                f"{where}: the last message is 'assistant', expected a turn to answer (user or tool)"
+            )
+        out.append(
+            Conversation(
+                messages=conv.messages[:-1], train=(False,) * len(msgs), source=where, tools=conv.tools
+            )
+        )
     if not out:
         raise UserError(f"{path}: no conversations (expected one JSON list of messages per line)")
     return out
 
 
 def _template(model_dir: Path, needed: bool) -> ChatTemplate | None:
-    """The model's chat template; None when it has none and none is needed (plain prompts)."""
+    """The chat template: `--chat-template PATH` when given (kdistill.data.chat_template.
+    using_chat_template), else the model's; None when it has none and none is needed (plain prompts)."""
+    override = CHAT_TEMPLATE_OVERRIDE.get()
     try:
-        return load_chat_template(model_dir)
+        return load_chat_template(model_dir, override, field="--chat-template")
     except UserError:
-        if needed:
+        if needed or override is not None:
             raise
         return None
 
@@ -205,17 +229,32 @@ def encode_prompts(
     template: ChatTemplate | None,
     *,
     prompts: Sequence[str] = (),
-    conversations: Sequence[Sequence[dict[str, str]]] = (),
+    conversations: Sequence[Conversation | Sequence[Mapping[str, Any]]] = (),
     chat: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt. Chat: a prompt becomes one user turn, and each conversation is
-    rendered with the template and add_generation_prompt=True; plain prompts are encoded as they are."""
+    rendered with the template, its tools (or template_kwargs' `tools`), the template variables and
+    add_generation_prompt=True; plain prompts are encoded as they are."""
     if chat or conversations:
-        assert template is not None
-        convs = [[{"role": "user", "content": p}] for p in prompts] + [list(c) for c in conversations]
-        texts = [template.render(c, add_generation_prompt=True) for c in convs]
+        if template is None:
+            raise UserError("chat prompts need a chat template (give one with --chat-template PATH)")
+        values = dict(template_kwargs or {})
+        run_tools = values.pop("tools", None)
+        items: list[tuple[list[Any], Any]] = [([{"role": "user", "content": p}], None) for p in prompts]
+        for c in conversations:
+            if isinstance(c, Conversation):
+                items.append((list(c.messages), None if c.tools is None else list(c.tools)))
+            else:
+                items.append((list(c), None))
+        texts = [
+            template.render(m, add_generation_prompt=True, tools=run_tools if t is None else t, **values)
+            for m, t in items
+        ]
     else:
         texts = list(prompts)
+    for i, text in enumerate(texts):
+        check_unicode(text, f"prompt {i + 1}")
     ids = tokenizer.encode_batch(texts)
     for i, row in enumerate(ids):
         if not row:
@@ -267,6 +306,7 @@ class Job:
     texts: list[str]
     convs: list[list[dict[str, Any]] | None]
     stops: set[int]
+    tools: list[list[Any] | None] = dataclasses.field(default_factory=list)  # per prompt: its record's tools
 
     @property
     def context(self) -> int:
@@ -291,12 +331,13 @@ def prepare_job(
     ids = encode_prompts(tokenizer, template, prompts=prompts, conversations=convs_in, chat=chat)
     if chat or convs_in:
         convs: list[list[dict[str, Any]] | None] = [[{"role": "user", "content": p}] for p in prompts]
-        convs += [list(c) for c in convs_in]
+        convs += [[dict(m) for m in c.messages] for c in convs_in]
     else:
         convs = [None] * len(prompts)
     texts = [tokenizer.decode(r) for r in ids] if chat or convs_in else list(prompts)
     stops = stop_token_ids(model_dir, tokenizer, template)
-    return Job(model_dir, tokenizer, template, spec, ids, texts, convs, stops)
+    tools = [None] * len(prompts) + [list(c.tools) if c.tools is not None else None for c in convs_in]
+    return Job(model_dir, tokenizer, template, spec, ids, texts, convs, stops, tools)
 
 
 def cache_length(job: Job, sampling: Sampling, max_length: int | None) -> int:
@@ -407,6 +448,8 @@ def answer_row(job: Job, index: int, sample: int, new: list[int]) -> dict[str, A
     conv = job.convs[index]
     if conv is not None:
         row["messages"] = [*conv, {"role": "assistant", "content": text}]
+        if job.tools and job.tools[index] is not None:
+            row["tools"] = job.tools[index]
     else:
         row["prompt"], row["completion"] = job.texts[index], text
     return row

@@ -1,22 +1,33 @@
 """`kdistill data preview`: the first packed rows of conversation data as the student will see them.
 
     kdistill data preview --model DIR --data FILE [FILE ...] [-n 3] [--seq-len 512]
-                          [--chat-template PATH] [--train-on assistant|all] [--json]
+                          [--chat-template PATH] [--train-on assistant|last_assistant|all]
+                          [--template-kwargs '{"enable_thinking": false}'] [--json]
 
 Renders each conversation with the model's chat template (or --chat-template), tokenizes it with the
 answers marked, packs the conversations into --seq-len rows as a run does, and prints the first n
 rows: one header per conversation, the learned tokens coloured green on a terminal and wrapped in
 [[ ]] otherwise. --json prints per row input_ids, labels (the ignore index, -100, where masked),
-position_ids, cu_seqlens and the conversations' boundaries, plus the packing summary.
+position_ids, cu_seqlens and the conversations' boundaries, plus the packing summary. A file whose
+conversations carry reasoning or tool fields (or `tools`) that the template does not render gets one
+warning (stderr; in --json also under "warnings").
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from kdistill.console import print_json
-from kdistill.data.chat import TRAIN_ON, read_conversations, sniff_format, tokenize_conversation
+from kdistill.data.chat import (
+    TRAIN_ON,
+    read_conversations,
+    sniff_format,
+    tokenize_conversation,
+    warn_unrendered,
+)
 from kdistill.data.chat_pack import pack_conversations, preview_json, render_preview
 from kdistill.data.chat_template import load_chat_template
 from kdistill.data.sources import expand_paths
@@ -33,13 +44,14 @@ def preview_command(args: Any) -> int:
         raise UserError(f"--seq-len is {seq_len}, expected an integer >= 2")
     if args.train_on not in TRAIN_ON:
         raise UserError(f"--train-on is '{args.train_on}', expected one of: {', '.join(TRAIN_ON)}")
+    kwargs = _template_kwargs(getattr(args, "template_kwargs", None))
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise UserError(
             f"--model {model_dir}: not a directory, expected a model directory with tokenizer.json"
         )
     tok = load_tokenizer(model_dir)
-    template = load_chat_template(model_dir, args.chat_template)
+    template = load_chat_template(model_dir, args.chat_template, field="--chat-template")
     convs = []
     for spec in expand_paths(args.data, "--data"):
         if sniff_format(spec.path) is None:
@@ -48,7 +60,10 @@ def preview_command(args: Any) -> int:
                 "'messages' or 'prompt' + 'completion')"
             )
         convs.extend(read_conversations(spec.path))
-    tokenized = [tokenize_conversation(c, template, tok, args.train_on) for c in convs]
+    tokenized = [tokenize_conversation(c, template, tok, args.train_on, kwargs) for c in convs]
+    warnings = warn_unrendered(tokenized, template)
+    for line in warnings:
+        print(f"kdistill: warning: {line}", file=sys.stderr)
     pad = tok.eos_id if tok.eos_id is not None else 0
     rows = pack_conversations(tokenized, seq_len, pad_id=pad)
     if args.json:
@@ -63,6 +78,8 @@ def preview_command(args: Any) -> int:
                 "conversations": rows.conversations,
                 "truncated": rows.truncated,
                 "dropped": rows.dropped,
+                "template_kwargs": kwargs,
+                "warnings": warnings,
                 "rows": preview_json(rows, n),
             }
         )
@@ -71,3 +88,30 @@ def preview_command(args: Any) -> int:
     for r in range(min(n, len(rows))):
         print(render_preview(rows, r, tok.decode))
     return 0
+
+
+def _template_kwargs(text: str | None) -> dict[str, Any]:
+    """--template-kwargs: a JSON object of template variables."""
+    if text is None or text == "":
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise UserError(
+            f"--template-kwargs is not valid JSON, expected an object such as {EXAMPLE}"
+        ) from None
+    if not isinstance(value, dict):
+        raise UserError(f"--template-kwargs is not a JSON object, expected one such as {EXAMPLE}")
+    for key in value:
+        if not key.isidentifier() or key in ("messages", "add_generation_prompt"):
+            raise UserError(
+                f"--template-kwargs has key {key!r}, expected template variable names "
+                "(not messages or add_generation_prompt)"
+            )
+    tools = value.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UserError("--template-kwargs: 'tools' is not a list of tool definitions (objects)")
+    return value
+
+
+EXAMPLE = '{"enable_thinking": false}'

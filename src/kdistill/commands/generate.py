@@ -5,6 +5,7 @@ CUDA-graph steps on a GPU, slots refilled as rows finish).
     kdistill generate --model DIR --messages chats.jsonl --json       # one JSON line per answer
     kdistill generate --model DIR --prompt "Hi" --temperature 0.8 --top-p 0.9 --seed 1
     kdistill generate --model TEACHER --messages prompts.jsonl --out answers.jsonl --samples-per-prompt 4
+    kdistill generate --model DIR --prompt "Hi" --chat --chat-template chat.jinja   # another template
 
 Greedy by default (temperature 0). A single prompt streams to the terminal as tokens come; --json
 prints each answer as a JSON line as soon as it is complete (its "index" says which prompt); --out
@@ -18,12 +19,19 @@ import json
 import sys
 from typing import Any
 
+from kdistill.data.chat_template import using_chat_template
 from kdistill.decode import Sampling
 from kdistill.generate import generate_texts
 
 
 def generate_command(args: Any) -> int:
-    """Validate the flags, generate, print text (streamed for one prompt) or JSON lines, or write --out."""
+    """Validate the flags, generate, print text (streamed for one prompt) or JSON lines, or write --out;
+    with --chat-template PATH, every rendering uses that template."""
+    with using_chat_template(getattr(args, "chat_template", None)):
+        return _generate(args)
+
+
+def _generate(args: Any) -> int:
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -6,25 +6,35 @@ answers marked as the only tokens to learn.
     tc.labels(-100)                                              # targets per position, -100 where masked
 
 File formats (detected per file from the first record; every other record must have the same shape):
-- `messages`: a list of {"role", "content"} with roles system / user / assistant, content a string;
-  at least one assistant turn. Every assistant turn is an answer to learn.
+- `messages`: a list of messages, each an object with a string `role` and `content` (a string, a list
+  of content parts, or null/absent on an assistant turn with `tool_calls`). Every key of a message
+  (`reasoning_content`, `tool_calls`, `tool_call_id`, `name`, ...) reaches the template as given; roles
+  are whatever the template accepts (`tool` included). Every assistant turn is an answer to learn.
 - `prompt` + `completion`: `prompt` a string (one user turn) or a list of messages; `completion` a
   string (one assistant turn) or a list of messages with at least one assistant turn. Only the
   completion's assistant turns are learned; assistant turns inside the prompt are context.
+- either may carry `tools`: a list of tool definitions, passed to the template as transformers passes
+  it (records without one use the run's `data.template_kwargs.tools`, if any).
 - JSONL (`.jsonl`, `.ndjson`): one JSON object per line; blank lines are skipped.
 - Parquet (`.parquet`, needs the `parquet` extra: pyarrow): the same columns, one row per record.
-Other keys of a record or message are ignored. A malformed record is a one-line UserError naming the
-file and the line (JSONL) or row (Parquet, counted from 1).
+Other keys of a record are ignored. A malformed record is a one-line UserError naming the file and the
+line (JSONL) or row (Parquet, counted from 1).
 
-What is learned (train_on="assistant"): each answer's text AND the special token that closes it in the
-rendered text (`<|im_end|>`, `<|eot_id|>`: the student must learn to stop). The template's headers
-(`<|im_start|>assistant\\n`), system and user turns, and answers that are only context are masked.
-An answer starts where the generation prompt for it ends: render(messages[:k],
-add_generation_prompt=True) must be a prefix of the whole rendering. It ends where its content ends,
-found by rendering once more with an invisible private-use marker after each answer's text (before
-trailing whitespace, so templates that `trim` see the same text) and checking that, markers removed,
-the text is the same (trailing whitespace the template keeps belongs to the answer). Character spans map to tokens through the tokenizer's offsets: a token is learned
-when it starts inside an answer span. train_on="all" learns every token.
+What is learned (train_on="assistant"), found by render diffs and never by searching the text for
+words: an answer's learned tokens are those the model must write after the template's generation
+prompt, through its end-of-turn token: reasoning block and tool calls included, as the template renders
+them in the conversation. For answer k:
+- its body is where the full rendering changes when answer k alone is replaced by a one-character
+  stand-in (its reasoning, tool calls and content all go): the common prefix and suffix of the two
+  renderings bound it, so a template that transforms content (`| upper`) is located all the same;
+- it starts where the template's generation prompt for it ends: the generation prompt's own text
+  (render(messages[:k], add_generation_prompt=True) minus render(messages[:k])) is found ending at
+  or before the body, longest prefix first (DeepSeek-R1's prompt ends in `<think>\n`, which history
+  does not repeat: its `<｜Assistant｜>` is matched); an empty one (Mistral) starts at the body;
+- it ends with the end-of-turn token: the special token (of the tokenizer) that the unchanged tail
+  after the body starts with, after any whitespace; none when the tail starts otherwise.
+train_on="last_assistant" learns the last such answer only; "all" learns every token. Character spans
+map to tokens through the tokenizer's offsets: a token is learned when it overlaps a span.
 """
 
 from __future__ import annotations
@@ -40,8 +50,11 @@ import numpy as np
 from kdistill.data.chat_template import ChatTemplate
 from kdistill.errors import UserError
 
-ROLES = ("system", "user", "assistant")
-TRAIN_ON = ("assistant", "all")
+ROLES = ("system", "user", "assistant", "tool")  # the usual ones; any string role reaches the template
+TRAIN_ON = ("assistant", "last_assistant", "all")
+# Message fields a template may or may not render: a conversation that carries one its template drops
+# is reported (warn_unrendered) rather than trained on silently without it.
+TRACE_FIELDS = ("reasoning_content", "reasoning", "thinking", "tool_calls")
 MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is refused (bounded memory per line)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -53,14 +66,16 @@ class Conversation:
     """One conversation: its messages, which of them are answers to learn, and where it came from.
 
     Attributes:
-        messages: ({"role": ..., "content": ...}, ...) in order.
+        messages: ({"role": ..., "content": ..., any other key}, ...) in order, as given.
         train: per message, True for an assistant turn whose text is learned.
         source: "file:line" (JSONL) or "file:row N" (Parquet), for messages.
+        tools: the record's `tools` list (None: none given).
     """
 
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     train: tuple[bool, ...]
     source: str
+    tools: tuple[Any, ...] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -78,7 +93,7 @@ def detect_format(record: Any) -> str | None:
     return None
 
 
-def _messages(value: Any, where: str, field: str) -> list[dict[str, str]]:
+def _messages(value: Any, where: str, field: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise UserError(f"{where}: '{field}' is {_json_type(value)}, expected a list of messages")
     if not value:
@@ -89,16 +104,36 @@ def _messages(value: Any, where: str, field: str) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise UserError(f"{at} is {_json_type(m)}, expected an object with 'role' and 'content'")
         if "role" not in m:
-            raise UserError(f"{at} has no 'role' (expected one of {', '.join(ROLES)})")
+            raise UserError(f"{at} has no 'role' (expected a string such as {', '.join(ROLES)})")
         role = m["role"]
-        if role not in ROLES:
-            raise UserError(f"{at}: role {_short(role)} is unknown, expected one of {', '.join(ROLES)}")
-        if "content" not in m:
-            raise UserError(f"{at} ({role}) has no 'content' (expected a string)")
-        if not isinstance(m["content"], str):
-            raise UserError(f"{at} ({role}): content is {_json_type(m['content'])}, expected a string")
-        out.append({"role": role, "content": m["content"]})
+        if not isinstance(role, str) or not role:
+            raise UserError(
+                f"{at}: role {_short(role)} is not a name, expected a string such as {', '.join(ROLES)}"
+            )
+        calls = m.get("tool_calls") is not None
+        if "content" not in m and not calls:
+            raise UserError(f"{at} ({role}) has no 'content' (expected a string, or 'tool_calls')")
+        content = m.get("content")
+        if not (isinstance(content, str | list) or (content is None and calls)):
+            raise UserError(
+                f"{at} ({role}): content is {_json_type(content)}, expected a string or a list of parts"
+                + (" (null only with 'tool_calls')" if content is None else "")
+            )
+        if calls and not isinstance(m["tool_calls"], list):
+            raise UserError(f"{at} ({role}): tool_calls is {_json_type(m['tool_calls'])}, expected a list")
+        out.append(dict(m))
     return out
+
+
+def _tools(record: dict[str, Any], where: str) -> tuple[Any, ...] | None:
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise UserError(
+            f"{where}: 'tools' is {_json_type(tools)}, expected a list of tool definitions (objects)"
+        )
+    return tuple(tools)
 
 
 def conversation_from_record(record: Any, fmt: str, where: str) -> Conversation:
@@ -139,7 +174,9 @@ def conversation_from_record(record: Any, fmt: str, where: str) -> Conversation:
     if not any(train):
         field = "messages" if fmt == "messages" else "completion"
         raise UserError(f"{where}: '{field}' has no assistant turn, expected at least one answer to learn")
-    return Conversation(messages=tuple(messages), train=tuple(train), source=where)
+    return Conversation(
+        messages=tuple(messages), train=tuple(train), source=where, tools=_tools(record, where)
+    )
 
 
 def _format_words(fmt: str) -> str:
@@ -223,6 +260,8 @@ def read_conversations_parquet(path: str | Path) -> list[Conversation]:
         raise UserError(
             f"{path}: columns [{have}], expected 'messages' or 'prompt' + 'completion' for conversations"
         )
+    if "tools" in columns:
+        wanted.append("tools")
     out: list[Conversation] = []
     row = 0
     try:
@@ -295,10 +334,12 @@ class TokenizedConversation:
 
     Attributes:
         input_ids: (n,) int64 token ids of the rendered text.
-        trained: (n,) bool, True for a token the student learns to predict (inside an answer span).
+        trained: (n,) bool, True for a token the student learns to predict (overlapping an answer span).
         text: the rendered text.
         spans: [(start, end)] character spans of the learned text (answers and their end-of-turn).
         source: where the conversation came from.
+        unrendered: fields the conversation carries that the template does not render (e.g.
+            "reasoning_content", "tools"): their text is not in `text`.
     """
 
     input_ids: np.ndarray
@@ -306,6 +347,7 @@ class TokenizedConversation:
     text: str
     spans: list[tuple[int, int]]
     source: str
+    unrendered: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -337,121 +379,327 @@ def special_token_strings(tokenizer: Any) -> list[str]:
     return sorted({t.content for t in added.values() if t.special}, key=len, reverse=True)
 
 
-def _marker_for(messages: Sequence[Mapping[str, str]], template: ChatTemplate) -> str:
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of a and b (binary search over slice comparisons: C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _common_suffix(a: str, b: str) -> int:
+    return _common_prefix(a[::-1], b[::-1])
+
+
+def _prompt_end(text: str, prompt: str, lo: int, hi: int) -> int:
+    """Where the generation prompt's text ends in text[lo:hi]: the end of the last occurrence, ending at
+    or before hi, of the longest prefix of `prompt` found there; hi when none is."""
+    if not prompt or text.rfind(prompt[:1], lo, hi) < 0:
+        return hi
+    if text.rfind(prompt, lo, hi) >= 0:
+        return text.rfind(prompt, lo, hi) + len(prompt)
+    found, missing = 1, len(prompt)  # prompt[:found] occurs; prompt[:missing] does not (monotone in m)
+    while missing - found > 1:
+        mid = (found + missing) // 2
+        if text.rfind(prompt[:mid], lo, hi) >= 0:
+            found = mid
+        else:
+            missing = mid
+    return text.rfind(prompt[:found], lo, hi) + found
+
+
+class _Renderer:
+    """Renders one conversation's message lists with its tools and the template variables."""
+
+    def __init__(self, conv: Conversation, template: ChatTemplate, kwargs: Mapping[str, Any] | None) -> None:
+        values = dict(kwargs or {})
+        run_tools = values.pop("tools", None)
+        self.template, self.values = template, values
+        self.tools = list(conv.tools) if conv.tools is not None else run_tools
+
+    def __call__(self, messages: Sequence[Mapping[str, Any]], gen: bool = False, tools: Any = "same") -> str:
+        return self.template.render(
+            messages, add_generation_prompt=gen, tools=self.tools if tools == "same" else tools, **self.values
+        )
+
+
+def _stand_in(conv: Conversation, template: ChatTemplate) -> str:
+    """One private-use character found in neither the template nor the conversation: what an answer is
+    replaced by to find where it is rendered."""
+    try:
+        seen = json.dumps([conv.messages, conv.tools], ensure_ascii=False, default=str)
+    except (RecursionError, ValueError):
+        raise UserError(
+            f"{conv.source}: a message is nested too deeply, expected plain JSON values"
+        ) from None
     for code in range(0xE000, 0xF900):  # Unicode private use area: never in a template or a tokenizer
         ch = chr(code)
-        if ch not in template.source and not any(ch in m["content"] for m in messages):
+        if ch not in template.source and ch not in seen:
             return ch
-    raise UserError("conversation uses every private-use character; cannot locate its answers")
+    raise UserError(
+        f"{conv.source}: conversation uses every private-use character; cannot locate its answers"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """Where an answer is in the rendered conversation (character offsets).
+
+    Attributes:
+        message: its index in the conversation's messages.
+        start, end: the learned span [start, end): from the end of its generation prompt through its
+            end-of-turn token.
+        body_end: where the text that depends on the answer ends (end - body_end covers the
+            end-of-turn token and the whitespace before it).
+        end_of_turn: the special token that closes it ("" when the template writes none).
+    """
+
+    message: int
+    start: int
+    end: int
+    body_end: int
+    end_of_turn: str
+
+
+def locate_answers(
+    conv: Conversation,
+    template: ChatTemplate,
+    special_tokens: Sequence[str] = (),
+    template_kwargs: Mapping[str, Any] | None = None,
+    train_on: str = "assistant",
+) -> tuple[str, list[Answer]]:
+    """(rendered text, the learned answers), located by render diffs (see the module docstring).
+
+    Raises:
+        UserError: the template fails on this conversation (one line naming it), or does not render
+            an answer at all (the same text with or without it).
+    """
+    render = _Renderer(conv, template, template_kwargs)
+    messages = list(conv.messages)
+    text = render(messages)
+    learned = [k for k, t in enumerate(conv.train) if t]
+    if train_on == "last_assistant":
+        learned = learned[-1:]
+    if not learned:
+        return text, []
+    mark = _stand_in(conv, template)
+    answers: list[Answer] = []
+    lo = 0
+    for k in learned:
+        stand_in = {"role": messages[k].get("role"), "content": mark}
+        try:
+            alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
+            content_only = False
+        except UserError:
+            # A template that checks the turns around a tool call (ids, order) may refuse an answer
+            # without its calls: keep every other field, so the content alone is located.
+            stand_in = {**messages[k], "content": mark}
+            alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
+            content_only = True
+        if alt == text:
+            raise UserError(
+                f"{conv.source}: the chat template {template.origin} does not render answer {k} (the "
+                "same text with or without it), so it cannot be learned (use data.train_on=all)"
+            )
+        body, body_end = _body(text, alt)
+        if content_only and body == body_end and messages[k].get("tool_calls"):
+            raise UserError(
+                f"{conv.source}: the chat template {template.origin} refuses answer {k} without its tool "
+                "calls and renders no content for it, so it cannot be located (use data.train_on=all)"
+            )
+        start = body
+        # (a template that refuses the history alone, e.g. one ending on a tool result, has no prompt
+        # to match: the answer starts at its body)
+        prompt = _try(render, messages[:k], gen=True)
+        before = _try(render, messages[:k]) if k else ""
+        if prompt is not None and before is not None:
+            gen_text = prompt[_common_prefix(before, prompt) :]
+            if k + 1 == len(messages):  # the turn's own rendering is the conversation's
+                start = _prompt_end(text, gen_text, max(lo, _common_prefix(before, text)), body)
+            else:
+                # Find the prompt in the rendering that ends with this turn (its region is bounded by
+                # the history before it there), then carry the lead (text between the prompt and the
+                # body, e.g. Qwen3's "<think>\n") over when the conversation renders it too.
+                own = render(messages[: k + 1])
+                own_alt = render(messages[:k] + [stand_in])
+                own_body, _ = _body(own, own_alt)
+                lead = own[_prompt_end(own, gen_text, _common_prefix(before, own), own_body) : own_body]
+                if lead and lo <= body - len(lead) and text[body - len(lead) : body] == lead:
+                    start = body - len(lead)
+        tail = text[body_end:]
+        ws = len(tail) - len(tail.lstrip())
+        eot = next((t for t in special_tokens if text.startswith(t, body_end + ws)), "")
+        end = body_end + ws + len(eot) if eot else body_end
+        answers.append(Answer(message=k, start=start, end=end, body_end=body_end, end_of_turn=eot))
+        lo = end
+    return text, answers
+
+
+def _body(text: str, alt: str) -> tuple[int, int]:
+    """[a, b) of `text` that differs from `alt` (the same conversation with one answer replaced)."""
+    a = _common_prefix(text, alt)
+    b = len(text) - _common_suffix(text[a:], alt[a:])
+    return a, max(a, b)
+
+
+def _try(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), or None where the template raises (e.g. on an empty conversation)."""
+    try:
+        return fn(*args, **kwargs)
+    except UserError:
+        return None
 
 
 def answer_spans(
-    conv: Conversation, template: ChatTemplate, special_tokens: Sequence[str] = ()
+    conv: Conversation,
+    template: ChatTemplate,
+    special_tokens: Sequence[str] = (),
+    template_kwargs: Mapping[str, Any] | None = None,
+    train_on: str = "assistant",
 ) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, [(start, end)] character span of each learned answer, end-of-turn included).
 
-    `special_tokens`: the tokenizer's special tokens, longest first; the one that directly follows an
-    answer in the text is its end-of-turn and is part of the span.
+    `special_tokens`: the tokenizer's special tokens, longest first; the one the unchanged tail after
+    an answer starts with (after whitespace) is its end-of-turn and is part of the span.
 
     Raises:
-        UserError: the template fails on this conversation, renders earlier turns differently once a
-            later turn exists, or alters an answer's text so that its end cannot be found.
+        UserError: see locate_answers.
     """
-    messages = list(conv.messages)
-    text = template.render(messages)
-    marker = _marker_for(messages, template)
-    marked = []
-    for m, learn in zip(messages, conv.train):
-        if learn:
-            core = m["content"].rstrip()
-            m = {**m, "content": core + marker + m["content"][len(core) :]}
-        marked.append(m)
-    marked_text = template.render(marked)
-    if marked_text.replace(marker, "") != text:
-        raise UserError(
-            f"{conv.source}: the chat template {template.origin} changes an answer's text around its "
-            "end, so the answers cannot be located for loss masking (use data.train_on=all)"
-        )
-    ends = []
-    removed = 0
-    for i, ch in enumerate(marked_text):
-        if ch == marker:
-            ends.append(i - removed)
-            removed += 1
-    learned = [k for k, t in enumerate(conv.train) if t]
-    if len(ends) != len(learned):
-        raise UserError(
-            f"{conv.source}: the chat template {template.origin} shows {len(ends)} of "
-            f"{len(learned)} answers, so the answers cannot be located for loss masking"
-        )
-    spans = []
-    for k, end in zip(learned, ends):
-        content = messages[k]["content"]
-        trail = content[len(content.rstrip()) :]
-        if text.startswith(trail, end):  # trailing whitespace the template kept is part of the answer
-            end += len(trail)
-        prompt = template.render(messages[:k], add_generation_prompt=True)
-        if not text.startswith(prompt):
-            raise UserError(
-                f"{conv.source}: the chat template {template.origin} renders the turns before answer "
-                f"{k} differently from its generation prompt, so the answer's start cannot be found"
-            )
-        start = len(prompt)
-        if end < start:
-            raise UserError(
-                f"{conv.source}: answer {k} ends before its generation prompt does in the rendering "
-                f"of {template.origin}"
-            )
-        for tok in special_tokens:
-            if text.startswith(tok, end):
-                end += len(tok)
-                break
-        spans.append((start, end))
-    return text, spans
+    text, answers = locate_answers(conv, template, special_tokens, template_kwargs, train_on)
+    return text, [(a.start, a.end) for a in answers]
+
+
+def unrendered_fields(
+    conv: Conversation, template: ChatTemplate, text: str, template_kwargs: Mapping[str, Any] | None = None
+) -> tuple[str, ...]:
+    """The reasoning / tool fields (and `tools`) the conversation carries that its rendering `text`
+    does not show: rendering without them gives the same text."""
+    render = _Renderer(conv, template, template_kwargs)
+    present = sorted({f for m in conv.messages for f in TRACE_FIELDS if m.get(f) not in (None, "", [], {})})
+    out: list[str] = []
+    # A template that fails without a field needs it, so renders it: only an equal text counts.
+    if present:
+        stripped = [{k: v for k, v in m.items() if k not in TRACE_FIELDS} for m in conv.messages]
+        if _try(render, stripped) == text:
+            out.extend(present)
+    if render.tools and _try(render, list(conv.messages), tools=None) == text:
+        out.append("tools")
+    return tuple(out)
 
 
 def tokenize_conversation(
-    conv: Conversation, template: ChatTemplate, tokenizer: Any, train_on: str = "assistant"
+    conv: Conversation,
+    template: ChatTemplate,
+    tokenizer: Any,
+    train_on: str = "assistant",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> TokenizedConversation:
     """Render `conv` with `template`, encode it (no special tokens added: the template writes them, as
     in `apply_chat_template`), and mark the learned tokens.
 
     Args:
         tokenizer: kdistill's Tokenizer or a `tokenizers.Tokenizer`.
-        train_on: "assistant" (answers and their end-of-turn only) or "all" (every token).
+        train_on: "assistant" (answers and their end-of-turn only), "last_assistant" (the last answer
+            only) or "all" (every token).
+        template_kwargs: template variables (e.g. {"enable_thinking": False}); a `tools` entry is the
+            tools list of records without their own.
 
     Raises:
-        UserError: see answer_spans; or an unknown train_on.
+        UserError: see locate_answers; or an unknown train_on.
     """
     if train_on not in TRAIN_ON:
         raise UserError(f"data.train_on is {train_on!r}, expected one of {', '.join(TRAIN_ON)}")
     backend = _backend(tokenizer)
     if train_on == "all":
-        text = template.render(list(conv.messages))
+        text = _Renderer(conv, template, template_kwargs)(list(conv.messages))
         spans = [(0, len(text))]
     else:
-        text, spans = answer_spans(conv, template, special_token_strings(backend))
+        text, spans = answer_spans(conv, template, special_token_strings(backend), template_kwargs, train_on)
+    check_unicode(text, f"{conv.source}: the rendered conversation")
     enc = backend.encode(text, add_special_tokens=False)
     ids = np.asarray(enc.ids, dtype=np.int64)
-    starts = np.asarray([a for a, _ in enc.offsets], dtype=np.int64)
+    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = offsets[:, 0], offsets[:, 1]
     trained = np.zeros(len(ids), dtype=bool)
     for a, b in spans:
-        trained |= (starts >= a) & (starts < b)
-    return TokenizedConversation(input_ids=ids, trained=trained, text=text, spans=spans, source=conv.source)
-
-
-def end_of_turn_token(template: ChatTemplate, tokenizer: Any) -> str | None:
-    """The special token the template writes after an answer (e.g. <|im_end|>), or None: a stop token
-    for generation."""
-    probe = Conversation(
-        messages=({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}),
-        train=(False, True),
-        source=f"{template.origin} (probe)",
+        # A token overlapping the span is learned: its characters are (partly) the answer's, e.g. a
+        # SentencePiece "▁word" whose space the template wrote before the answer.
+        trained |= (ends > a) & (starts < b) | ((starts == ends) & (starts >= a) & (starts < b))
+    return TokenizedConversation(
+        input_ids=ids,
+        trained=trained,
+        text=text,
+        spans=spans,
+        source=conv.source,
+        unrendered=unrendered_fields(conv, template, text, template_kwargs),
     )
-    text, spans = answer_spans(probe, template, special_token_strings(tokenizer))
-    start, end = spans[0]
-    answer_end = text.index("Hello", start) + len("Hello")
-    return text[answer_end:end] or None
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text a tokenizer cannot take: a lone surrogate (a JSON escape such as \\ud800, or a
+    template's own) is not Unicode text.
+
+    Raises:
+        UserError: naming `what` and the character's offset.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"{what} holds a lone surrogate at character {e.start} (expected Unicode text; a JSON "
+            "escape such as \\ud800 without its pair is not)"
+        ) from None
+
+
+def end_of_turn_token(
+    template: ChatTemplate, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None
+) -> str | None:
+    """The special token the template writes after an answer (e.g. <|im_end|>), or None: a stop token
+    for generation, from the render diff of a probe conversation (never from searching the text).
+    A template that refuses the plain probe is tried with a system turn first.
+
+    Raises:
+        UserError: the template refuses both probes (the first one's message).
+    """
+    hi, hello = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    first: UserError | None = None
+    for messages in ((hi, hello), ({"role": "system", "content": "Be brief."}, hi, hello)):
+        probe = Conversation(
+            messages=messages,
+            train=tuple(m is hello for m in messages),
+            source=f"{template.origin} (probe)",
+        )
+        try:
+            _, answers = locate_answers(probe, template, special_token_strings(tokenizer), template_kwargs)
+        except UserError as e:
+            first = first or e
+            continue
+        return answers[0].end_of_turn or None
+    assert first is not None
+    raise first
+
+
+def warn_unrendered(tokenized: Sequence[TokenizedConversation], template: ChatTemplate) -> list[str]:
+    """One warning per file whose conversations carry fields the template does not render."""
+    seen: dict[str, set[str]] = {}
+    first: dict[str, str] = {}
+    for tc in tokenized:
+        if tc.unrendered:
+            file = tc.source.rsplit(":", 1)[0]
+            seen.setdefault(file, set()).update(tc.unrendered)
+            first.setdefault(file, tc.source)
+    return [
+        f"{file}: the chat template {template.origin} does not render {', '.join(sorted(fields))} "
+        f"(first at {first[file]}): that text is not learned"
+        for file, fields in seen.items()
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
     data.train.batch(np.array([0, 1]))   # (input_ids, labels, position_ids, doc_ids), (B, seq_len) each
 
 Each file of data.train (and data.heldout) is read as conversations (kdistill.data.chat), rendered
-with `template` and tokenized with its answers marked (data.train_on), then packed whole into
+with `template` and data.template_kwargs and tokenized with its answers marked (data.train_on; a
+warning once per file whose reasoning or tool fields the template does not render), then packed whole into
 seq_len-token rows (kdistill.data.chat_pack): labels are already the shifted targets, with the ignore
 index on masked tokens, so a row is seq_len tokens, not seq_len + 1 as raw text windows are.
 
@@ -16,7 +17,8 @@ when given directly) + ":LINE" (":row N" for Parquet); or data.heldout paths giv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,15 @@ from kdistill.data.chat import (
     read_conversations,
     sniff_format,
     tokenize_conversation,
+    warn_unrendered,
 )
 from kdistill.data.chat_pack import PackedRows, pack_conversations
 from kdistill.data.chat_template import ChatTemplate
 from kdistill.data.packing import PreparedData, split_score
 from kdistill.data.sources import FileSpec, expand_paths
 from kdistill.errors import UserError
+
+log = logging.getLogger("kdistill.data")
 
 
 def is_conversation_data(paths: Sequence[str | Path], field: str = "data.train") -> bool:
@@ -69,16 +74,23 @@ def _read(specs: list[FileSpec]) -> list[tuple[str, Conversation]]:
 
 
 def _tokenize(
-    convs: list[Conversation], template: ChatTemplate, tokenizer: Any, train_on: str, max_tokens: int = 0
+    convs: list[Conversation],
+    template: ChatTemplate,
+    tokenizer: Any,
+    train_on: str,
+    max_tokens: int = 0,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[TokenizedConversation]:
     out: list[TokenizedConversation] = []
     total = 0
     for conv in convs:
         if max_tokens and total >= max_tokens:
             break
-        tc = tokenize_conversation(conv, template, tokenizer, train_on)
+        tc = tokenize_conversation(conv, template, tokenizer, train_on, template_kwargs)
         out.append(tc)
         total += len(tc)
+    for line in warn_unrendered(out, template):  # once per file: nothing dropped silently
+        log.warning("%s", line)
     return out
 
 
@@ -111,11 +123,11 @@ def prepare_chat_data(
         held_convs = [c for (_, c), h in zip(train_pairs, held) if h]
         split, need_held = "hash", require_heldout and frac > 0
     ignore = -100
-    train_tok = _tokenize(train_convs, template, tokenizer, cfg.train_on, int(cfg.max_tokens or 0))
+    kwargs = dict(getattr(cfg, "template_kwargs", None) or {})
+    train_tok = _tokenize(train_convs, template, tokenizer, cfg.train_on, int(cfg.max_tokens or 0), kwargs)
     train = pack_conversations(train_tok, seq_len, pad_id=pad, ignore_index=ignore)
-    heldout = pack_conversations(
-        _tokenize(held_convs, template, tokenizer, cfg.train_on), seq_len, pad_id=pad, ignore_index=ignore
-    )
+    held_tok = _tokenize(held_convs, template, tokenizer, cfg.train_on, 0, kwargs)
+    heldout = pack_conversations(held_tok, seq_len, pad_id=pad, ignore_index=ignore)
     if len(train) == 0:
         raise UserError(
             f"data.train: no training rows from {len(train_convs)} conversations (none has an answer "

@@ -44,10 +44,13 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {k: torch_dtype(v) for k, v in SAFE
 
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "model.safetensors"
+# What a chat model needs besides its weights (transformers 5 keeps the template in chat_template.jinja).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
     "vocab.json",
     "merges.txt",
 )
@@ -464,7 +467,12 @@ def has_weights(model_dir: Path) -> bool:
 
 
 def save_model(
-    model: Decoder, out_dir: Path, *, source_dir: Path | None = None, dtype: torch.dtype | None = None
+    model: Decoder,
+    out_dir: Path,
+    *,
+    source_dir: Path | None = None,
+    dtype: torch.dtype | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Write `model` as a Hugging Face directory that transformers.AutoModelForCausalLM loads as is.
 
@@ -479,6 +487,8 @@ def save_model(
         out_dir: target directory.
         source_dir: the model directory to copy tokenizer and generation config files from.
         dtype: dtype to store (float32, bfloat16 or float16); default: the model's parameter dtype.
+        chat_template: written as chat_template.jinja (the template a run rendered its conversations
+            with, when it was not the source's own).
 
     Raises:
         UserError: out_dir is a file, or a non-empty directory that is not a model directory (no
@@ -530,6 +540,8 @@ def save_model(
             for fname in (*TOKENIZER_FILES, *EXTRA_FILES):
                 if (src / fname).is_file():
                     shutil.copyfile(src / fname, tmp / fname)
+        if chat_template is not None:
+            (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
         fsync_dir(tmp)
 
         if out_dir.exists():

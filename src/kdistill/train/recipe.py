@@ -815,7 +815,7 @@ class Samples:
         template = None
         if isinstance(self.run.held.sequences, PackedRows):
             template = load_chat_template(cfg.teacher.path, cfg.data.chat_template or None)
-        return stop_token_ids(cfg.teacher.path, tok, template)
+        return stop_token_ids(cfg.teacher.path, tok, template, cfg.data.template_kwargs)
 
     def __call__(self, step: int) -> None:
         if not self.prompts:
@@ -894,6 +894,11 @@ def export_student(run: Run) -> None:
     student's adapters in PEFT's layout in run_dir/adapter (`kdistill export --merge` folds them in),
     under torchrun gathered whole (collective) and written by rank 0."""
     out, source = run.run_dir / "student", Path(run.cfg.teacher.path)
+    # A run that rendered its conversations with data.chat_template exports that template: the
+    # student answers in the format it learned.
+    template = None
+    if run.cfg.data.chat_template and run.data_stats.get("format") == "conversations":
+        template = load_chat_template(run.cfg.teacher.path, run.cfg.data.chat_template).source
     if has_lora(run.ctx.student):
         student, adapter = run.ctx.student, run.run_dir / "adapter"
         base = str(Path(run.cfg.student.path).resolve())
@@ -903,10 +908,10 @@ def export_student(run: Run) -> None:
     if dist.active():
         plain = dist.unsharded_copy(run.ctx.student)  # collective; rank 0 gets the full student
         if plain is not None:
-            save_model(plain, out, source_dir=source)
+            save_model(plain, out, source_dir=source, chat_template=template)
         dist.barrier()
     else:
-        save_model(run.ctx.student, out, source_dir=source)
+        save_model(run.ctx.student, out, source_dir=source, chat_template=template)
 
 
 def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) -> dict[str, Any]:
