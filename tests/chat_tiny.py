@@ -1,5 +1,6 @@
-"""Tiny chat fixtures for the chat tests: a byte-level BPE tokenizer with the real templates' special
-tokens, and model directories holding it with a real chat template (tests/fixtures/chat_templates)."""
+"""Tiny chat fixtures for the chat tests: a byte-level BPE tokenizer with the families' special tokens,
+and model directories holding it with a chat template written for the tests that reproduces a
+family's structure (tests/fixtures/chat_families)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import functools
 import json
 from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat_families"
 
 # name -> (template file, bos_token, eos_token)
 TEMPLATES = {
-    "qwen2.5": ("qwen2.5-instruct.jinja", None, "<|im_end|>"),
+    "qwen2.5": ("qwen2.5.jinja", None, "<|im_end|>"),
     "qwen3": ("qwen3.jinja", None, "<|im_end|>"),
-    "llama3.1": ("llama-3.1-instruct.jinja", "<|begin_of_text|>", "<|eot_id|>"),
+    "llama3.1": ("llama3.jinja", "<|begin_of_text|>", "<|eot_id|>"),
 }
 
 SPECIAL = [
@@ -58,7 +59,7 @@ def tokenizer_json() -> str:
 
 
 def make_chat_model_dir(root: Path, name: str) -> Path:
-    """A model directory with tokenizer.json and a tokenizer_config.json holding the real template."""
+    """A model directory with tokenizer.json and a tokenizer_config.json holding the family's test template."""
     file, bos, eos = TEMPLATES[name]
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from kdistill.data.chat import (
 from kdistill.data.chat_template import ChatTemplate, load_chat_template, template_mismatch
 from kdistill.errors import UserError
 from kdistill.models.tokenizer import load_tokenizer
-from tests.chat_tiny import FIXTURES, TEMPLATES, hf_tokenizer, make_chat_model_dir
+from tests.chat_tiny import TEMPLATES, hf_tokenizer, make_chat_model_dir
 
 NAMES = sorted(TEMPLATES)
 
@@ -109,8 +109,8 @@ EXPECTED_SIMPLE = {
     # Qwen3 writes an empty think block into the last answer: it is part of what the model says.
     "qwen3": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
     "<|im_start|>assistant\n[[<think>\n\n</think>\n\nHello there<|im_end|>]]\n",
-    "llama3.1": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
-    "December 2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>"
+    "llama3.1": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nKnowledge cutoff: "
+    "December 2023\nDate today: 01 Jan 2025\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>"
     "\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n[[Hello there<|eot_id|>]]",
 }
 
@@ -139,16 +139,15 @@ def test_mask_token_by_token(models, name):
 
 
 EXPECTED_MULTI = {
-    "qwen2.5": "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-    "<|im_end|>\n<|im_start|>user\nThink first.<|im_end|>\n<|im_start|>assistant\n"
+    "qwen2.5": "<|im_start|>user\nThink first.<|im_end|>\n<|im_start|>assistant\n"
     "[[<think>\nHmm, two.\n</think>\n\nTwo.<|im_end|>]]\n<|im_start|>user\nAgain?<|im_end|>\n"
     "<|im_start|>assistant\n[[<think>\nStill two.\n</think>\n\nTwo again.<|im_end|>]]\n",
     # Qwen3 drops the reasoning of earlier answers; the last keeps it.
     "qwen3": "<|im_start|>user\nThink first.<|im_end|>\n<|im_start|>assistant\n[[Two.<|im_end|>]]\n"
     "<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n"
     "[[<think>\nStill two.\n</think>\n\nTwo again.<|im_end|>]]\n",
-    "llama3.1": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
-    "December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+    "llama3.1": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nKnowledge cutoff: "
+    "December 2023\nDate today: 01 Jan 2025\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
     "Think first.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     "[[<think>\nHmm, two.\n</think>\n\nTwo.<|eot_id|>]]<|start_header_id|>user<|end_header_id|>\n\n"
     "Again?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -335,16 +334,6 @@ def _special_tokenizer(specials):
     tk = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     tk.add_special_tokens(specials)
     return tk
-
-
-def test_fixtures_are_the_real_templates():
-    # The fixture files are the public templates byte for byte; a few landmarks guard against edits.
-    q25 = (FIXTURES / "qwen2.5-instruct.jinja").read_text()
-    q3 = (FIXTURES / "qwen3.jinja").read_text()
-    l31 = (FIXTURES / "llama-3.1-instruct.jinja").read_text()
-    assert "You are Qwen, created by Alibaba Cloud. You are a helpful assistant." in q25
-    assert "ns.last_query_index" in q3 and "enable_thinking" in q3
-    assert l31.startswith("{{- bos_token }}") and 'set date_string = "26 Jul 2024"' in l31
 
 
 # ---------------------------------------------------------------------------------------------------
