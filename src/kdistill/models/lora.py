@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +32,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kdistill.errors import UserError
-from kdistill.fileio import fsync_dir, write_json_durable
+from kdistill.fileio import fault_point, write_json_durable
 from kdistill.jsonio import read_json
 from kdistill.models.decoder import KD_ONLY_PREFIX
+from kdistill.outputs import staged_output
+from kdistill.rundir import has_marker
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -179,10 +179,17 @@ def peft_config(model: nn.Module, base_model: str) -> dict[str, Any]:
 
 
 def save_adapter(
-    model: nn.Module, out_dir: Path, *, base_model: str, tensors: dict[str, torch.Tensor] | None = None
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    base_model: str,
+    tensors: dict[str, torch.Tensor] | None = None,
+    kind: str = "adapter",
+    intact: str | None = None,
 ) -> None:
-    """Write adapter_config.json and adapter_model.safetensors (PEFT's key names), atomically: into a
-    temporary sibling, then renamed over `out_dir`.
+    """Write adapter_config.json and adapter_model.safetensors (PEFT's key names), atomically
+    (kdistill.outputs): into a temporary sibling marked as kdistill's output of `kind`, then renamed over
+    `out_dir`, which is replaced only when it carries the marker of an earlier `kind`.
 
     Args:
         model: the student with its adapters (their config: rank, alpha, dropout, targets).
@@ -191,10 +198,10 @@ def save_adapter(
         tensors: full tensors by name, at least the adapters' (`adapter_state`'s names), when the model
             holds only shards of them (FSDP2: gathered by the caller, every process taking part); the
             default is the model's own. Other names (e.g. other trainable parameters) are not written.
+        kind: the marker's kind ("adapter"; `kdistill export`: "export-adapter").
+        intact: what a write fault leaves intact, for its one-line error.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir / ADAPTER_CONFIG).is_file() and any(out_dir.iterdir()):
-        raise UserError(f"{out_dir}: exists and is not an adapter directory; refusing to replace it")
     own = adapter_state(model)
     if tensors is not None:
         missing = sorted(k for k in own if k not in tensors)
@@ -202,29 +209,16 @@ def save_adapter(
             raise ValueError(f"no tensor given for the adapter {missing[0]!r}")
         own = {k: tensors[k] for k in own}
     tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in own.items()}
-    parent = out_dir.resolve().parent
-    tag = uuid.uuid4().hex[:8]
-    tmp, old = parent / f".{out_dir.name}.tmp-{tag}", parent / f".{out_dir.name}.old-{tag}"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+
+    def legacy(p: Path) -> bool:  # the run's own adapter/, written before markers existed
+        return (p / ADAPTER_CONFIG).is_file() and has_marker(p.absolute().parent)
+
+    with staged_output(out_dir, kind, name="", what="write the adapter", intact=intact, legacy=legacy) as tmp:
         write_json_durable(tmp / ADAPTER_CONFIG, peft_config(model, base_model))
+        fault_point(tmp / ADAPTER_WEIGHTS, "safetensors")
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(tmp / ADAPTER_WEIGHTS, "rb+") as f:
             os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if out_dir.exists():
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(parent)
-    except OSError as e:
-        raise UserError(
-            f"{out_dir}: cannot write the adapter ({e.__class__.__name__}: {e.strerror or e})"
-        ) from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -82,11 +82,11 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
         weights = {k: v.detach().to("cpu").contiguous() for k, v in student.state_dict().items()}
-        fault_point(tmp / "student.safetensors")
+        fault_point(tmp / "student.safetensors", "safetensors")
         save_file(weights, str(tmp / "student.safetensors"))
         faults.checkpoint_pause("between-files")
         opt_t, opt_meta = optimizer_tensors(opt)
-        fault_point(tmp / "optimizer.safetensors")
+        fault_point(tmp / "optimizer.safetensors", "safetensors")
         save_file(opt_t, str(tmp / "optimizer.safetensors"))
         write_json_durable(tmp / "state.json", {"step": step, "optimizer": opt_meta, **state})
         for f in tmp.iterdir():
