@@ -267,7 +267,13 @@ def verify_shard(root: Path, manifest: dict[str, Any], shard: dict[str, Any], he
     name = shard["name"]
     where = f"teacher.cache {root}: shard {name}"
     sums = shard.get("sha256") or {}
-    for array, (dtype, shape) in expected_arrays(manifest, shard["stop"] - shard["start"], heldout).items():
+    expected = expected_arrays(manifest, shard["stop"] - shard["start"], heldout)
+    if sums and set(sums) != {f"{a}.npy" for a in expected}:
+        raise UserError(
+            f"{where}: written with the files {', '.join(sorted(sums))}, mode {manifest['mode']} reads "
+            f"{', '.join(f'{a}.npy' for a in sorted(expected))} (the manifest's mode was edited)"
+        )
+    for array, (dtype, shape) in expected.items():
         path = root / name / f"{array}.npy"
         if not path.is_file():
             raise UserError(f"{where}: {array}.npy is missing (an unfinished or damaged cache)")
