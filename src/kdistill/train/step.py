@@ -481,6 +481,7 @@ def _accumulate(
             mine = cached.get("n_tokens", int((torch.as_tensor(batch[1]) != ignore).sum()))
             weight, _ = dist.loss_weight(mine, everyone)
         input_ids, labels, *docs = (t.to(ctx.device, non_blocking=True) for t in batch)
+        faults.poison(step + 1, ctx.student)
         r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
         if multi:
             (r.loss * (weight / cfg.schedule.grad_accum)).backward()
