@@ -87,6 +87,25 @@ class LoraLinear(nn.Module):
         return base
 
 
+def check_rank(rank: int, targets: list[str], spec: Any, where: str = "student.lora.rank") -> None:
+    """A rank no larger than the smallest dimension of a targeted linear (`spec.linear_shapes()`): a
+    larger one is not a low-rank update (and only costs memory). One line naming the rank and the limit,
+    before anything is allocated."""
+    shapes = spec.linear_shapes()
+    limit, name = min((min(shapes[t]), t) for t in targets if t in shapes)
+    if rank > limit:
+        raise UserError(
+            f"{where} is {rank}, expected at most {limit} (the smallest dimension of the targeted "
+            f"{name}: {shapes[name][0]} x {shapes[name][1]}); LoRA ranks are usually 4 to 64"
+        )
+
+
+def check_lora(lora: Any, spec: Any) -> None:
+    """A config's student.lora against the student's shapes (check_rank); nothing when LoRA is off."""
+    if lora.enabled:
+        check_rank(lora.rank, lora.targets, spec)
+
+
 def _target_modules(model: nn.Module, targets: list[str]) -> list[tuple[nn.Module, str]]:
     """(parent module, attribute) of every targeted linear of every decoder layer."""
     found = []
@@ -237,6 +256,23 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in cfg:
             raise UserError(f"{cfg_path}: missing field '{key}'")
+    r, alpha, targets = cfg["r"], cfg["lora_alpha"], cfg["target_modules"]
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise UserError(f"{cfg_path}: r is {r!r}, expected a positive integer (the adapters' rank)")
+    if (
+        not isinstance(alpha, int | float)
+        or isinstance(alpha, bool)
+        or not math.isfinite(alpha)
+        or alpha <= 0
+    ):
+        raise UserError(f"{cfg_path}: lora_alpha is {alpha!r}, expected a positive number")
+    if not (
+        isinstance(targets, str)
+        or (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))
+    ):
+        raise UserError(
+            f"{cfg_path}: target_modules is {targets!r}, expected a module name or a list of them"
+        )
     bad = [k for k in raw if not k.startswith(PEFT_PREFIX)]
     if bad:
         raise UserError(f"{w_path}: tensor {bad[0]!r} does not start with '{PEFT_PREFIX}'")
@@ -249,6 +285,14 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> nn.Module:
     targets = cfg["target_modules"]
     if isinstance(targets, str):
         targets = [targets]
+    w_path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    for k, t in tensors.items():  # the rank the tensors hold, before r-sized adapters are allocated
+        dim = 0 if ".lora_A." in k else 1
+        if t.dim() != 2 or t.shape[dim] != cfg["r"]:
+            raise UserError(
+                f"{w_path}: tensor {PEFT_PREFIX + k!r} has shape {list(t.shape)}, not rank r={cfg['r']} "
+                f"of {Path(adapter_dir) / ADAPTER_CONFIG}"
+            )
     apply_lora(model, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=0.0, targets=list(targets))
     own = adapter_state(model)
     odd = sorted(set(own) ^ set(tensors))
