@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kdistill import signals
+from kdistill.commands.common import split_config_args
 from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json
 from kdistill.demo.run import run_demo
@@ -175,16 +176,13 @@ def resume_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
 def new_run_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """(config path, overrides): `kdistill run key=value ...` has no config file."""
-    config_path, overrides = args.config, list(args.overrides)
-    if config_path is not None and "=" in config_path and not Path(config_path).exists():
-        overrides.insert(0, config_path)
-        config_path = None
-    return config_path, overrides
+    return split_config_args(args.config, args.overrides)
 
 
 def is_demo(config_path: str | None, overrides: list[str]) -> bool:
-    """No config and no teacher: the embedded demo (overrides apply to it)."""
-    return config_path is None and not any(o.startswith("teacher.path=") for o in overrides)
+    """No config and no teacher (teacher.path or teachers): the embedded demo (overrides apply to it)."""
+    teacher = ("teacher.path=", "teachers=", "teachers.", "teachers[")
+    return config_path is None and not any(o.startswith(teacher) for o in overrides)
 
 
 def print_summary(summary: dict[str, Any], as_json: bool) -> None:

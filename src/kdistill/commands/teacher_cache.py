@@ -5,6 +5,7 @@ its evals read) and write its targets.
     kdistill teacher-cache run.yaml --out cache/ --mode topk --k 64       # top-k + remaining mass
     kdistill teacher-cache run.yaml --out cache/ --mode sampled --k 64    # k draws from p_T
     kdistill run run.yaml teacher.cache=cache/                            # trains without the teacher
+    kdistill teacher-cache teacher.path=T student.path=S data.train=[d/] --out cache/   # no CONFIG file
 
 The rows are those `kdistill run` packs from the same config (data, seq_len, tokenizer); the held-out
 rows are those its evals read (schedule.eval_batches batches of schedule.batch_size). The layout and
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from kdistill import teacher_cache as tc
+from kdistill.commands.common import split_config_args
 from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json, progress_bar
 from kdistill.data.batches import take
@@ -40,7 +42,8 @@ from kdistill.train.recipe import check_models, load_data, resolve_device
 
 def teacher_cache_command(args: argparse.Namespace) -> int:
     """Build (or finish) the cache in --out for the run CONFIG describes."""
-    cfg = load_config(args.config, args.overrides)
+    config_path, overrides = split_config_args(args.config, args.overrides)
+    cfg = load_config(config_path, overrides)
     cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, cache=""))
     cfg.validate()
     if cfg.teachers:
