@@ -503,8 +503,8 @@ def save_model(
     if dtype not in SAFETENSORS_DTYPES.values():
         raise UserError(f"save dtype {dtype} is not supported (expected float32, bfloat16 or float16)")
 
-    def legacy(p: Path) -> bool:  # the run's own student/, exported before markers existed
-        return (p / "config.json").is_file() and has_marker(p.absolute().parent)
+    def legacy(p: Path) -> bool:  # a run's own student/, exported before markers existed
+        return kind == "model" and (p / "config.json").is_file() and has_marker(p.absolute().parent)
 
     with staged_output(
         out_dir, kind, name="", what="write the model", intact=intact, inputs=inputs, legacy=legacy

@@ -230,7 +230,7 @@ def save_adapter(
     tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in own.items()}
 
     def legacy(p: Path) -> bool:  # the run's own adapter/, written before markers existed
-        return (p / ADAPTER_CONFIG).is_file() and has_marker(p.absolute().parent)
+        return kind == "adapter" and (p / ADAPTER_CONFIG).is_file() and has_marker(p.absolute().parent)
 
     with staged_output(out_dir, kind, name="", what="write the adapter", intact=intact, legacy=legacy) as tmp:
         write_json_durable(tmp / ADAPTER_CONFIG, peft_config(model, base_model))
