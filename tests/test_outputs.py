@@ -238,3 +238,16 @@ def test_a_killed_teacher_cache_leaves_nothing_the_next_one_keeps(tmp_path, caps
     assert rc == 0, err
     assert (out / "shard-00001" / "logp.npy").is_file()
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp")) and not lock_path(out).exists()
+
+
+def test_a_run_never_writes_over_its_inputs(tmp_path, capsys):
+    shutil.copytree(assets().student, tmp_path / "models" / "student")
+    cfg = base_config(tmp_path / "models")  # output.dir holds the student it starts from
+    cfg["student"] = {"path": str(tmp_path / "models" / "student"), "init": "pretrained"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    before = _contents(tmp_path / "models" / "student")
+    rc, _, err = run_cli(capsys, "run", str(tmp_path / "run.yaml"), "--overwrite", "--quiet")
+    assert rc == 2 and one_error_line(err).startswith(
+        f"output.dir {tmp_path / 'models'}: contains student.path"
+    )
+    assert _contents(tmp_path / "models" / "student") == before

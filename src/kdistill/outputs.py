@@ -60,11 +60,11 @@ def _same_or_inside(inner: Path, outer: Path) -> bool:
 
 
 def check_inputs(out: Path | str, inputs: Iterable[tuple[str, str | Path]], name: str = "--out") -> None:
-    """One line when `out` is, or contains, one of `inputs` ((label, path) pairs): writing there would
-    replace what the run reads."""
+    """One line when `out` is, or contains, one of `inputs` ((label, path) pairs, those that exist):
+    writing there would replace what the run reads."""
     target = Path(out).absolute().resolve()
     for label, value in inputs:
-        if not value:
+        if not value or not Path(value).exists():  # a Hub name, stdlib:train, ...: nothing to replace
             continue
         src = Path(value).absolute().resolve()
         if _same_or_inside(src, target):

@@ -27,6 +27,7 @@ from kdistill.console import print_json
 from kdistill.demo.run import run_demo
 from kdistill.errors import UserError
 from kdistill.models.hub import resolve_run_models
+from kdistill.outputs import check_inputs
 from kdistill.rundir import RunLock
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
@@ -69,6 +70,7 @@ def new_run(cfg: RunConfig, *, overwrite: bool = False, quiet: bool = False) -> 
     A run that fails before its first step leaves nothing behind."""
     hub = resolve_run_models(cfg)
     run_dir = Path(cfg.output.dir)
+    check_inputs(run_dir, run_inputs(cfg), name="output.dir")  # --overwrite never removes an input
     claim = prepare_output(run_dir, overwrite)  # marker + lock, held for the whole run
     try:
         try:
@@ -82,6 +84,18 @@ def new_run(cfg: RunConfig, *, overwrite: bool = False, quiet: bool = False) -> 
             raise
     finally:
         claim.release()
+
+
+def run_inputs(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(label, path) of what a run reads: output.dir may not be, or contain, any of them."""
+    return [
+        ("teacher.path", cfg.teacher.path),
+        *((f"teachers[{i}].path", t.path) for i, t in enumerate(cfg.teachers)),
+        ("student.path", cfg.student.path),
+        ("teacher.cache", cfg.teacher.cache),
+        *((f"data.train[{i}]", p) for i, p in enumerate(cfg.data.train)),
+        *((f"data.heldout[{i}]", p) for i, p in enumerate(cfg.data.heldout)),
+    ]
 
 
 def run_distributed(args: argparse.Namespace) -> int:
@@ -117,6 +131,7 @@ def run_distributed(args: argparse.Namespace) -> int:
         if args.resume:
             claims.append(Claim(RunLock(run_dir, name="--resume").acquire(), None))
             return
+        check_inputs(run_dir, run_inputs(cfg), name="output.dir")
         claims.append(prepare_output(run_dir, args.overwrite))
         with signals.stage("setup"):
             print_config(cfg, args.quiet)
