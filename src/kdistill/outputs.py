@@ -181,17 +181,19 @@ def staged_output(
             write_output_marker(tmp, kind)
             fsync_dir(tmp)
             check_target(out, kind, name=name, inputs=inputs, legacy=legacy)  # nothing new appeared
-            with signals.deferred():  # the two renames are not cut apart by a signal
-                if out.exists():
-                    os.rename(out, old)
-                    try:
+            try:
+                with signals.deferred():  # the two renames are not cut apart by a signal
+                    if out.exists():
+                        os.rename(out, old)
+                        try:
+                            os.rename(tmp, out)
+                        except OSError:
+                            os.rename(old, out)
+                            raise
+                    else:
                         os.rename(tmp, out)
-                    except OSError:
-                        os.rename(old, out)
-                        raise
-                else:
-                    os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            finally:  # also when a signal that arrived during the renames is raised at their end
+                shutil.rmtree(old, ignore_errors=True)
             fsync_dir(parent)
     finally:
         if held is not None:
