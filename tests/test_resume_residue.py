@@ -41,9 +41,13 @@ def test_a_plain_resume_finishes_an_extended_run_whose_export_was_killed(done, c
     history = json.loads((done / "manifest.json").read_text())["resume_overrides"]
     assert history[-1]["changed"] == {"schedule.steps": [2, 4]}
     _kill_export(done)
+    (done / ".student.tmp-4194311-dead").mkdir()  # what the killed export left beside the run's files
+    (done / ".student.tmp-4194311-dead" / "model.safetensors").write_bytes(b"partial")
+    (done / ".summary.json.k1ll3d.tmp").write_text("{")
     rc, _, err = run_cli(capsys, "run", "--resume", str(done), "--quiet")
     assert rc == 0, err
     assert read_summary(done)["status"] == "completed" and read_summary(done)["steps"] == 4
+    assert not [p.name for p in done.iterdir() if ".tmp" in p.name]
     assert (done / "student" / "model.safetensors").is_file()
 
 

@@ -218,9 +218,19 @@ def why_unloadable(run_dir: Path) -> str:
 
 
 def clean_partial(run_dir: Path) -> None:
-    """Remove temp folders left by a checkpoint write that was killed."""
+    """Remove what a killed process left in the run directory (the caller holds the run's lock): temp
+    folders of a checkpoint write, of the export (`.student.tmp-*`, `.adapter.tmp-*`: kdistill.outputs)
+    and temp files of atomic writes (`.summary.json.<random>.tmp`, ...)."""
+    from kdistill.outputs import clean_stale  # outputs -> rundir -> fileio: no cycle at import time
+
     root = run_dir / "checkpoints"
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith(".tmp-"):
                 shutil.rmtree(p, ignore_errors=True)
+    for name in ("student", "adapter"):
+        clean_stale(run_dir / name)
+    if run_dir.is_dir():
+        for p in run_dir.glob(".*.tmp"):
+            if p.is_file() and not p.is_symlink():
+                p.unlink(missing_ok=True)
