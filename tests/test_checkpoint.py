@@ -148,12 +148,12 @@ def test_save_refuses_to_replace_a_non_model_directory(tmp_path):
     precious = tmp_path / "home"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(UserError, match="is not a model directory"):
+    with pytest.raises(UserError, match="was not written by kdistill"):
         save_model(m, precious)
     assert (precious / "notes.txt").read_text() == "keep me"
     afile = tmp_path / "afile"
     afile.write_text("x")
-    with pytest.raises(UserError, match="is not a directory"):
+    with pytest.raises(UserError, match="exists and is not a folder"):
         save_model(m, afile)
 
 

@@ -109,3 +109,51 @@ def test_env_injection_and_write_log_in_a_child(tmp_path):
     assert [ln.split("\t")[0] for ln in lines] == ["1", "2", "3", "4"]
     assert lines[0].endswith("/f0")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f0", "f2", "writes.log"]
+
+
+def test_the_injector_raises_each_librarys_own_exception_and_the_guard_maps_it(tmp_path):
+    from safetensors import SafetensorError
+
+    from kdistill.fileio import fault_point, write_fault
+
+    cases = [
+        (
+            "safetensors",
+            SafetensorError,
+            "Error while serializing: I/O error: No space left on device (os error 28)",
+        ),
+        ("numpy", OSError, "32768 requested and 22464 written"),
+    ]
+    for lib, kind, text in cases:
+        with inject_write_faults("ENOSPC"):
+            with pytest.raises(kind) as e:
+                fault_point(tmp_path / "x", lib)
+        assert type(e.value) is kind and str(e.value) == text
+        assert write_fault(e.value).startswith("No space left on device")
+        with pytest.raises(UserError, match=r"x: cannot write \(No space left on device"):
+            with write_guard(tmp_path / "x"):
+                raise e.value
+    with inject_write_faults("EROFS"):
+        with pytest.raises(SafetensorError, match=r"Read-only file system \(os error 30\)"):
+            fault_point(tmp_path / "x", "safetensors")
+    assert write_fault(ValueError("No space left on device (os error 28)")) is None  # not a write fault
+    assert write_fault(OSError("something else")) is None
+
+
+def test_a_checkpoint_whose_safetensors_write_fails_is_one_line(tmp_path):
+    import torch
+
+    from kdistill.train.checkpoint import save_checkpoint
+
+    student = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(student.parameters())
+    save_checkpoint(tmp_path, 1, student, opt, {}, keep=2)
+    with inject_write_faults("ENOSPC", nth=3):  # the root, student.safetensors, optimizer.safetensors
+        with pytest.raises(UserError) as e:
+            save_checkpoint(tmp_path, 2, student, opt, {}, keep=2)
+    final = tmp_path / "checkpoints" / "step-0000002"
+    assert (
+        str(e.value)
+        == f"{final}: cannot write checkpoint (No space left on device); last good checkpoint: step 1"
+    )
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0000001"]

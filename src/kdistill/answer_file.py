@@ -32,7 +32,7 @@ from kdistill import __version__
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
 from kdistill.generate import Job, build_engine, prepare_job, run_job
-from kdistill.rundir import RunLock
+from kdistill.outputs import output_lock
 from kdistill.train import faults
 
 KIND = "kdistill-generate"
@@ -134,9 +134,12 @@ def generate_to_file(
         raise UserError(f"--out '{out}': its directory does not exist")
     job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
     settings = _settings(job, sampling, samples_per_prompt, max_length, chat)
-    lock = RunLock(out.parent, name="--out")
-    lock.path = out.parent / f".{out.name}.kdistill-lock"  # one process per output file
-    with lock:
+    with output_lock(out):  # one process per output file
+        for stale in [
+            *out.parent.glob(f".{out.name}.tmp-*"),
+            *out.parent.glob(f".{out.name}.manifest.json.tmp-*"),
+        ]:
+            stale.unlink(missing_ok=True)  # a killed start's rewrite or manifest, never renamed
         return _generate_locked(job, out, settings, sampling, samples_per_prompt, device, batch_size,
                                 max_length, progress, on_row)  # fmt: skip
 

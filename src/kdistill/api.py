@@ -27,6 +27,7 @@ from kdistill.commands.plan import make_plan
 from kdistill.commands.run import new_run
 from kdistill.config import RunConfig, load_config
 from kdistill.demo import DEMO_YAML
+from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder
 from kdistill.models.hf_io import load_model
@@ -35,6 +36,81 @@ from kdistill.models.spec import load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 
 ConfigLike = RunConfig | dict[str, Any] | str | Path | None
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks: a wrong type is the one-line UserError the CLI gives, not a TypeError from inside
+
+
+def _kind(value: Any) -> str:
+    """'None', 'an int', 'a str', ...: the type of a wrong argument, for its message."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _path_arg(name: str, value: Any) -> str:
+    """A path argument (str or os.PathLike, not empty) as a string."""
+    if isinstance(value, Path) or (isinstance(value, str) and value.strip()):
+        return str(value)
+    if isinstance(value, str):
+        raise UserError(f"{name} is empty, expected a path")
+    if hasattr(value, "__fspath__"):
+        return str(Path(value))
+    raise UserError(f"{name} is {_kind(value)}, expected a path (str or pathlib.Path)")
+
+
+def _int_arg(name: str, value: Any, *, optional: bool = False) -> int | None:
+    """A positive int (None allowed when optional); bools are not ints here."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UserError(f"{name} is {_kind(value)}, expected a positive integer")
+    if value < 1:
+        raise UserError(f"{name} is {value}, expected a positive integer")
+    return value
+
+
+def _bool_arg(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise UserError(f"{name} is {_kind(value)}, expected True or False")
+    return value
+
+
+def _overrides(overrides: tuple[Any, ...]) -> list[str]:
+    """Dotted overrides: each a 'section.field=value' string."""
+    for item in overrides:
+        if not isinstance(item, str):
+            raise UserError(
+                f"override {item!r} is {_kind(item)}, expected a string 'section.field=value' "
+                "(or a keyword: kd={'alpha': 0.3})"
+            )
+    return list(overrides)
+
+
+def _device_arg(value: Any) -> str | torch.device:
+    if isinstance(value, torch.device):
+        return value
+    if not isinstance(value, str):
+        raise UserError(f"device is {_kind(value)}, expected 'cpu', 'cuda', 'cuda:N' or a torch.device")
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError):
+        raise UserError(f"device is {value!r}, expected 'cpu', 'cuda', 'cuda:N' or a torch.device") from None
+    return value
+
+
+def _dtype_arg(value: Any) -> torch.dtype:
+    """torch.float32/bfloat16/float16, or one of their names ('bfloat16', 'bf16', ...)."""
+    if isinstance(value, torch.dtype | str):
+        try:
+            return torch_dtype(value)
+        except ValueError:
+            pass
+    raise UserError(
+        f"dtype is {value!r}, expected torch.float32, torch.bfloat16 or torch.float16 (or its name)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +133,7 @@ class DistillResult:
 
 def build_config(config: ConfigLike = None, *overrides: str, **keywords: Any) -> RunConfig:
     """A RunConfig from a RunConfig, a dict, a YAML path or None (the demo), plus overrides (not validated)."""
+    overrides = tuple(_overrides(overrides))
     if isinstance(config, RunConfig):
         cfg = load_config(None, list(overrides), base=config.to_dict())
     elif isinstance(config, dict):
@@ -64,7 +141,7 @@ def build_config(config: ConfigLike = None, *overrides: str, **keywords: Any) ->
     elif config is None or isinstance(config, str | Path):
         cfg = load_config(DEMO_YAML if config is None else config, list(overrides))
     else:
-        raise UserError(f"config is a {type(config).__name__}, expected a RunConfig, a dict or a YAML path")
+        raise UserError(f"config is {_kind(config)}, expected a RunConfig, a dict or a YAML path")
     if keywords:
         nested: dict[str, Any] = cfg.to_dict()
         for key, value in keywords.items():
@@ -105,6 +182,8 @@ def distill(
     Raises:
         UserError: a bad config, model, data file or output folder (one line).
     """
+    _bool_arg("overwrite", overwrite)
+    _bool_arg("quiet", quiet)
     cfg = build_config(config, *overrides, **keywords).validate()
     summary = new_run(cfg, overwrite=overwrite, quiet=quiet)
     return DistillResult(summary=summary, run_dir=Path(cfg.output.dir))
@@ -115,9 +194,12 @@ def load(
 ) -> tuple[Decoder, Tokenizer | None]:
     """(our Decoder in eval mode, the tokenizer or None) from a model directory or a Hub name.
 
-    `path` is a Hugging Face model directory (a run's `student/`, a teacher), or `org/name[@revision]`.
+    `path` is a Hugging Face model directory (a run's `student/`, a teacher), or `org/name[@revision]`;
+    `dtype` a torch dtype or its name ("bfloat16", "bf16", ...).
     """
-    model_dir = resolve_model_path(str(path), field="model").path
+    path = _path_arg("path", path)
+    device, dtype = _device_arg(device), _dtype_arg(dtype)
+    model_dir = resolve_model_path(path, field="model").path
     model = load_model(model_dir, device=device, dtype=dtype).eval()
     tok = load_tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
     return model, tok
@@ -138,7 +220,19 @@ def evaluate(
     Returns:
         dict: loss (nats/token), perplexity, tokens, sequences, packed, seq_len, model, data, device, dtype.
     """
-    files = [str(data)] if isinstance(data, str | Path) else [str(d) for d in data]
+    model = _path_arg("model", model)
+    if isinstance(data, list | tuple):
+        if not data:
+            raise UserError("data is an empty list, expected one or more data files")
+        files = [_path_arg(f"data[{i}]", d) for i, d in enumerate(data)]
+    else:
+        files = [_path_arg("data", data)]
+    seq_len = _int_arg("seq_len", seq_len, optional=True)
+    batch_size = _int_arg("batch_size", batch_size)
+    max_tokens = _int_arg("max_tokens", max_tokens, optional=True)
+    packed = _bool_arg("packed", packed)
+    if not isinstance(device, str):
+        raise UserError(f"device is {_kind(device)}, expected 'cpu', 'cuda' or 'auto'")
     return evaluate_model(
         model,
         files,
@@ -155,8 +249,9 @@ def plan(config: ConfigLike, *overrides: str, **keywords: Any) -> dict[str, Any]
 
     `config` may also be a `TEACHER:STUDENT` pair of presets or model directories.
     """
+    overrides = tuple(_overrides(overrides))
     if isinstance(config, str | Path) and not keywords:
-        cfg, teacher, student = resolve_run(str(config), overrides)
+        cfg, teacher, student = resolve_run(str(config), list(overrides))
     else:
         cfg = build_config(config, *overrides, **keywords).validate()
         resolve_run_models(cfg)

@@ -12,8 +12,14 @@ Write faults become one line:
                      temps=[tmp_dir]):
         ...                              # ENOSPC/EROFS/EACCES/EDQUOT/... -> UserError, temps removed
 
+`write_fault(exc)` is the one place that tells a write fault from a bug, whatever raised it: an OSError
+with one of WRITE_FAULTS' errnos, numpy's short write (OSError "32768 requested and 22464 written", no
+errno: the disk filled) and safetensors' SafetensorError ("... No space left on device (os error 28)").
+
 Fault injection for tests: every write through this module (and every other write site that calls
-`fault_point(path)`) counts as one write; the N-th can be made to fail with a chosen errno, in-process
+`fault_point(path, lib)`) counts as one write; the N-th can be made to fail with a chosen errno, raised as
+the library at that site raises it (`lib="safetensors"`: SafetensorError; `lib="numpy"`: numpy's short
+write for ENOSPC; else OSError), in-process
 (`inject_write_faults("ENOSPC", nth=3)`) or in a child process through the environment
 (KDISTILL_TEST_WRITE_FAULT="ENOSPC@3", "EROFS@2-" for the 2nd and every later write, or a list
 "ENOSPC@3,EACCES@5"). KDISTILL_TEST_WRITE_LOG=FILE appends one line per write (its number and path),
@@ -27,6 +33,7 @@ import errno as errno_mod
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -64,11 +71,12 @@ def _parse_faults(spec: str) -> list[tuple[int, bool, int]]:
     return rules
 
 
-def fault_point(path: Path | str) -> None:
-    """Count one write to `path`; raise the injected OSError if this write is the one chosen to fail.
+def fault_point(path: Path | str, lib: str = "os") -> None:
+    """Count one write to `path`; raise the injected fault if this write is the one chosen to fail, as
+    the library `lib` that writes there raises it ("os", "safetensors" or "numpy": see `library_fault`).
 
-    Called by every write in this module; other write sites (safetensors, appends) call it before they
-    write so that tests can fail them too. A no-op costing one env lookup when no faults are set.
+    Called by every write in this module; other write sites (safetensors, numpy, appends) call it before
+    they write so that tests can fail them too. A no-op costing one env lookup when no faults are set.
     """
     if _Faults.rules is None:
         spec = os.environ.get(FAULT_ENV, "")
@@ -89,7 +97,23 @@ def fault_point(path: Path | str) -> None:
             f.write(f"{n}\t{path}\n")
     for nth, later, code in rules:
         if n == nth or (later and n > nth):
-            raise OSError(code, os.strerror(code), str(path))
+            raise library_fault(code, path, lib)
+
+
+def library_fault(code: int, path: Path | str, lib: str = "os") -> BaseException:
+    """The exception a library raises when the OS refuses its write with errno `code` (what a full or
+    read-only filesystem really gives; tests/test_write_faults.py checks these on a full tmpfs):
+    safetensors' save_file: SafetensorError('Error while serializing: I/O error: <reason> (os error N)');
+    numpy's np.save into an open file on a full disk: OSError('<n> requested and <m> written'), no errno;
+    anything else: OSError(errno, strerror, path)."""
+    reason = os.strerror(code)
+    if lib == "safetensors":
+        from safetensors import SafetensorError
+
+        return SafetensorError(f"Error while serializing: I/O error: {reason} (os error {code})")
+    if lib == "numpy" and code == errno_mod.ENOSPC:
+        return OSError("32768 requested and 22464 written")
+    return OSError(code, reason, str(path))
 
 
 @contextlib.contextmanager
@@ -125,6 +149,34 @@ WRITE_FAULTS = {
 }
 
 
+# numpy's tofile/np.save into a file object when the OS took fewer bytes than asked (a full disk)
+_SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")
+# safetensors (Rust) reports the OS error inside its message: "... (os error 28)"
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def write_fault(exc: BaseException) -> str | None:
+    """The OS reason ("No space left on device") when `exc` is a write fault as some library raises it
+    (see the module docstring), else None: the one place that maps write failures."""
+    if isinstance(exc, OSError):
+        if exc.errno in WRITE_FAULTS:
+            return exc.strerror or os.strerror(exc.errno)
+        if exc.errno is None and _SHORT_WRITE.match(str(exc)):
+            return f"{os.strerror(errno_mod.ENOSPC)}: the disk took only part of a write"
+        return None
+    if type(exc).__name__ == "SafetensorError":
+        m = _RUST_OS_ERROR.search(str(exc))
+        if m and int(m.group(1)) in WRITE_FAULTS:
+            return os.strerror(int(m.group(1)))
+    return None
+
+
+def write_fault_error(path: Path | str, what: str, reason: str, intact: str | None = None) -> UserError:
+    """The one line of a write fault: '<path>: cannot <what> (<reason>); <intact>'."""
+    tail = f"; {intact}" if intact else ""
+    return UserError(f"{path}: cannot {what} ({reason}){tail}")
+
+
 def remove_quietly(paths: Iterable[Path | str]) -> None:
     """Remove files or folders (temp leftovers); errors ignored, since the caller is already failing."""
     for p in paths:
@@ -146,9 +198,10 @@ def write_guard(
     intact: str | None = None,
     temps: Iterable[Path | str] = (),
 ) -> Iterator[list[Path]]:
-    """Turn a disk-full, quota, read-only or permission fault inside the block into one UserError:
-    '<path>: cannot <what> (<OS reason>); <intact>', after removing `temps` (and any path appended to
-    the yielded list inside the block). Other exceptions pass through; temps are removed for them too.
+    """Turn a disk-full, quota, read-only or permission fault inside the block (as `write_fault` knows
+    it, from the OS, numpy or safetensors) into one UserError: '<path>: cannot <what> (<OS reason>);
+    <intact>', after removing `temps` (and any path appended to the yielded list inside the block).
+    Other exceptions pass through; temps are removed for them too.
 
         with write_guard(out, what="write checkpoint", intact="earlier checkpoints are intact") as tmp:
             tmp.append(tmp_dir := out.with_name(out.name + ".tmp"))
@@ -157,13 +210,12 @@ def write_guard(
     made: list[Path] = [Path(t) for t in temps]
     try:
         yield made
-    except OSError as e:
+    except Exception as e:
         remove_quietly(made)
-        if e.errno not in WRITE_FAULTS:
+        reason = write_fault(e)
+        if reason is None:
             raise
-        reason = e.strerror or os.strerror(e.errno)
-        tail = f"; {intact}" if intact else ""
-        raise UserError(f"{path}: cannot {what} ({reason}){tail}") from None
+        raise write_fault_error(path, what, reason, intact) from None
     except BaseException:
         remove_quietly(made)
         raise

@@ -264,9 +264,10 @@ class RunLock:
     `release()`); a process killed with SIGKILL leaves a lock that the next run finds stale.
     """
 
-    def __init__(self, run_dir: Path | str, *, name: str = "output.dir") -> None:
+    def __init__(self, run_dir: Path | str, *, name: str = "output.dir", path: Path | None = None) -> None:
         self.dir = Path(run_dir)
-        self.path = self.dir / LOCK_NAME
+        # `path`: a lock file elsewhere (outputs.output_lock: beside an output written by a rename)
+        self.path = Path(path) if path is not None else self.dir / LOCK_NAME
         self.name = name
         self.token = secrets.token_hex(8)
         self.held = False
@@ -341,7 +342,7 @@ class RunLock:
 
     def _take_over(self, info: dict[str, Any] | None) -> None:
         """Remove a stale lock, unless someone replaced it meanwhile (re-read under a rename)."""
-        aside = self.path.with_name(f"{LOCK_NAME}.stale-{self.token}")
+        aside = self.path.with_name(f"{self.path.name}.stale-{self.token}")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:

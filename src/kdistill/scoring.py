@@ -36,6 +36,7 @@ from kdistill.config import RunConfig
 from kdistill.data import HeldoutBatches, LoadedFile, stream_tokens
 from kdistill.errors import UserError
 from kdistill.ops import kd_sparse
+from kdistill.ops.kd_loss import check_token_ids
 from kdistill.teacher_cache import TeacherCache
 from kdistill.train import distributed as dist
 from kdistill.train.step import head_operands
@@ -88,6 +89,7 @@ def evaluate(
         progress = sys.stderr.isatty()
     weight = model.lm_head_weight  # (V, H)
     vocab = weight.shape[0]
+    check_token_ids(([s] for s in seqs), vocab, where="--data")  # before any embedding lookup
     chunk = max(1, LOGITS_BUDGET // vocab)
     total_nll = 0.0
     total = 0
@@ -196,6 +198,7 @@ def heldout_eval_cached(
     common: dict[str, Any] = dict(
         alpha=0.5, temperature=1.0, divergence="forward_kl", ignore_index=ignore, chunk_size=cfg.kd.chunk_size
     )
+    check_token_ids(batches, int(student.lm_head_weight.shape[0]), ignore)  # as training does
     for b, batch in enumerate(batches):
         rows = np.arange(b * batches.batch_size, b * batches.batch_size + batch[0].shape[0])
         count = True

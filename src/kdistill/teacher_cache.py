@@ -22,13 +22,17 @@ Row r of the cache is row r of the run's packed training data (data.train[r]): t
 not the batch order's, so any seed or batch size reads the same targets. Held-out row r is row r of
 data.heldout; the cache holds the rows the run's held-out eval reads (schedule.eval_batches batches of
 schedule.batch_size: kdistill.data.heldout_batches). A shard is written to `shard-XXXXX.tmp/` and
-renamed when complete; writing again skips complete shards (resumable). A cache without the held-out
+renamed when complete; writing again skips complete shards (resumable). Each shard's entry in the
+manifest records the sha256 of its files ("sha256": {"logp.npy": hex, ...}); opening a cache checks the
+manifest's fields against each other and every shard's dtype, shape, size and sha256 against it. A cache without the held-out
 part (written before it existed) still serves training; its runs' evals report the student's CE only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ import torch
 
 from kdistill.data import heldout_batches
 from kdistill.errors import UserError
+from kdistill.fileio import fault_point, file_sha256, fsync_dir
 from kdistill.jsonio import read_json
 
 MODES = ("exact", "topk", "sampled")
@@ -124,6 +129,13 @@ def shard_name(i: int, prefix: str = "shard") -> str:
     return f"{prefix}-{i:05d}"
 
 
+def without_sums(shards: Any) -> Any:
+    """A shard list without its recorded sha256s (what the rows and shard_rows imply)."""
+    if not isinstance(shards, list):
+        return shards
+    return [{k: v for k, v in s.items() if k != "sha256"} if isinstance(s, dict) else s for s in shards]
+
+
 def shard_list(rows: int, shard_rows: int, prefix: str = "shard") -> list[dict[str, Any]]:
     """[{name, start, stop}, ...]: rows [0, rows) in shards of shard_rows."""
     n = (rows + shard_rows - 1) // shard_rows
@@ -173,18 +185,128 @@ def shard_complete(root: Path, name: str, mode: str, heldout: bool = False) -> b
     return all((root / name / f"{a}.npy").is_file() for a in arrays_of(mode, heldout))
 
 
-def write_shard(root: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write a shard's arrays under a temporary name, then rename it into place (atomic per shard)."""
+def write_shard(root: Path, name: str, arrays: dict[str, np.ndarray]) -> dict[str, str]:
+    """Write a shard's arrays under a temporary name, then rename it into place (atomic per shard; the
+    caller holds the cache's lock, so a leftover temp folder is a killed writer's). Returns the sha256 of
+    each array file ({"logp.npy": hex, ...}) for the manifest."""
     tmp = root / f"{name}.tmp"
     if tmp.exists():
-        for f in tmp.iterdir():
-            f.unlink()
-    tmp.mkdir(exist_ok=True)
-    for key, arr in arrays.items():
-        with (tmp / f"{key}.npy").open("wb") as fh:
-            np.save(fh, arr)
-            fh.flush()
-    tmp.rename(root / name)
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        for key, arr in arrays.items():
+            fault_point(tmp / f"{key}.npy", "numpy")
+            with (tmp / f"{key}.npy").open("wb") as fh:
+                np.save(fh, arr)
+                fh.flush()
+                os.fsync(fh.fileno())
+        sums = {f"{key}.npy": file_sha256(tmp / f"{key}.npy") for key in arrays}
+        fsync_dir(tmp)
+        tmp.rename(root / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (a disk fault, a signal)
+        raise
+    return sums
+
+
+def expected_arrays(manifest: dict[str, Any], rows: int, heldout: bool) -> dict[str, tuple[str, tuple]]:
+    """{array: (numpy dtype, shape)} a shard of `rows` rows must hold, from the manifest's mode, k,
+    seq_len and vocab."""
+    t, k, v = int(manifest["seq_len"]), int(manifest["k"]), int(manifest["vocab"])
+    out = {
+        "logp": ("<u2", (rows, t, v)) if manifest["mode"] == "exact" else ("<f4", (rows, t, k)),
+        "ids": ("<i4", (rows, t, k)),
+        "rest": ("<f4", (rows, t)),
+        "label": ("<f4", (rows, t)),
+    }
+    return {a: out[a] for a in arrays_of(manifest["mode"], heldout)}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_fields(manifest: dict[str, Any], where: str) -> None:
+    """The manifest's fields against each other: mode, k (0 for exact, [1, vocab) otherwise), vocab,
+    seq_len, rows, shard_rows, and the shard lists they imply. One line naming the first that is off."""
+    mode = manifest.get("mode")
+    if mode not in MODES:
+        raise UserError(f"{where}: manifest mode is {mode!r}, expected one of: {', '.join(MODES)}")
+    for field in ("vocab", "seq_len", "rows", "shard_rows"):
+        if not _positive_int(manifest.get(field)):
+            raise UserError(
+                f"{where}: manifest {field} is {manifest.get(field)!r}, expected a positive integer"
+            )
+    k, vocab = manifest.get("k"), manifest["vocab"]
+    if mode == "exact" and k != 0:
+        raise UserError(f"{where}: manifest k is {k!r} with mode exact, expected 0 (the cache was edited)")
+    if mode != "exact" and not (_positive_int(k) and k < vocab):
+        raise UserError(
+            f"{where}: manifest k is {k!r} with mode {mode}, expected an integer in [1, {vocab - 1}]"
+        )
+    if without_sums(manifest.get("shards")) != shard_list(manifest["rows"], manifest["shard_rows"]):
+        raise UserError(
+            f"{where}: manifest shards do not match its rows and shard_rows (the cache was edited)"
+        )
+    held = manifest.get("heldout")
+    if held is not None:
+        if not isinstance(held, dict) or not _positive_int(held.get("rows")):
+            raise UserError(f"{where}: manifest heldout is malformed (expected its rows and shard list)")
+        if without_sums(held.get("shards")) != shard_list(
+            held["rows"], manifest["shard_rows"], HELDOUT_PREFIX
+        ):
+            raise UserError(
+                f"{where}: manifest heldout shards do not match its rows and shard_rows (the cache was edited)"
+            )
+
+
+def verify_shard(root: Path, manifest: dict[str, Any], shard: dict[str, Any], heldout: bool) -> None:
+    """Every array file of `shard`: present, its .npy header's dtype and shape those the manifest
+    implies, its size header + data, and its sha256 the manifest's (when recorded). One line naming the
+    shard and the array at fault."""
+    name = shard["name"]
+    where = f"teacher.cache {root}: shard {name}"
+    sums = shard.get("sha256") or {}
+    expected = expected_arrays(manifest, shard["stop"] - shard["start"], heldout)
+    if sums and set(sums) != {f"{a}.npy" for a in expected}:
+        raise UserError(
+            f"{where}: written with the files {', '.join(sorted(sums))}, mode {manifest['mode']} reads "
+            f"{', '.join(f'{a}.npy' for a in sorted(expected))} (the manifest's mode was edited)"
+        )
+    for array, (dtype, shape) in expected.items():
+        path = root / name / f"{array}.npy"
+        if not path.is_file():
+            raise UserError(f"{where}: {array}.npy is missing (an unfinished or damaged cache)")
+        try:
+            with path.open("rb") as fh:
+                version = np.lib.format.read_magic(fh)
+                read = (
+                    np.lib.format.read_array_header_1_0
+                    if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0
+                )
+                got_shape, fortran, got_dtype = read(fh)
+                offset = fh.tell()
+        except (OSError, ValueError, SyntaxError) as e:
+            raise UserError(f"{where}: {array}.npy is not a readable .npy file ({e})") from None
+        if got_dtype.str != dtype or tuple(got_shape) != shape or fortran:
+            raise UserError(
+                f"{where}: {array}.npy holds {got_dtype.str} {tuple(got_shape)}, the manifest implies "
+                f"{dtype} {shape} (the cache was edited or written for another mode, k or vocabulary)"
+            )
+        want_size = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
+        size = path.stat().st_size
+        if size != want_size:
+            raise UserError(
+                f"{where}: {array}.npy is {size} bytes, expected {want_size} (truncated or damaged): "
+                "remove the shard and run kdistill teacher-cache again with the same --out"
+            )
+        want_sum = sums.get(f"{array}.npy")
+        if want_sum is not None and file_sha256(path) != want_sum:
+            raise UserError(
+                f"{where}: {array}.npy does not match its sha256 in the manifest (damaged): remove the "
+                "shard and run kdistill teacher-cache again with the same --out"
+            )
 
 
 def bf16_bits(x: torch.Tensor) -> np.ndarray:
@@ -259,10 +381,11 @@ class TeacherCache:
     def _open_shards(self, listed: list[dict[str, Any]], heldout: bool) -> list[dict[str, np.ndarray]]:
         out = []
         for s in listed:
-            if not shard_complete(self.root, s["name"], self.mode, heldout):
+            if not (self.root / s["name"]).is_dir():
                 raise UserError(
                     f"teacher.cache {self.root}: shard {s['name']} is missing (an unfinished cache)"
                 )
+            verify_shard(self.root, self.manifest, s, heldout)
             out.append(
                 {
                     a: np.load(self.root / s["name"] / f"{a}.npy", mmap_mode="r")
@@ -274,15 +397,15 @@ class TeacherCache:
     @classmethod
     def open(cls, root: str | Path, want: dict[str, Any]) -> TeacherCache:
         """Open DIR, checking its manifest against `want` (teacher, tokenizer, data, seq_len, temperature;
-        and the held-out rows when `want` has `heldout` and the cache a held-out part)."""
+        and the held-out rows when `want` has `heldout` and the cache a held-out part), its fields against
+        each other (check_fields) and every shard against it (verify_shard: dtype, shape, size, sha256)."""
         root = Path(root)
         manifest = read_manifest(root)
         where = f"teacher.cache {root}"
         check_manifest(manifest, want, where)
         if "heldout" in want:
             check_heldout(manifest.get("heldout"), want["heldout"], where)
-        if manifest.get("mode") not in MODES:
-            raise UserError(f"{where}: mode is {manifest.get('mode')!r}, expected one of: {', '.join(MODES)}")
+        check_fields(manifest, where)
         if not manifest.get("complete"):
             raise UserError(
                 f"{where}: incomplete (run kdistill teacher-cache again with the same --out to finish it)"

@@ -11,6 +11,7 @@ rows: one header per conversation, the learned tokens coloured green on a termin
 position_ids, cu_seqlens and the conversations' boundaries, plus the packing summary. A file whose
 conversations carry reasoning or tool fields (or `tools`) that the template does not render gets one
 warning (stderr; in --json also under "warnings").
+--seq-len may not exceed the model's context (max_position_embeddings in its config.json).
 """
 
 from __future__ import annotations
@@ -32,7 +33,28 @@ from kdistill.data.chat_pack import pack_conversations, preview_json, render_pre
 from kdistill.data.chat_template import load_chat_template
 from kdistill.data.sources import expand_paths
 from kdistill.errors import UserError
+from kdistill.models.spec import load_spec
 from kdistill.models.tokenizer import load_tokenizer
+
+# Without the model's config.json, the longest row a preview packs: (rows, T) int64 arrays stay small.
+PREVIEW_MAX_SEQ_LEN = 1 << 20
+
+
+def check_seq_len(seq_len: int, model_dir: Path) -> None:
+    """--seq-len against the model's context (max_position_embeddings of its config.json), before any
+    row is allocated; a tokenizer-only folder is held to PREVIEW_MAX_SEQ_LEN."""
+    if (model_dir / "config.json").is_file():
+        limit = load_spec(str(model_dir)).max_position_embeddings
+        if seq_len > limit:
+            raise UserError(
+                f"--seq-len is {seq_len}, expected at most {limit} (max_position_embeddings of "
+                f"{model_dir / 'config.json'})"
+            )
+    elif seq_len > PREVIEW_MAX_SEQ_LEN:
+        raise UserError(
+            f"--seq-len is {seq_len}, expected at most {PREVIEW_MAX_SEQ_LEN} ({model_dir} has no config.json "
+            "to read the model's context from)"
+        )
 
 
 def preview_command(args: Any) -> int:
@@ -50,6 +72,7 @@ def preview_command(args: Any) -> int:
         raise UserError(
             f"--model {model_dir}: not a directory, expected a model directory with tokenizer.json"
         )
+    check_seq_len(seq_len, model_dir)
     tok = load_tokenizer(model_dir)
     template = load_chat_template(model_dir, args.chat_template, field="--chat-template")
     convs = []

@@ -5,6 +5,9 @@
 
 The base is the run's student.path (its config.yaml); the adapters are the run's export in
 RUN_DIR/adapter. The merged directory loads in transformers with the logits of base + adapters.
+Either is written to a temp folder and renamed (kdistill.outputs): an existing --out is replaced only
+when it holds an earlier export of the same kind (its `.kdistill-output` marker), never a folder of the
+user's, and --out may not be, or contain, the run's inputs (its folder, student.path, the teachers).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import torch
 
 from kdistill.config import load_config
 from kdistill.errors import UserError
+from kdistill.fileio import fault_point
 from kdistill.models.hf_io import load_model, save_model
-from kdistill.models.lora import ADAPTER_CONFIG, load_adapter, merge_lora, read_adapter
+from kdistill.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, merge_lora, read_adapter
+from kdistill.outputs import check_target, staged_output
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -36,18 +41,31 @@ def export_command(args: argparse.Namespace) -> int:
         raise UserError(
             f"--run {run_dir}: no {adapter_dir / ADAPTER_CONFIG} (export needs a completed LoRA run)"
         )
+    inputs = [
+        ("the run directory", run_dir),
+        ("student.path", cfg.student.path),
+        ("teacher.path", cfg.teacher.path),
+        *((f"teachers[{i}].path", t.path) for i, t in enumerate(cfg.teachers)),
+    ]
+    if out.absolute().resolve().is_relative_to(run_dir.absolute().resolve()):
+        raise UserError(f"--out {out}: is inside the run directory {run_dir}; choose a folder outside it")
+    intact = f"the run and its adapters in {adapter_dir} are intact"
     if not args.merge:
         read_adapter(adapter_dir)  # checked before it is copied
-        if out.exists():
-            raise UserError(f"--out {out}: already exists (choose a new folder)")
-        shutil.copytree(adapter_dir, out)
+        with staged_output(
+            out, "export-adapter", what="export the adapter", intact=intact, inputs=inputs
+        ) as tmp:
+            for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+                fault_point(tmp / name)
+                shutil.copyfile(adapter_dir / name, tmp / name)
         print(f"adapter (PEFT layout) written to {out}")
         return 0
+    check_target(out, "export-merged", inputs=inputs)  # before the base is loaded
     model = load_model(cfg.student.path, device="cpu", dtype=torch.float32)
     merge_lora(load_adapter(model, adapter_dir))
     source = Path(cfg.student.path)
     if not (source / "tokenizer.json").is_file():
         source = Path(cfg.teacher.path)
-    save_model(model, out, source_dir=source)
+    save_model(model, out, source_dir=source, kind="export-merged", intact=intact, inputs=inputs)
     print(f"merged student (base + adapters) written to {out}")
     return 0

@@ -22,6 +22,7 @@ from kdistill.config import RunConfig
 from kdistill.console import print_json
 from kdistill.errors import UserError
 from kdistill.memory import GIB, choose_layout, estimate_memory, gpus_needed
+from kdistill.models.lora import check_lora
 from kdistill.models.spec import ModelSpec, load_spec
 
 DEFAULT_GPU_GIB = 80.0
@@ -35,6 +36,7 @@ def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, nproc: int
             f"--nproc {nproc}: expected a positive number that divides schedule.batch_size "
             f"({cfg.schedule.batch_size})"
         )
+    check_lora(cfg.student.lora, student)
     gpu_gib = cfg.runtime.gpu_memory_gib or DEFAULT_GPU_GIB
     budget = int(gpu_gib * GIB * 0.95)
     per = cfg.schedule.batch_size // nproc

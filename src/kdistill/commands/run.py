@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from kdistill import signals
+from kdistill.commands.common import split_config_args
 from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json
 from kdistill.demo.run import run_demo
 from kdistill.errors import UserError
 from kdistill.models.hub import resolve_run_models
+from kdistill.outputs import check_inputs
 from kdistill.rundir import RunLock
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
@@ -68,6 +70,7 @@ def new_run(cfg: RunConfig, *, overwrite: bool = False, quiet: bool = False) -> 
     A run that fails before its first step leaves nothing behind."""
     hub = resolve_run_models(cfg)
     run_dir = Path(cfg.output.dir)
+    check_inputs(run_dir, run_inputs(cfg), name="output.dir")  # --overwrite never removes an input
     claim = prepare_output(run_dir, overwrite)  # marker + lock, held for the whole run
     try:
         try:
@@ -81,6 +84,18 @@ def new_run(cfg: RunConfig, *, overwrite: bool = False, quiet: bool = False) -> 
             raise
     finally:
         claim.release()
+
+
+def run_inputs(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(label, path) of what a run reads: output.dir may not be, or contain, any of them."""
+    return [
+        ("teacher.path", cfg.teacher.path),
+        *((f"teachers[{i}].path", t.path) for i, t in enumerate(cfg.teachers)),
+        ("student.path", cfg.student.path),
+        ("teacher.cache", cfg.teacher.cache),
+        *((f"data.train[{i}]", p) for i, p in enumerate(cfg.data.train)),
+        *((f"data.heldout[{i}]", p) for i, p in enumerate(cfg.data.heldout)),
+    ]
 
 
 def run_distributed(args: argparse.Namespace) -> int:
@@ -116,6 +131,7 @@ def run_distributed(args: argparse.Namespace) -> int:
         if args.resume:
             claims.append(Claim(RunLock(run_dir, name="--resume").acquire(), None))
             return
+        check_inputs(run_dir, run_inputs(cfg), name="output.dir")
         claims.append(prepare_output(run_dir, args.overwrite))
         with signals.stage("setup"):
             print_config(cfg, args.quiet)
@@ -175,16 +191,13 @@ def resume_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
 def new_run_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """(config path, overrides): `kdistill run key=value ...` has no config file."""
-    config_path, overrides = args.config, list(args.overrides)
-    if config_path is not None and "=" in config_path and not Path(config_path).exists():
-        overrides.insert(0, config_path)
-        config_path = None
-    return config_path, overrides
+    return split_config_args(args.config, args.overrides)
 
 
 def is_demo(config_path: str | None, overrides: list[str]) -> bool:
-    """No config and no teacher: the embedded demo (overrides apply to it)."""
-    return config_path is None and not any(o.startswith("teacher.path=") for o in overrides)
+    """No config and no teacher (teacher.path or teachers): the embedded demo (overrides apply to it)."""
+    teacher = ("teacher.path=", "teachers=", "teachers.", "teachers[")
+    return config_path is None and not any(o.startswith(teacher) for o in overrides)
 
 
 def print_summary(summary: dict[str, Any], as_json: bool) -> None:

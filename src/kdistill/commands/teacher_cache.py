@@ -5,6 +5,7 @@ its evals read) and write its targets.
     kdistill teacher-cache run.yaml --out cache/ --mode topk --k 64       # top-k + remaining mass
     kdistill teacher-cache run.yaml --out cache/ --mode sampled --k 64    # k draws from p_T
     kdistill run run.yaml teacher.cache=cache/                            # trains without the teacher
+    kdistill teacher-cache teacher.path=T student.path=S data.train=[d/] --out cache/   # no CONFIG file
 
 The rows are those `kdistill run` packs from the same config (data, seq_len, tokenizer); the held-out
 rows are those its evals read (schedule.eval_batches batches of schedule.batch_size). The layout and
@@ -26,20 +27,23 @@ import numpy as np
 import torch
 
 from kdistill import teacher_cache as tc
+from kdistill.commands.common import split_config_args
 from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json, progress_bar
 from kdistill.data.batches import take
 from kdistill.errors import UserError
-from kdistill.fileio import atomic_write_json
+from kdistill.fileio import atomic_write_json, file_sha256, write_guard
 from kdistill.kernels import seal
 from kdistill.models.hf_io import load_model
 from kdistill.models.hub import resolve_run_models
+from kdistill.outputs import check_target, output_lock, read_output_marker, write_output_marker
 from kdistill.train.recipe import check_models, load_data, resolve_device
 
 
 def teacher_cache_command(args: argparse.Namespace) -> int:
     """Build (or finish) the cache in --out for the run CONFIG describes."""
-    cfg = load_config(args.config, args.overrides)
+    config_path, overrides = split_config_args(args.config, args.overrides)
+    cfg = load_config(config_path, overrides)
     cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, cache=""))
     cfg.validate()
     if cfg.teachers:
@@ -69,6 +73,7 @@ def build_cache(
         raise UserError(f"--mode is '{mode}', expected one of: {', '.join(tc.MODES)}")
     if shard_rows < 1:
         raise UserError(f"--shard-rows is {shard_rows}, expected a positive integer")
+    check_cache_target(cfg, out)
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet=True)
     vocab = student_spec.vocab_size
     if mode != "exact" and not 0 < k < vocab:
@@ -80,7 +85,67 @@ def build_cache(
         **{f: want[f] for f in ("teacher", "tokenizer", "data", "seq_len", "temperature", "heldout")},
         mode=mode, k=k if mode != "exact" else 0, vocab=vocab, rows=len(data.train), shard_rows=shard_rows,
     )  # fmt: skip
+    with output_lock(out), write_guard(out, what="write the teacher cache", intact=INTACT):
+        todo = write_cache(
+            cfg, out, manifest, want, data, teacher_spec, trim_rows, k, vocab, device, dtype, quiet
+        )
+
+    def size(shards: list[dict[str, Any]]) -> int:
+        return sum(f.stat().st_size for s in shards for f in (out / s["name"]).glob("*.npy"))
+
+    train_bytes = size(manifest["shards"])
+    tokens = manifest["rows"] * manifest["seq_len"]
+    return {**{k_: manifest[k_] for k_ in ("rows", "seq_len", "mode", "k")}, "bytes": train_bytes,
+            "bytes_per_token": train_bytes / max(tokens, 1), "heldout_rows": manifest["heldout"]["rows"],
+            "heldout_bytes": size(manifest["heldout"]["shards"]), "written_shards": len(todo)}  # fmt: skip
+
+
+# What a write fault leaves: the shards renamed into place are complete and kept.
+INTACT = "complete shards are kept: run kdistill teacher-cache again with the same --out to finish"
+
+
+def is_cache(path: Path) -> bool:
+    """A folder holding a teacher cache (its manifest names a mode): one kdistill wrote, with or without
+    the output marker (caches written before markers existed)."""
+    try:
+        return tc.read_manifest(path).get("mode") in tc.MODES
+    except UserError:
+        return False
+
+
+def check_cache_target(cfg: RunConfig, out: Path) -> None:
+    """--out must be absent, empty or a teacher cache, and none of the run's inputs (the teachers, the
+    student, the data files); else one line, before the teacher is loaded."""
+    inputs = [
+        ("teacher.path", cfg.teacher.path),
+        ("student.path", cfg.student.path),
+        *(("data.train", f) for f in cfg.data.train),
+        *(("data.heldout", f) for f in cfg.data.heldout),
+    ]
+    check_target(out, KIND, inputs=inputs, legacy=is_cache)
+
+
+def clean_temps(out: Path) -> None:
+    """Remove what a killed writer left in the cache folder: shard temp folders and temp manifests (the
+    caller holds the lock: no live writer owns them)."""
+    for p in out.glob("*.tmp"):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+    for p in out.glob(".manifest.json.*.tmp"):
+        p.unlink(missing_ok=True)
+
+
+def write_cache(
+    cfg: RunConfig, out: Path, manifest: dict[str, Any], want: dict[str, Any], data: Any, teacher_spec: Any,
+    trim_rows: Any, k: int, vocab: int, device: torch.device, dtype: torch.dtype, quiet: bool,
+) -> list[Any]:  # fmt: skip
+    """Under the cache's lock: write every missing shard of `manifest` into `out` and mark it complete;
+    returns the shards written."""
+    mode = manifest["mode"]
     out.mkdir(parents=True, exist_ok=True)
+    clean_temps(out)
+    if read_output_marker(out) != KIND:
+        write_output_marker(out, KIND)
     if (out / "manifest.json").is_file():
         old = tc.read_manifest(out)
         tc.check_manifest(old, want, f"--out {out}")
@@ -90,10 +155,17 @@ def build_cache(
                     f"--out {out}: holds a cache with {field}={old.get(field)}, asked for {manifest[field]} "
                     "(use another --out)"
                 )
-        if old.get("heldout") != manifest["heldout"]:
+        old_held = old.get("heldout")
+        if (
+            not isinstance(old_held, dict)
+            or {**old_held, "shards": tc.without_sums(old_held.get("shards"))} != (manifest["heldout"])
+        ):
             # other held-out rows (eval_batches, batch_size or held-out data): before the new manifest
             # lists shards of the same names, so that no old shard passes for a complete new one
             drop_heldout_shards(out)
+        else:
+            carry_sums(old_held.get("shards"), manifest["heldout"]["shards"])
+        carry_sums(old.get("shards"), manifest["shards"])
     atomic_write_json(out / "manifest.json", manifest)
     todo = [(s, False) for s in manifest["shards"] if not tc.shard_complete(out, s["name"], mode)]
     todo += [
@@ -114,19 +186,34 @@ def build_cache(
             arrays = shard_targets(
                 teacher, rows, s["start"], s["stop"], cfg, mode, k, vocab, device, bar, heldout=held
             )
-            tc.write_shard(out, s["name"], arrays)
+            s["sha256"] = tc.write_shard(out, s["name"], arrays)
+            atomic_write_json(out / "manifest.json", manifest)  # the shard's sums, kept if killed later
         bar.close()
+    for s in [*manifest["shards"], *manifest["heldout"]["shards"]]:
+        if "sha256" not in s:  # complete shards of a cache written before sums were recorded
+            s["sha256"] = {
+                f"{a}.npy": file_sha256(out / s["name"] / f"{a}.npy")
+                for a in tc.arrays_of(mode, s["name"].startswith(tc.HELDOUT_PREFIX))
+            }
     manifest["complete"] = True
     atomic_write_json(out / "manifest.json", manifest)
+    return todo
 
-    def size(shards: list[dict[str, Any]]) -> int:
-        return sum(f.stat().st_size for s in shards for f in (out / s["name"]).glob("*.npy"))
 
-    train_bytes = size(manifest["shards"])
-    tokens = manifest["rows"] * manifest["seq_len"]
-    return {**{k_: manifest[k_] for k_ in ("rows", "seq_len", "mode", "k")}, "bytes": train_bytes,
-            "bytes_per_token": train_bytes / max(tokens, 1), "heldout_rows": manifest["heldout"]["rows"],
-            "heldout_bytes": size(manifest["heldout"]["shards"]), "written_shards": len(todo)}  # fmt: skip
+def carry_sums(old: Any, new: list[dict[str, Any]]) -> None:
+    """The sha256s an earlier manifest recorded for shards of the same name and rows."""
+    if not isinstance(old, list):
+        return
+    by_name = {s.get("name"): s for s in old if isinstance(s, dict)}
+    for s in new:
+        o = by_name.get(s["name"])
+        if (
+            o
+            and o.get("start") == s["start"]
+            and o.get("stop") == s["stop"]
+            and isinstance(o.get("sha256"), dict)
+        ):
+            s["sha256"] = o["sha256"]
 
 
 def drop_heldout_shards(out: Path) -> None:
@@ -135,6 +222,8 @@ def drop_heldout_shards(out: Path) -> None:
         if path.is_dir():
             shutil.rmtree(path)
 
+
+KIND = "teacher-cache"  # the output marker's kind
 
 # Added to the sampling seed of a held-out shard: its draws are not those of the training shard that
 # starts at the same row.

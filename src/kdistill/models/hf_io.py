@@ -22,8 +22,7 @@ import mmap
 import os
 import shutil
 import struct
-import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +31,12 @@ from safetensors.torch import save_file
 
 from kdistill.dtypes import SAFETENSORS, long_name, torch_dtype
 from kdistill.errors import UserError
-from kdistill.fileio import fault_point, fsync_dir, write_json_durable
+from kdistill.fileio import fault_point, write_json_durable
 from kdistill.jsonio import short_repr
 from kdistill.models.decoder import KD_ONLY_PREFIX, Decoder
 from kdistill.models.spec import read_config_json, spec_from_hf_config
+from kdistill.outputs import staged_output
+from kdistill.rundir import has_marker
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -473,14 +474,19 @@ def save_model(
     source_dir: Path | None = None,
     dtype: torch.dtype | None = None,
     chat_template: str | None = None,
+    kind: str = "model",
+    intact: str | None = None,
+    inputs: Iterable[tuple[str, str | Path]] = (),
 ) -> None:
     """Write `model` as a Hugging Face directory that transformers.AutoModelForCausalLM loads as is.
 
     Writes config.json, model.safetensors (a tied model has no lm_head.weight) and copies the tokenizer
-    files and generation_config.json from `source_dir` when present. Atomic: everything is written to a
-    temporary sibling directory, then renamed into place; an existing model directory at `out_dir` is
-    replaced only once the new one is complete. Only fixed file names are written, so nothing from a
-    checkpoint can write outside `out_dir`.
+    files and generation_config.json from `source_dir` when present. Atomic (kdistill.outputs): written
+    to a temporary sibling directory, marked as kdistill's output of `kind`, then renamed into place; an
+    existing directory at `out_dir` is replaced only when it carries the marker of an earlier `kind`
+    (or is a model directory inside a kdistill run directory, written before markers existed), and only
+    once the new one is complete. Only fixed file names are written, so nothing from a checkpoint can
+    write outside `out_dir`.
 
     Args:
         model: the decoder to save.
@@ -489,30 +495,26 @@ def save_model(
         dtype: dtype to store (float32, bfloat16 or float16); default: the model's parameter dtype.
         chat_template: written as chat_template.jinja (the template a run rendered its conversations
             with, when it was not the source's own).
+        kind: the marker's kind ("model"; `kdistill export --merge`: "export-merged").
+        intact: what a write fault leaves intact, for its one-line error.
+        inputs: (label, path) of the run's inputs: out_dir may not be, or contain, one of them.
 
     Raises:
-        UserError: out_dir is a file, or a non-empty directory that is not a model directory (no
-        config.json), or cannot be written.
+        UserError: out_dir is a file, or a non-empty directory kdistill did not write as `kind`, or one
+        of `inputs`, or cannot be written (disk full, read-only, ...: one line, nothing left behind).
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"{out_dir}: exists and is not a directory (expected a model output directory)")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
-        raise UserError(
-            f"{out_dir}: exists and is not a model directory (no config.json); refusing to replace it"
-        )
     if dtype is None:
         dtype = next(model.parameters()).dtype
     if dtype not in SAFETENSORS_DTYPES.values():
         raise UserError(f"save dtype {dtype} is not supported (expected float32, bfloat16 or float16)")
 
-    parent = out_dir.resolve().parent
-    tag = uuid.uuid4().hex[:8]
-    tmp = parent / f".{out_dir.name}.tmp-{tag}"
-    old = parent / f".{out_dir.name}.old-{tag}"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+    def legacy(p: Path) -> bool:  # a run's own student/, exported before markers existed
+        return kind == "model" and (p / "config.json").is_file() and has_marker(p.absolute().parent)
+
+    with staged_output(
+        out_dir, kind, name="", what="write the model", intact=intact, inputs=inputs, legacy=legacy
+    ) as tmp:
         cfg = model.spec.to_hf_config()
         cfg["torch_dtype"] = cfg["dtype"] = long_name(dtype)
         write_json_durable(tmp / "config.json", cfg)
@@ -530,7 +532,7 @@ def save_model(
                 t = t.clone()
             seen.add(t.untyped_storage().data_ptr())
             tensors[name] = t
-        fault_point(tmp / WEIGHTS_NAME)
+        fault_point(tmp / WEIGHTS_NAME, "safetensors")
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         with open(tmp / WEIGHTS_NAME, "rb+") as f:
             os.fsync(f.fileno())
@@ -539,26 +541,8 @@ def save_model(
             src = Path(source_dir)
             for fname in (*TOKENIZER_FILES, *EXTRA_FILES):
                 if (src / fname).is_file():
+                    fault_point(tmp / fname)
                     shutil.copyfile(src / fname, tmp / fname)
         if chat_template is not None:
+            fault_point(tmp / "chat_template.jinja")
             (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
-        fsync_dir(tmp)
-
-        if out_dir.exists():
-            os.rename(out_dir, old)
-            try:
-                os.rename(tmp, out_dir)
-            except OSError:
-                os.rename(old, out_dir)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-        fsync_dir(parent)
-    except OSError as e:
-        raise UserError(
-            f"{out_dir}: cannot write the model ({e.__class__.__name__}: {e.strerror or e})"
-        ) from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +32,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kdistill.errors import UserError
-from kdistill.fileio import fsync_dir, write_json_durable
+from kdistill.fileio import fault_point, write_json_durable
 from kdistill.jsonio import read_json
 from kdistill.models.decoder import KD_ONLY_PREFIX
+from kdistill.outputs import staged_output
+from kdistill.rundir import has_marker
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -85,6 +85,25 @@ class LoraLinear(nn.Module):
         delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling  # (out, in)
         base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
         return base
+
+
+def check_rank(rank: int, targets: list[str], spec: Any, where: str = "student.lora.rank") -> None:
+    """A rank no larger than the smallest dimension of a targeted linear (`spec.linear_shapes()`): a
+    larger one is not a low-rank update (and only costs memory). One line naming the rank and the limit,
+    before anything is allocated."""
+    shapes = spec.linear_shapes()
+    limit, name = min((min(shapes[t]), t) for t in targets if t in shapes)
+    if rank > limit:
+        raise UserError(
+            f"{where} is {rank}, expected at most {limit} (the smallest dimension of the targeted "
+            f"{name}: {shapes[name][0]} x {shapes[name][1]}); LoRA ranks are usually 4 to 64"
+        )
+
+
+def check_lora(lora: Any, spec: Any) -> None:
+    """A config's student.lora against the student's shapes (check_rank); nothing when LoRA is off."""
+    if lora.enabled:
+        check_rank(lora.rank, lora.targets, spec)
 
 
 def _target_modules(model: nn.Module, targets: list[str]) -> list[tuple[nn.Module, str]]:
@@ -179,10 +198,17 @@ def peft_config(model: nn.Module, base_model: str) -> dict[str, Any]:
 
 
 def save_adapter(
-    model: nn.Module, out_dir: Path, *, base_model: str, tensors: dict[str, torch.Tensor] | None = None
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    base_model: str,
+    tensors: dict[str, torch.Tensor] | None = None,
+    kind: str = "adapter",
+    intact: str | None = None,
 ) -> None:
-    """Write adapter_config.json and adapter_model.safetensors (PEFT's key names), atomically: into a
-    temporary sibling, then renamed over `out_dir`.
+    """Write adapter_config.json and adapter_model.safetensors (PEFT's key names), atomically
+    (kdistill.outputs): into a temporary sibling marked as kdistill's output of `kind`, then renamed over
+    `out_dir`, which is replaced only when it carries the marker of an earlier `kind`.
 
     Args:
         model: the student with its adapters (their config: rank, alpha, dropout, targets).
@@ -191,10 +217,10 @@ def save_adapter(
         tensors: full tensors by name, at least the adapters' (`adapter_state`'s names), when the model
             holds only shards of them (FSDP2: gathered by the caller, every process taking part); the
             default is the model's own. Other names (e.g. other trainable parameters) are not written.
+        kind: the marker's kind ("adapter"; `kdistill export`: "export-adapter").
+        intact: what a write fault leaves intact, for its one-line error.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir / ADAPTER_CONFIG).is_file() and any(out_dir.iterdir()):
-        raise UserError(f"{out_dir}: exists and is not an adapter directory; refusing to replace it")
     own = adapter_state(model)
     if tensors is not None:
         missing = sorted(k for k in own if k not in tensors)
@@ -202,29 +228,16 @@ def save_adapter(
             raise ValueError(f"no tensor given for the adapter {missing[0]!r}")
         own = {k: tensors[k] for k in own}
     tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in own.items()}
-    parent = out_dir.resolve().parent
-    tag = uuid.uuid4().hex[:8]
-    tmp, old = parent / f".{out_dir.name}.tmp-{tag}", parent / f".{out_dir.name}.old-{tag}"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+
+    def legacy(p: Path) -> bool:  # the run's own adapter/, written before markers existed
+        return kind == "adapter" and (p / ADAPTER_CONFIG).is_file() and has_marker(p.absolute().parent)
+
+    with staged_output(out_dir, kind, name="", what="write the adapter", intact=intact, legacy=legacy) as tmp:
         write_json_durable(tmp / ADAPTER_CONFIG, peft_config(model, base_model))
+        fault_point(tmp / ADAPTER_WEIGHTS, "safetensors")
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(tmp / ADAPTER_WEIGHTS, "rb+") as f:
             os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if out_dir.exists():
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(parent)
-    except OSError as e:
-        raise UserError(
-            f"{out_dir}: cannot write the adapter ({e.__class__.__name__}: {e.strerror or e})"
-        ) from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -243,6 +256,23 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in cfg:
             raise UserError(f"{cfg_path}: missing field '{key}'")
+    r, alpha, targets = cfg["r"], cfg["lora_alpha"], cfg["target_modules"]
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise UserError(f"{cfg_path}: r is {r!r}, expected a positive integer (the adapters' rank)")
+    if (
+        not isinstance(alpha, int | float)
+        or isinstance(alpha, bool)
+        or not math.isfinite(alpha)
+        or alpha <= 0
+    ):
+        raise UserError(f"{cfg_path}: lora_alpha is {alpha!r}, expected a positive number")
+    if not (
+        isinstance(targets, str)
+        or (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))
+    ):
+        raise UserError(
+            f"{cfg_path}: target_modules is {targets!r}, expected a module name or a list of them"
+        )
     bad = [k for k in raw if not k.startswith(PEFT_PREFIX)]
     if bad:
         raise UserError(f"{w_path}: tensor {bad[0]!r} does not start with '{PEFT_PREFIX}'")
@@ -255,6 +285,14 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> nn.Module:
     targets = cfg["target_modules"]
     if isinstance(targets, str):
         targets = [targets]
+    w_path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    for k, t in tensors.items():  # the rank the tensors hold, before r-sized adapters are allocated
+        dim = 0 if ".lora_A." in k else 1
+        if t.dim() != 2 or t.shape[dim] != cfg["r"]:
+            raise UserError(
+                f"{w_path}: tensor {PEFT_PREFIX + k!r} has shape {list(t.shape)}, not rank r={cfg['r']} "
+                f"of {Path(adapter_dir) / ADAPTER_CONFIG}"
+            )
     apply_lora(model, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=0.0, targets=list(targets))
     own = adapter_state(model)
     odd = sorted(set(own) ^ set(tensors))

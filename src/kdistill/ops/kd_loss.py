@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -590,6 +590,25 @@ def label_count(labels: torch.Tensor, vocab: int, ignore_index: int = -100) -> i
             f"labels hold token id {first} outside the student vocabulary [0, {vocab}) ({n_bad} such tokens)"
         )
     return n_tokens
+
+
+def check_token_ids(batches: Any, vocab: int, ignore_index: int = -100, where: str = "held-out data") -> None:
+    """Every batch's input ids and labels (batch[0], batch[1]: host tensors or arrays) are token ids of
+    the model's vocabulary [0, vocab): the check the training step makes with `label_count`, for the
+    eval paths, before any embedding lookup (an IndexError there otherwise)."""
+    for batch in batches:
+        ids = torch.as_tensor(batch[0])
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            raise UserError(
+                f"{where}: input holds token id {lo if lo < 0 else hi} outside the model's vocabulary "
+                f"[0, {vocab})"
+            )
+        if len(batch) > 1:
+            try:
+                label_count(torch.as_tensor(batch[1]).flatten(), vocab, ignore_index)
+            except UserError as e:
+                raise UserError(f"{where}: {e}") from None
 
 
 def kd_loss(

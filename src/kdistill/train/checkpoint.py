@@ -82,11 +82,11 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
         weights = {k: v.detach().to("cpu").contiguous() for k, v in student.state_dict().items()}
-        fault_point(tmp / "student.safetensors")
+        fault_point(tmp / "student.safetensors", "safetensors")
         save_file(weights, str(tmp / "student.safetensors"))
         faults.checkpoint_pause("between-files")
         opt_t, opt_meta = optimizer_tensors(opt)
-        fault_point(tmp / "optimizer.safetensors")
+        fault_point(tmp / "optimizer.safetensors", "safetensors")
         save_file(opt_t, str(tmp / "optimizer.safetensors"))
         write_json_durable(tmp / "state.json", {"step": step, "optimizer": opt_meta, **state})
         for f in tmp.iterdir():
@@ -218,9 +218,19 @@ def why_unloadable(run_dir: Path) -> str:
 
 
 def clean_partial(run_dir: Path) -> None:
-    """Remove temp folders left by a checkpoint write that was killed."""
+    """Remove what a killed process left in the run directory (the caller holds the run's lock): temp
+    folders of a checkpoint write, of the export (`.student.tmp-*`, `.adapter.tmp-*`: kdistill.outputs)
+    and temp files of atomic writes (`.summary.json.<random>.tmp`, ...)."""
+    from kdistill.outputs import clean_stale  # outputs -> rundir -> fileio: no cycle at import time
+
     root = run_dir / "checkpoints"
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith(".tmp-"):
                 shutil.rmtree(p, ignore_errors=True)
+    for name in ("student", "adapter"):
+        clean_stale(run_dir / name)
+    if run_dir.is_dir():
+        for p in run_dir.glob(".*.tmp"):
+            if p.is_file() and not p.is_symlink():
+                p.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -22,8 +23,10 @@ import torch
 from kdistill import __version__
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_text, fault_point, file_sha256, write_guard
-from kdistill.jsonio import check_int, iter_jsonl, short_repr, type_name
+from kdistill.jsonio import check_int, cut, iter_jsonl, parse_json, short_repr, type_name
 from kdistill.train.checkpoint import intact_text
+
+log = logging.getLogger(__name__)
 
 
 def model_hashes(model_dir: str) -> dict[str, str]:
@@ -115,8 +118,9 @@ class MetricsWriter:
         self.path = path
         with self._guard():
             if keep_until_step is not None and path.exists():
-                # On resume, drop lines written after the checkpoint we continue from.
-                kept = [ln for ln in read_metrics(path) if ln.get("step", 0) <= keep_until_step]
+                # On resume, drop lines written after the checkpoint we continue from; damaged lines
+                # are moved aside (they would block every later read of the file).
+                kept = [ln for ln in salvage_metrics(path) if ln.get("step", 0) <= keep_until_step]
                 atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
             fault_point(path)
             self._f = open(path, "a", encoding="utf-8")
@@ -139,6 +143,43 @@ class MetricsWriter:
 
 
 _NUMBER_FIELDS = ("loss", "ce", "kd", "student_loss", "teacher_loss", "kl_to_teacher")
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    """A metrics row: a JSON object whose step is an int and whose losses are numbers or null."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: {short_repr(row)} ({type_name(row)}), expected a JSON object")
+    if "step" in row:
+        check_int("'step'", row["step"], min=0, prefix=f"{where}: ")
+    for k in _NUMBER_FIELDS:
+        v = row.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            raise UserError(f"{where}: '{k}' is {short_repr(v)} ({type_name(v)}), expected a number or null")
+    return row
+
+
+def salvage_metrics(path: Path) -> list[dict[str, Any]]:
+    """The good rows of a .jsonl file, for a resumed run: each damaged line (not JSON, not a row, a line
+    cut by a kill) is appended to `<file>.damaged` with a warning naming it, instead of stopping the
+    resume."""
+    rows: list[dict[str, Any]] = []
+    bad: list[bytes] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                rows.append(_check_row(parse_json(raw, where=str(path), line=lineno), where))
+            except (UserError, ValueError, RecursionError) as e:
+                bad.append(raw if raw.endswith(b"\n") else raw + b"\n")
+                why = cut(str(e).removeprefix(f"{where}: "), 120)
+                log.warning("%s: damaged (%s); moved to %s", where, why, path.name + ".damaged")
+    if bad:
+        fault_point(path.with_name(path.name + ".damaged"))
+        with open(path.with_name(path.name + ".damaged"), "ab") as f:
+            f.write(b"".join(bad))
+    return rows
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

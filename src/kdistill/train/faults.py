@@ -9,6 +9,8 @@ The step loop calls `at(point)` at these points:
 `kdistill generate --out` calls `at("generate.N")` once its N-th chunk of answers is on disk, and
 KDISTILL_TEST_GENERATE_CHUNK sets the answers per chunk.
 KDISTILL_TEST_NAN_STEPS="3,4" makes the loss of those (1-based) steps non-finite (`nan_step`).
+KDISTILL_TEST_POISON_STEP=S sets one weight of the student to +inf before step S's forward (`poison`):
+a non-finite value that the real forward, loss and backward carry, on any CPU (no float overflow needed).
 KDISTILL_TEST_CKPT_PAUSE=FILE makes a checkpoint write stop between its files: it writes the stage name
 to FILE and sleeps, so that a test can kill the process inside the write (`checkpoint_pause`).
 KDISTILL_TEST_HOLD_AT="POINT@DIR" makes every process of a first torchrun attempt (restart count 0) stop
@@ -22,9 +24,13 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 KILL_ENV, NAN_ENV, PAUSE_ENV = "KDISTILL_TEST_KILL_AT", "KDISTILL_TEST_NAN_STEPS", "KDISTILL_TEST_CKPT_PAUSE"
 KILL_RANK_ENV = "KDISTILL_TEST_KILL_RANK"
+POISON_ENV = "KDISTILL_TEST_POISON_STEP"
 HOLD_ENV = "KDISTILL_TEST_HOLD_AT"
 GENERATE_CHUNK_ENV = "KDISTILL_TEST_GENERATE_CHUNK"
 
@@ -48,6 +54,19 @@ def nan_step(step: int) -> bool:
     """True if KDISTILL_TEST_NAN_STEPS names `step` (1-based): its loss is to read as NaN."""
     spec = os.environ.get(NAN_ENV)
     return bool(spec) and str(step) in spec.split(",")
+
+
+def poison(step: int, model: Any) -> None:
+    """If KDISTILL_TEST_POISON_STEP names `step` (1-based): the first element of the student's first norm
+    weight becomes +inf (its hidden states, logits and loss then turn non-finite through the real path)."""
+    if os.environ.get(POISON_ENV) != str(step):
+        return
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            with torch.no_grad():
+                local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor shard under FSDP2
+                local.view(-1)[0] = float("inf")
+            return
 
 
 def checkpoint_pause(stage: str) -> None:

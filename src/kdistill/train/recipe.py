@@ -47,7 +47,7 @@ from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_lim
 from kdistill.models import fp8
 from kdistill.models.decoder import Decoder, build_decoder
 from kdistill.models.hf_io import has_weights, load_model, save_model
-from kdistill.models.lora import apply_lora, has_lora, save_adapter
+from kdistill.models.lora import apply_lora, check_lora, has_lora, save_adapter
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 from kdistill.scoring import heldout_eval_cached
@@ -255,6 +255,7 @@ def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tok
     tokenizer.json alone: a teacher that is a model directory, one shared tokenizer, matching
     vocabularies and a seq_len both models support."""
     teacher_spec, student_spec = load_spec(cfg.teacher.path), load_spec(cfg.student.path)
+    check_lora(cfg.student.lora, student_spec)  # a rank the student's linears can hold, before any plan
     if not Path(cfg.teacher.path).is_dir():
         raise UserError(
             f"teacher.path '{cfg.teacher.path}' is not a model directory: a run needs the teacher's weights "

@@ -29,13 +29,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kdistill.config import RunConfig
+from kdistill.config import RunConfig, load_config
 from kdistill.data import Batcher
 from kdistill.errors import UserError
 from kdistill.jsonio import cut, short_repr
 from kdistill.models.lora import checkpoint_state, has_lora
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
+from kdistill.train.rundir import record_resume_overrides
 
 
 def new_counters() -> dict[str, Any]:
@@ -109,7 +110,9 @@ def restore_state(
         batcher.load_state_dict(state["batcher"])
         torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
         start_step = state["step"]
-        if type(start_step) is not int or not 0 <= start_step <= cfg.schedule.steps:
+        # a checkpoint past schedule.steps (a run extended with --resume schedule.steps=N, resumed with
+        # the older count): its training is complete, and the run goes straight to its export
+        if type(start_step) is not int or start_step < 0:
             raise ValueError(f"step {start_step!r}")
         counters.update({k: type(v)(state["counters"][k]) for k, v in counters.items()})
     except (
@@ -127,6 +130,9 @@ def restore_state(
         raise UserError(f"{path}: checkpoint does not match this run ({cut(what, 200)})") from None
     if dist.is_main():
         print(f"resuming from {path} (step {start_step})", file=sys.stderr)
+        # the checkpoint fits: overrides given with --resume (schedule.steps=N) become the run's config,
+        # so that a later plain --resume (after a killed export) continues with them
+        record_resume_overrides(run_dir, load_config(run_dir / "config.yaml"), cfg)
     return start_step
 
 

@@ -211,3 +211,35 @@ def check_identity(run_dir: Path, cfg: RunConfig, allow_changes: bool) -> list[s
     with write_guard(path, what="record the changes in the manifest"):
         atomic_write_json(path, manifest)
     return changes
+
+
+def record_resume_overrides(run_dir: Path, saved: RunConfig, cfg: RunConfig) -> dict[str, list[Any]]:
+    """A --resume with overrides (schedule.steps=N, ...): config.yaml becomes the config the run now
+    follows, and manifest.json's `resume_overrides` records each change ({"field": [old, new]}), so that a
+    later plain --resume (after a killed export, say) continues with the same config. Returns the
+    changes (empty: nothing written)."""
+    old, new = _flat(saved.to_dict()), _flat(cfg.to_dict())
+    changed = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    if not changed:
+        return {}
+    path = run_dir / "manifest.json"
+    with write_guard(run_dir / "config.yaml", what="record the resumed run's config"):
+        manifest = read_json(path, max_bytes=16 << 20, what="a kdistill manifest.json")
+        history = manifest.get("resume_overrides")
+        history = history if isinstance(history, list) else []
+        history.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "changed": changed})
+        manifest["resume_overrides"] = history
+        atomic_write_json(path, manifest)
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return changed
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"schedule": {"steps": 8}} -> {"schedule.steps": 8} (lists kept whole)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

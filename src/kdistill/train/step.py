@@ -28,7 +28,7 @@ from kdistill.data import Batcher, check_batch
 from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder
 from kdistill.ops import kd_sparse
-from kdistill.ops.kd_loss import label_count
+from kdistill.ops.kd_loss import check_token_ids, label_count
 from kdistill.train import distributed as dist
 from kdistill.train import faults, layers
 from kdistill.train.cross_tok import cross_tokenizer_loss
@@ -218,6 +218,7 @@ def heldout_eval(
     tot = {"student": 0.0, "kl": 0.0, "teacher": 0.0}
     tokens = 0
     multi = dist.active()
+    check_token_ids(batches, int(student.lm_head_weight.shape[0]), cfg.kd.ignore_index)  # as training does
     for batch in batches:
         count = True
         if multi:
@@ -481,6 +482,7 @@ def _accumulate(
             mine = cached.get("n_tokens", int((torch.as_tensor(batch[1]) != ignore).sum()))
             weight, _ = dist.loss_weight(mine, everyone)
         input_ids, labels, *docs = (t.to(ctx.device, non_blocking=True) for t in batch)
+        faults.poison(step + 1, ctx.student)
         r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
         if multi:
             (r.loss * (weight / cfg.schedule.grad_accum)).backward()
