@@ -29,7 +29,8 @@ from kdistill.models.hub import resolve_run_models
 from kdistill.rundir import RunLock
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
-from kdistill.train.recipe import resolve_device, train
+from kdistill.train.preflight import resolve_device
+from kdistill.train.recipe import train
 from kdistill.train.rundir import (
     Claim,
     check_identity,
