@@ -55,11 +55,13 @@ from kdistill.train.cross_tok import CrossTokenizer
 from kdistill.train.evidence import MetricsWriter, NullWriter, plot_losses, read_metrics, smoke_contract
 from kdistill.train.layers import attach_projections, check_layer_map
 from kdistill.train.loading import (
+    chat_template,
     load_data,
     load_mixture,
     load_models,
     open_teacher_cache,
 )
+from kdistill.train.onpolicy import OnPolicy, prompt_pool
 from kdistill.train.optim import make_optimizer
 from kdistill.train.preflight import (
     check_fp8_layout,
@@ -165,6 +167,11 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
+    prompts = None
+    if cfg.kd.generates:  # kd.on_policy / kd.seq_kd: the data's prompts, refused before any prewarm
+        if multi:
+            raise UserError("kd.on_policy and kd.seq_kd run in one process: run without torchrun")
+        prompts = prompt_pool(data.train)
     stage(
         t_start,
         quiet,
@@ -216,8 +223,17 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     batcher = Batcher(data.train, cfg.schedule.batch_size, cfg.schedule.seed)
     held = heldout_batches(data.heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)
 
+    onpolicy = None
+    if prompts is not None:
+        template = chat_template(cfg) if data.documents else None
+        stops = stop_token_ids(cfg.teacher.path, tok, template)
+        pad = tok.eos_id if tok.eos_id is not None else 0
+        onpolicy = OnPolicy(cfg, prompts, stops, pad, device)
+        stage(t_start, quiet, f"on-policy: {len(prompts)} prompts, {onpolicy.describe()}")
     counters = new_counters()
-    start_step = restore_state(run_dir, student, opt, batcher, counters, cfg, device) if resume else 0
+    start_step = (
+        restore_state(run_dir, student, opt, batcher, counters, cfg, device, onpolicy) if resume else 0
+    )
     if multi and not dist.is_main():  # only rank 0 writes the run's files
         metrics: MetricsWriter | NullWriter = NullWriter()
         eval_log: MetricsWriter | NullWriter = NullWriter()
@@ -231,7 +247,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         if data.documents:
             raise UserError("kd.cross_tokenizer runs on text data, not packed conversations")
         cross = CrossTokenizer(tok, load_tokenizer(cfg.teacher.path), teacher_spec.max_position_embeddings)
-    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross)
+    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross, onpolicy=onpolicy)
     # Last in setup, so nothing after it can fail before train() takes over closing them.
     trackers = Trackers()
     if cfg.output.report_to and dist.is_main():
@@ -359,6 +375,12 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         row["degenerate"] = True
     if profiled:
         row["profiled"] = True
+    if out.generated and run.ctx.onpolicy is not None:  # a generated step: its phases and samples
+        row.update(out.generated)
+        row["update_s"] = max(seconds - row["gen_s"] - row["score_s"], 0.0)
+        if row["policy"] == "on_policy":
+            row["sample_kl"] = out.kd  # the teacher's per-token KL on the student's samples
+        run.ctx.onpolicy.record(row, seconds)
     run.metrics.write(row)
     run.trackers.log(step, {TRACKER_KEYS.get(k, k): v for k, v in row.items() if k in TRACKER_KEYS})
     return row
@@ -471,7 +493,7 @@ class Samples:
 def save(run: Run, step: int) -> None:
     """Checkpoint the run at `step` (see resume.py for what is saved)."""
     ctx = run.ctx
-    save_state(run.run_dir, step, ctx.student, ctx.opt, run.batcher, run.counters, run.cfg)
+    save_state(run.run_dir, step, ctx.student, ctx.opt, run.batcher, run.counters, run.cfg, ctx.onpolicy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -585,6 +607,8 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         summary["planned_memory_gib"] = planned / GIB
     else:
         summary["kernels"].pop("arch", None)  # the arch of a GPU that did not run: only on a GPU run
+    if run.ctx.onpolicy is not None:
+        summary["on_policy"] = run.ctx.onpolicy.summary()
     if run.cfg.runtime.profile_steps:
         summary["profiled_steps"] = list(run.profiled_steps)  # [] when the run never reached them
     if run.data_stats:  # conversations: how full the packed rows are and what is learned

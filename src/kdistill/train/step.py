@@ -31,6 +31,7 @@ from kdistill.models.decoder import Decoder
 from kdistill.ops.kd_loss import label_count
 from kdistill.train import distributed as dist
 from kdistill.train import faults
+from kdistill.train.onpolicy import OnPolicy, generated_accumulate
 from kdistill.train.optim import lr_at
 from kdistill.train.targets import (
     MicroBatch,
@@ -165,6 +166,7 @@ class StepContext:
     mixture: list[tuple[Decoder, float]] | None = None  # several teachers: [(teacher, weight), ...]
     cross: Any = None  # kd.cross_tokenizer: a kdistill.train.cross_tok.CrossTokenizer
     source: TargetSource | None = None  # the teacher's side of the loss (default: from the fields above)
+    onpolicy: OnPolicy | None = None  # kd.on_policy / kd.seq_kd: the steps that train on generated text
     extras: Any = None  # the loss's extra terms (kd.layer_map: a kdistill.train.layers.LayerMap)
 
     def __post_init__(self) -> None:
@@ -189,6 +191,7 @@ class StepResult:
     skipped: str | None  # why the batch was skipped (a non-finite loss or gradient norm)
     degenerate: bool  # a micro-batch had too few scored tokens (see data.check_batch)
     stop_any: bool = False  # under torchrun: some process had been asked to stop (a signal)
+    generated: dict[str, Any] = dataclasses.field(default_factory=dict)  # a generated step's stats
 
 
 class NonFinitePolicy:
@@ -243,7 +246,14 @@ def train_step(
     for g in opt.param_groups:
         g["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
+    kind = ctx.onpolicy.kind(step) if ctx.onpolicy is not None else "data"
+    generated: dict[str, Any] = {}
+    if kind == "data":
+        means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
+    else:  # the student's (or the teacher's) completions of the data's prompts (train/onpolicy.py)
+        assert ctx.onpolicy is not None
+        means, tokens, stats = generated_accumulate(ctx, ctx.onpolicy, step, kind)
+        degenerate, stops, generated = False, None, stats.row()
     loss_ok = torch.isfinite(means[:, 0]).all()
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     norm = clip_gradients(ctx.student, clip)
@@ -276,7 +286,9 @@ def train_step(
     acc = cfg.schedule.grad_accum
     sums = [loss_sum, ce_sum, kd_sum]
     mean = [None if cause is not None else v / acc for v in sums]
-    return StepResult(lr, mean[0], mean[1], mean[2], grad_norm, tokens, cause, degenerate, stop_any)
+    return StepResult(
+        lr, mean[0], mean[1], mean[2], grad_norm, tokens, cause, degenerate, stop_any, generated
+    )
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

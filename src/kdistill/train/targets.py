@@ -254,14 +254,17 @@ def batch_loss(
     amp: contextlib.AbstractContextManager,
     extras: LayerMap | None = None,
     objective: str = "divergence",
+    targets: Targets | None = None,
 ) -> dispatch.KDLossResult:
     """batch -> targets (no grad) -> student forward -> loss. Returns a KDLossResult.
 
     objective "divergence": (1 - alpha) CE + alpha T^2 D(teacher_T || student_T) over the full
     vocabulary (kdistill.ops.kd_loss), or the sparse / ULD forms a source's targets call for, plus the
     extra terms; "sampled_reverse_kl": the policy-gradient form of the reverse KL on the batch's
-    labels, which are the student's own samples (kdistill.ops.onpolicy_loss)."""
-    targets = source.targets(batch, cfg, amp, extras)
+    labels, which are the student's own samples (kdistill.ops.onpolicy_loss). targets: the batch's
+    targets scored beforehand (a generated step scores every micro-batch before the update)."""
+    if targets is None:
+        targets = source.targets(batch, cfg, amp, extras)
     kd = cfg.kd
     if targets.aligned:
         with amp:
