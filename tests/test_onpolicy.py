@@ -33,6 +33,7 @@ from tests.test_chat_train import write_chat_files
 from tests.test_contract import make_spec
 from tests.test_train_kit import (
     assert_same_weights,
+    assets,
     base_config,
     final_weights,
     one_error_line,
@@ -270,3 +271,32 @@ def test_killed_and_resumed_on_policy_run_matches_uninterrupted(tmp_path):
     s_base, s_cut = read_summary(base)["on_policy"], read_summary(cut)["on_policy"]
     for k in ("on_policy_steps", "seq_kd_steps", "mean_completion_len", "eos_fraction", "sample_kl"):
         assert s_base[k] == s_cut[k], k
+
+
+def test_lora_student_and_fp8_teacher_train_on_generated_steps(tmp_path, capsys):
+    cfg = _run_config(tmp_path, on_policy=0.5, seq_kd=1.0, max_new_tokens=6)
+    cfg["teacher"]["precision"] = "fp8"  # the teacher writes the seq_kd completions with its FP8 linears
+    cfg["student"] = {
+        "path": str(assets().student),
+        "init": "pretrained",
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj"]},
+    }
+    rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg)), "--quiet")
+    assert rc == 0, err
+    rows = _metrics(tmp_path / "run", ())
+    assert {r["policy"] for r in rows} == {"on_policy", "seq_kd"}  # seq_kd = 1: every other step
+    assert all(r["skipped"] is None for r in rows if "skipped" in r)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_kernel_plan_covers_the_generated_steps_decoding():
+    from kdistill.kernels.plan import required_kernels
+
+    t, s = make_spec(hidden=32, vocab=VOCAB), make_spec(hidden=24, vocab=VOCAB)
+    cfg = _cfg()
+    plan = required_kernels(t, s, cfg, "sm_90")
+    sdpa = [dict(k.params) for k in plan if k.op == "sdpa" and k.get("masked")]
+    prompt = cfg.data.seq_len + 1 - cfg.kd.max_new_tokens
+    assert any(p["B"] == 4 and p["T"] == prompt for p in sdpa)  # the prefill of a step's 4 rows
+    off = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, on_policy=0.0))
+    assert required_kernels(t, s, off, "sm_90") < plan
