@@ -68,12 +68,18 @@ def rollout(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("rollout needs at least one prompt, each with at least one token")
     was_training = model.training
+    threads = torch.get_num_threads()
+    cpu = model.lm_head_weight.device.type == "cpu"
     model.eval()
     try:
+        if cpu:  # a decode step's ops are too small to split: threads would only wait on each other
+            torch.set_num_threads(1)
         with amp if amp is not None else contextlib.nullcontext():
             return _decode(model, prompts, sampling, stop_ids, generator, pad_id)
     finally:
         model.train(was_training)
+        if cpu:
+            torch.set_num_threads(threads)
 
 
 def _decode(
