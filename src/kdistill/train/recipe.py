@@ -379,7 +379,7 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         row.update(out.generated)
         row["update_s"] = max(seconds - row["gen_s"] - row["score_s"], 0.0)
         if row["policy"] == "on_policy":
-            row["sample_kl"] = out.kd  # the teacher's per-token KL on the student's samples
+            row["sample_kl"] = out.kd  # the divergence to the teacher per token of the student's samples
         run.ctx.onpolicy.record(row, seconds)
     run.metrics.write(row)
     run.trackers.log(step, {TRACKER_KEYS.get(k, k): v for k, v in row.items() if k in TRACKER_KEYS})
