@@ -230,7 +230,7 @@ def test_chat_run_finishes_and_its_student_loads_in_transformers(tmp_path, capsy
 
 def test_teacher_template_is_used_and_a_mismatch_warns(tmp_path, caplog):
     from kdistill.config import RunConfig
-    from kdistill.train.recipe import chat_template
+    from kdistill.train.loading import chat_template
 
     a, b = tmp_path / "t", tmp_path / "s"
     for folder, src in ((a, TEMPLATE), (b, TEMPLATE + " ")):

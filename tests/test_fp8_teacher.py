@@ -188,7 +188,7 @@ def test_gpu_without_fp8_is_refused(monkeypatch):
 
 
 def test_fp8_with_a_sharded_teacher_is_refused():
-    from kdistill.train.recipe import check_fp8_layout
+    from kdistill.train.preflight import check_fp8_layout
 
     cfg = RunConfig()
     cfg.teacher.precision = "fp8"

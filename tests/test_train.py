@@ -139,7 +139,7 @@ def test_student_init_from_teacher_layers(tmp_path, capsys, deep_teacher):
     from kdistill.models.decoder import build_decoder
     from kdistill.models.hf_io import load_model
     from kdistill.models.spec import load_spec
-    from kdistill.train.recipe import init_from_teacher_layers
+    from kdistill.train.loading import init_from_teacher_layers
 
     student_cfg = tmp_path / "s" / "config.json"
     student_cfg.parent.mkdir()

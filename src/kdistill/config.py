@@ -8,7 +8,8 @@ A run config is YAML with these sections (every field has a default except the m
                lora: {rank, alpha, dropout, targets, base_dtype}}
     data:     {train: [PATH, ...], heldout: [PATH, ...], heldout_fraction, seq_len, max_tokens}
     kd:       {alpha, temperature, divergence, beta, chunk_size, ignore_index, layer_map, hidden_weight,
-               hidden_loss, attention_weight, cross_tokenizer}
+               hidden_loss, attention_weight, cross_tokenizer, on_policy, seq_kd, on_policy_loss,
+               sample_temperature, max_new_tokens, samples_per_prompt}
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
@@ -39,7 +40,11 @@ from kdistill.rundir import check_path_value
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
 # kd.attention_weight builds (batch, heads, seq_len, seq_len) attention maps: refused above this length
 ATTENTION_MAX_SEQ_LEN = 1024
-TRACKERS = ("tensorboard", "wandb", "mlflow")  # output.report_to (kdistill.train.trackers opens them)
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+ON_POLICY_LOSSES = (
+    "divergence",
+    "sampled_reverse_kl",
+)  # kd.on_policy_loss  # output.report_to (kdistill.train.trackers opens them)
 
 
 @dataclasses.dataclass
@@ -174,10 +179,28 @@ class KDConfig:
     attention_weight: float = 0.0  # attention-map transfer on the mapped layers (0: off)
     # Teacher and student with different tokenizers: ULD loss over character-aligned positions
     cross_tokenizer: bool = False
+    # On-policy distillation (kdistill.train.onpolicy): the fraction of optimizer steps whose completions
+    # the current student writes for the data's prompts (GKD's lambda); the rest train on the data.
+    on_policy: float = 0.0
+    seq_kd: float = 0.0  # the fraction of the other steps trained on teacher-written completions
+    on_policy_loss: str = "divergence"  # divergence (kd.divergence, full vocabulary) | sampled_reverse_kl
+    sample_temperature: float = 0.0  # sampling temperature; 0: kd.temperature (one for both)
+    max_new_tokens: int = 128  # tokens a completion may have (it stops earlier at EOS)
+    samples_per_prompt: int = 1  # completions per prompt (batch_size rows = prompts x samples)
 
     def validate(self) -> None:
         if not 0 <= self.alpha <= 1:
             raise UserError(f"kd.alpha is {self.alpha}, expected a number in [0, 1]")
+        for name in ("on_policy", "seq_kd"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UserError(f"kd.{name} is {getattr(self, name)}, expected a number in [0, 1]")
+        _choice("kd.on_policy_loss", self.on_policy_loss, ON_POLICY_LOSSES)
+        if not self.sample_temperature >= 0:
+            raise UserError(
+                f"kd.sample_temperature is {self.sample_temperature}, expected a number >= 0 (0: kd.temperature)"
+            )
+        _positive("kd.max_new_tokens", self.max_new_tokens)
+        _positive("kd.samples_per_prompt", self.samples_per_prompt)
         _positive("kd.temperature", self.temperature)
         _choice("kd.divergence", self.divergence, DIVERGENCES)
         if not 0 < self.beta < 1:
@@ -198,6 +221,16 @@ class KDConfig:
                 f"kd.attention_weight is {self.attention_weight} but kd.layer_map is empty: attention "
                 "maps are transferred on mapped layers only"
             )
+
+    @property
+    def generates(self) -> bool:
+        """Some steps train on generated completions: the student's (on_policy) or the teacher's (seq_kd)."""
+        return self.on_policy > 0 or self.seq_kd > 0
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature completions are sampled at: kd.sample_temperature, or kd.temperature when 0."""
+        return self.sample_temperature or self.temperature
 
     @property
     def layers_on(self) -> bool:
@@ -385,6 +418,30 @@ class RunConfig:
             raise UserError(f"kd.cross_tokenizer needs {live}")
         if kd.cross_tokenizer and kd.layers_on:
             raise UserError("kd.cross_tokenizer and kd.layer_map cannot be combined (positions differ)")
+        if kd.generates:
+            what = "kd.on_policy" if kd.on_policy > 0 else "kd.seq_kd"
+            if self.teacher.cache:
+                raise UserError(
+                    f"{what} needs a live teacher, but teacher.cache is set: a cache cannot score new samples"
+                )
+            if kd.cross_tokenizer:
+                raise UserError(
+                    f"{what} and kd.cross_tokenizer cannot be combined (one tokenizer writes and grades)"
+                )
+            if kd.layers_on:
+                raise UserError(
+                    f"{what} and kd.layer_map cannot be combined (generated steps train the head only)"
+                )
+            if kd.max_new_tokens >= self.data.seq_len:
+                raise UserError(
+                    f"kd.max_new_tokens is {kd.max_new_tokens}, expected fewer than data.seq_len "
+                    f"({self.data.seq_len}): a prompt and its completion fit in one row"
+                )
+            if self.schedule.batch_size % kd.samples_per_prompt:
+                raise UserError(
+                    f"schedule.batch_size {self.schedule.batch_size} is not a multiple of kd.samples_per_prompt "
+                    f"({kd.samples_per_prompt}): a micro-batch holds every sample of its prompts"
+                )
 
     @property
     def teacher_paths(self) -> list[str]:

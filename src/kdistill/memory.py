@@ -184,13 +184,36 @@ def estimate_memory(
         # (B, H, T, T) fp32 scores, log-probs and the head-averaged map, student (kept for backward) and teacher
         maps = rows * cfg.data.seq_len**2 * (student.num_heads + teacher.num_heads) * 4 * 3 * pairs
         forward_peak["layer_map"] = states + (maps if kd.attention_weight > 0 else 0)
+    generation = 0
+    if kd.generates:  # kd.on_policy / kd.seq_kd: generation and scoring phases before the update
+        # every micro-batch's teacher hidden states are scored before the update and kept until it
+        forward_peak["scored_targets"] = (cfg.schedule.grad_accum - 1) * n * teacher.hidden_size * act_bytes
+        generation = generation_memory(
+            [student, teacher] if kd.seq_kd > 0 else [student],
+            rows * cfg.schedule.grad_accum,
+            cfg.data.seq_len,
+            act_bytes,
+        )
     optimizer_phase = trainable * 4 * 2 // w  # gradients plus AdamW's foreach temporaries
     terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())
-    if optimizer_phase > live_forward:
+    if optimizer_phase > live_forward and optimizer_phase >= generation:
         terms = {**fixed, "gradients_and_optimizer_temporaries": optimizer_phase}
+    elif generation > live_forward:
+        terms = {**fixed, "generation_kv_cache_and_logits": generation}
     terms["total"] = sum(terms.values())
     return terms
+
+
+def generation_memory(writers: list[ModelSpec], rows: int, max_len: int, act_bytes: int) -> int:
+    """Bytes of one step's generation (kdistill.train.rollouts), the largest over the models that write:
+    the KV cache of every row at max_len positions (keys and values of every layer) and a few (rows,
+    vocab) fp32 buffers of the next-token logits and probabilities."""
+    out = 0
+    for spec in writers:
+        kv = 2 * spec.num_layers * rows * spec.kv_size * max_len * act_bytes
+        out = max(out, kv + 3 * rows * spec.vocab_size * 4)
+    return out
 
 
 def _gathered(spec: ModelSpec, nbytes: int, every_block: bool = False) -> int:

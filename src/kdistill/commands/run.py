@@ -24,6 +24,7 @@ from kdistill import signals
 from kdistill.commands.common import split_config_args
 from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json
+from kdistill.demo.onpolicy import is_onpolicy_demo, run_onpolicy_demo
 from kdistill.demo.run import run_demo
 from kdistill.errors import UserError
 from kdistill.models.hub import resolve_run_models
@@ -31,7 +32,8 @@ from kdistill.outputs import check_inputs
 from kdistill.rundir import RunLock
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
-from kdistill.train.recipe import resolve_device, train
+from kdistill.train.preflight import resolve_device
+from kdistill.train.recipe import train
 from kdistill.train.rundir import (
     Claim,
     check_identity,
@@ -58,6 +60,8 @@ def run_command(args: argparse.Namespace) -> int:
     config_path, overrides = new_run_args(args)
     if is_demo(config_path, overrides):
         return run_demo(overrides, quiet=args.quiet, as_json=args.json)
+    if is_onpolicy_demo(config_path):  # the embedded on-policy comparison (two runs and a table)
+        return run_onpolicy_demo(overrides, quiet=args.quiet, as_json=args.json)
     cfg = load_config(config_path, overrides).validate()
     summary = new_run(cfg, overwrite=args.overwrite, quiet=args.quiet)
     print_summary(summary, args.json)

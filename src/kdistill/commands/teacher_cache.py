@@ -37,7 +37,8 @@ from kdistill.kernels import seal
 from kdistill.models.hf_io import load_model
 from kdistill.models.hub import resolve_run_models
 from kdistill.outputs import check_target, output_lock, read_output_marker, write_output_marker
-from kdistill.train.recipe import check_models, load_data, resolve_device
+from kdistill.train.loading import load_data
+from kdistill.train.preflight import check_models, resolve_device
 
 
 def teacher_cache_command(args: argparse.Namespace) -> int:

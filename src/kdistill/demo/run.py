@@ -18,7 +18,8 @@ from kdistill.demo import DEMO_YAML
 from kdistill.fileio import atomic_write_json
 from kdistill.train.corpus import expand_data_paths
 from kdistill.train.evidence import plot_comparison
-from kdistill.train.recipe import resolve_device, train
+from kdistill.train.preflight import resolve_device
+from kdistill.train.recipe import train
 from kdistill.train.rundir import prepare_output, print_config, start_run_dir
 
 

@@ -279,6 +279,14 @@ def required_kernels(
     for extra in extra_teachers:  # the KD head's key depends on the student's vocab only
         out |= model_kernels(extra, arch, prec, prec.teacher_weights, grad=False, **m)
         out |= gemm_kernels(extra, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
+    kd = run.kd
+    if getattr(kd, "on_policy", 0) > 0 or getattr(kd, "seq_kd", 0) > 0:
+        # generated steps (kdistill.train.rollouts): every micro-batch's rows decoded at once, in the
+        # run's precision, through the KV cache (masked attention; a prefill at the longest prompt)
+        g = dict(batch=b * run.schedule.grad_accum, seq=t + 1 - kd.max_new_tokens, masked=True)
+        out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=False, **g)
+        if kd.seq_kd > 0 and not cached:
+            out |= model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **g)
     return out
 
 

@@ -1,7 +1,8 @@
 """Distillation across tokenizers (kd.cross_tokenizer=true): the ULD loss over character-aligned positions.
 
     cross = CrossTokenizer(student_tok, teacher_tok, teacher_max_len)
-    r = cross_tokenizer_loss(student, teacher, input_ids, labels, cfg, amp, cross)   # a KDLossResult
+    t_ids, pairs = cross.teacher_batch(input_ids)      # the teacher's ids, its position per student one
+    r = uld_loss(s_hidden, s_weight, t_rows, t_weight, labels, cfg)   # a KDLossResult
 
 The data is tokenized with the student's tokenizer. Per micro-batch each row's text (decoded by the
 student's tokenizer) is encoded by the teacher's; each student position is paired with the teacher
@@ -16,7 +17,6 @@ held at once stay O(chunk x vocab).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -26,7 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from kdistill import dispatch
 from kdistill.config import RunConfig
 from kdistill.data.align import retokenize
-from kdistill.models.decoder import Decoder
 from kdistill.ops.uld import uld_rows
 
 
@@ -57,36 +56,30 @@ def _uld_sum(hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Ten
     return uld_rows(hs @ ws.t(), ht @ wt.t(), temperature).sum()
 
 
-def cross_tokenizer_loss(
-    student: Decoder,
-    teacher: Decoder,
-    input_ids: torch.Tensor,
+def uld_loss(
+    s_hidden: torch.Tensor,
+    s_weight: torch.Tensor,
+    t_rows: torch.Tensor | None,
+    t_weight: torch.Tensor | None,
     labels: torch.Tensor,
     cfg: RunConfig,
-    amp: contextlib.AbstractContextManager,
-    cross: CrossTokenizer,
 ) -> dispatch.KDLossResult:
-    """(1 - alpha) CE + alpha ULD over aligned positions; see the module docstring."""
+    """(1 - alpha) CE + alpha ULD from the student's hidden states s_hidden (B, T, Hs) and the teacher's
+    rows t_rows (n, Ht) aligned to the n labelled positions of labels (B, T) (None at alpha = 0 or
+    with no labelled position)."""
     kd = cfg.kd
-    t_ids, pairs = cross.teacher_batch(input_ids)  # (B, Lt), (B, T)
     valid = labels != kd.ignore_index  # (B, T)
-    with amp:
-        s_hidden = student(input_ids)  # (B, T, Hs)
     s_rows = s_hidden[valid]  # (n, Hs)
     ce = dispatch.kd_loss(
-        s_rows, student.lm_head_weight, None, None, labels[valid], alpha=0.0, temperature=1.0,
+        s_rows, s_weight, None, None, labels[valid], alpha=0.0, temperature=1.0,
         divergence="forward_kl", ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
     )  # fmt: skip
     n = s_rows.shape[0]
     uld = torch.zeros((), device=s_hidden.device)
-    if kd.alpha > 0 and n:
-        with torch.no_grad(), amp:
-            t_hidden = teacher(t_ids)  # (B, Lt, Ht)
-        b_idx = torch.arange(len(t_ids), device=t_ids.device)[:, None].expand_as(pairs)
-        t_rows = t_hidden[b_idx[valid], pairs[valid]].float()  # (n, Ht)
+    if kd.alpha > 0 and n and t_rows is not None and t_weight is not None:
         # fp32 GEMMs on both sides (the plan's ULD shapes): a student lm_head stored or gathered in a
         # lower precision (a LoRA base_dtype, FSDP2's compute-dtype gathers) is cast, not mixed with hs
-        ws, wt = student.lm_head_weight.float(), teacher.lm_head_weight.float()
+        ws, wt = s_weight.float(), t_weight.float()
         for start in range(0, n, kd.chunk_size):
             end = min(start + kd.chunk_size, n)
             hs = s_rows[start:end].float()

@@ -2,6 +2,7 @@
 
     attach_projections(student, teacher_spec, cfg)     # before the optimizer: kd_layer_proj modules
     extra, s_hidden, t_hidden = layer_kd(student, teacher, input_ids, labels, cfg, amp, pos, doc)
+    terms = LayerMap(cfg)                              # the same, as an extra term of the loss
 
 For each pair [t, s] of kd.layer_map the student's output of block s, through a learned linear map
 (Hs -> Ht, no bias) when the widths differ, is compared with the teacher's output of block t (see
@@ -63,6 +64,68 @@ def _capture(model: Decoder, layers: set[int], on: bool) -> None:
         model.model.layers[i].self_attn.capture = [] if on else None
 
 
+def forward_collect(
+    model: Decoder,
+    input_ids: torch.Tensor,
+    amp: contextlib.AbstractContextManager,
+    position_ids: torch.Tensor | None,
+    doc_ids: torch.Tensor | None,
+    layers: set[int],
+    attention: bool,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """One forward that keeps what the layer terms read: (final hidden (B, T, H), the outputs of
+    blocks `layers` {i: (B, T, H)}, with `attention` their (q, k) {i: (q, k)}, else {}). Gradients as
+    the caller's grad mode says (the teacher's forward runs under no_grad)."""
+    try:
+        if attention:
+            _capture(model, layers, True)
+        with amp:
+            hidden, states = model(input_ids, position_ids, doc_ids, collect=layers)
+        qk = {i: model.model.layers[i].self_attn.capture[0] for i in layers} if attention else {}
+    finally:
+        _capture(model, layers, False)
+    return hidden, states, qk
+
+
+class LayerMap:
+    """kd.layer_map as an extra term of the loss: which blocks each model's forward keeps, and the
+    weighted hidden-state and attention-map loss between them (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.kd = cfg.kd
+        self.teacher_layers = {t for t, _ in cfg.kd.layer_map}
+        self.student_layers = {s for _, s in cfg.kd.layer_map}
+        self.attention = cfg.kd.attention_weight > 0
+
+    def loss(
+        self,
+        student: Decoder,
+        s_states: dict[int, torch.Tensor],
+        s_qk: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        t_states: dict[int, torch.Tensor],
+        t_qk: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        labels: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """kd.hidden_weight x mean hidden loss + kd.attention_weight x mean attention loss over the pairs."""
+        kd = self.kd
+        valid = labels != kd.ignore_index  # (B, T)
+        proj = getattr(student, "kd_layer_proj", None)
+        device = next(iter(s_states.values())).device if s_states else labels.device
+        hidden = attention = torch.zeros((), device=device)
+        mask = document_mask(doc_ids) if doc_ids is not None else None
+        for t, s in kd.layer_map:
+            if kd.hidden_weight > 0:
+                hs = s_states[s].float()
+                if proj is not None:
+                    hs = proj[str(s)](hs)
+                hidden = hidden + hidden_state_loss(hs, t_states[t], valid, kd.hidden_loss)
+            if self.attention:
+                attention = attention + attention_map_loss(*s_qk[s], *t_qk[t], valid, mask)
+        pairs = len(kd.layer_map)
+        return (kd.hidden_weight * hidden + kd.attention_weight * attention) / pairs
+
+
 def layer_kd(
     student: Decoder,
     teacher: Decoder,
@@ -74,35 +137,13 @@ def layer_kd(
     doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the weighted layer loss, student final hidden (B, T, Hs), teacher final hidden (B, T, Ht))."""
-    kd = cfg.kd
-    t_layers = {t for t, _ in kd.layer_map}
-    s_layers = {s for _, s in kd.layer_map}
-    attn = kd.attention_weight > 0
-    try:
-        if attn:
-            _capture(teacher, t_layers, True)
-            _capture(student, s_layers, True)
-        with torch.no_grad(), amp:
-            t_hidden, t_states = teacher(input_ids, position_ids, doc_ids, collect=t_layers)
-        with amp:
-            s_hidden, s_states = student(input_ids, position_ids, doc_ids, collect=s_layers)
-        t_qk = {i: teacher.model.layers[i].self_attn.capture[0] for i in t_layers} if attn else {}
-        s_qk = {i: student.model.layers[i].self_attn.capture[0] for i in s_layers} if attn else {}
-    finally:
-        _capture(teacher, t_layers, False)
-        _capture(student, s_layers, False)
-    valid = labels != kd.ignore_index  # (B, T)
-    proj = getattr(student, "kd_layer_proj", None)
-    hidden = attention = torch.zeros((), device=s_hidden.device)
-    mask = document_mask(doc_ids) if doc_ids is not None else None
-    for t, s in kd.layer_map:
-        if kd.hidden_weight > 0:
-            hs = s_states[s].float()
-            if proj is not None:
-                hs = proj[str(s)](hs)
-            hidden = hidden + hidden_state_loss(hs, t_states[t], valid, kd.hidden_loss)
-        if attn:
-            attention = attention + attention_map_loss(*s_qk[s], *t_qk[t], valid, mask)
-    pairs = len(kd.layer_map)
-    extra = (kd.hidden_weight * hidden + kd.attention_weight * attention) / pairs
+    terms = LayerMap(cfg)
+    with torch.no_grad():
+        t_hidden, t_states, t_qk = forward_collect(
+            teacher, input_ids, amp, position_ids, doc_ids, terms.teacher_layers, terms.attention
+        )
+    s_hidden, s_states, s_qk = forward_collect(
+        student, input_ids, amp, position_ids, doc_ids, terms.student_layers, terms.attention
+    )
+    extra = terms.loss(student, s_states, s_qk, t_states, t_qk, labels, doc_ids)
     return extra, s_hidden, t_hidden

@@ -14,7 +14,8 @@ finish: a final eval and checkpoint; the student exported as a Hugging Face dire
         summary.json and loss.png.
 
 Under torchrun (`distributed.active()`) every process runs this recipe on its slice of each batch;
-rank 0 alone writes the run's files and prints.
+rank 0 alone writes the run's files and prints. The checks before loading live in preflight.py, the
+loading of data, cache and models in loading.py, the loss of a batch in targets.py and step.py.
 """
 
 from __future__ import annotations
@@ -33,33 +34,42 @@ import torch
 from kdistill import signals
 from kdistill.config import RunConfig
 from kdistill.console import progress_bar
-from kdistill.data import Batcher, PreparedData, heldout_batches, prepare_data
-from kdistill.data.chat_data import is_conversation_data, prepare_chat_data
+from kdistill.data import Batcher, heldout_batches
 from kdistill.data.chat_pack import PackedRows
-from kdistill.data.chat_template import ChatTemplate, load_chat_template, template_mismatch
+from kdistill.data.chat_template import load_chat_template
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json, write_guard
 from kdistill.generate import answer_rows, sample_prompts, stop_token_ids
-from kdistill.jsonio import short_repr
 from kdistill.kernels import seal
-from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_limits
-from kdistill.models import fp8
-from kdistill.models.decoder import Decoder, build_decoder
-from kdistill.models.hf_io import has_weights, load_model, save_model
-from kdistill.models.lora import apply_lora, check_lora, has_lora, save_adapter
-from kdistill.models.spec import ModelSpec, load_spec
+from kdistill.memory import GIB, Layout, estimate_memory
+from kdistill.models.hf_io import save_model
+from kdistill.models.lora import has_lora, save_adapter
+from kdistill.models.spec import ModelSpec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 from kdistill.scoring import heldout_eval_cached
-from kdistill.teacher_cache import TeacherCache, run_identity
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train import faults
-from kdistill.train.corpus import expand_data_paths
 from kdistill.train.cross_tok import CrossTokenizer
 from kdistill.train.evidence import MetricsWriter, NullWriter, plot_losses, read_metrics, smoke_contract
 from kdistill.train.layers import attach_projections, check_layer_map
+from kdistill.train.loading import (
+    chat_template,
+    load_data,
+    load_mixture,
+    load_models,
+    open_teacher_cache,
+)
+from kdistill.train.onpolicy import OnPolicy, prompt_pool
 from kdistill.train.optim import make_optimizer
+from kdistill.train.preflight import (
+    check_fp8_layout,
+    check_memory,
+    check_models,
+    check_teachers,
+    resolve_device,
+)
 from kdistill.train.profiling import StepProfiler
 from kdistill.train.resume import new_counters, restore_state, save_state
 from kdistill.train.signals import SignalGuard
@@ -157,6 +167,11 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
+    prompts = None
+    if cfg.kd.generates:  # kd.on_policy / kd.seq_kd: the data's prompts, refused before any prewarm
+        if multi:
+            raise UserError("kd.on_policy and kd.seq_kd run in one process: run without torchrun")
+        prompts = prompt_pool(data.train)
     stage(
         t_start,
         quiet,
@@ -208,8 +223,17 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     batcher = Batcher(data.train, cfg.schedule.batch_size, cfg.schedule.seed)
     held = heldout_batches(data.heldout, cfg.schedule.batch_size, cfg.schedule.eval_batches)
 
+    onpolicy = None
+    if prompts is not None:
+        template = chat_template(cfg) if data.documents else None
+        stops = stop_token_ids(cfg.teacher.path, tok, template)
+        pad = tok.eos_id if tok.eos_id is not None else 0
+        onpolicy = OnPolicy(cfg, prompts, stops, pad, device)
+        stage(t_start, quiet, f"on-policy: {len(prompts)} prompts, {onpolicy.describe()}")
     counters = new_counters()
-    start_step = restore_state(run_dir, student, opt, batcher, counters, cfg, device) if resume else 0
+    start_step = (
+        restore_state(run_dir, student, opt, batcher, counters, cfg, device, onpolicy) if resume else 0
+    )
     if multi and not dist.is_main():  # only rank 0 writes the run's files
         metrics: MetricsWriter | NullWriter = NullWriter()
         eval_log: MetricsWriter | NullWriter = NullWriter()
@@ -223,7 +247,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         if data.documents:
             raise UserError("kd.cross_tokenizer runs on text data, not packed conversations")
         cross = CrossTokenizer(tok, load_tokenizer(cfg.teacher.path), teacher_spec.max_position_embeddings)
-    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross)
+    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross, onpolicy=onpolicy)
     # Last in setup, so nothing after it can fail before train() takes over closing them.
     trackers = Trackers()
     if cfg.output.report_to and dist.is_main():
@@ -233,384 +257,6 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         held, counters, start_step, metrics, eval_log, trackers, data.stats if data.documents else {}, tok,
         extra_specs,
     )  # fmt: skip
-
-
-def resolve_device(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
-    """(device, compute dtype): bf16 on GPU and fp32 on CPU unless runtime.dtype says otherwise."""
-    want = cfg.runtime.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"runtime.device is '{want}', but no CUDA GPU is available (use runtime.device=cpu)")
-    device = torch.device(want)
-    if cfg.runtime.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = torch_dtype(cfg.runtime.dtype)
-    return device, dtype
-
-
-def check_models(cfg: RunConfig, quiet: bool) -> tuple[ModelSpec, ModelSpec, Tokenizer, int | None]:
-    """(teacher spec, student spec, tokenizer, teacher rows to trim to or None), from config.json and
-    tokenizer.json alone: a teacher that is a model directory, one shared tokenizer, matching
-    vocabularies and a seq_len both models support."""
-    teacher_spec, student_spec = load_spec(cfg.teacher.path), load_spec(cfg.student.path)
-    check_lora(cfg.student.lora, student_spec)  # a rank the student's linears can hold, before any plan
-    if not Path(cfg.teacher.path).is_dir():
-        raise UserError(
-            f"teacher.path '{cfg.teacher.path}' is not a model directory: a run needs the teacher's weights "
-            "and tokenizer.json (presets only describe shapes, for `kdistill plan`)"
-        )
-    tok = load_tokenizer(cfg.teacher.path)
-    student_dir = Path(cfg.student.path)
-    if cfg.kd.cross_tokenizer:
-        return check_cross_tokenizer(cfg, teacher_spec, student_spec, tok)
-    if student_dir.is_dir() and (student_dir / "tokenizer.json").exists():
-        s_tok = load_tokenizer(student_dir)
-        if s_tok.identity != tok.identity:
-            raise UserError(
-                f"{student_dir / 'tokenizer.json'}: tokenizer differs from the teacher's "
-                f"({s_tok.identity[:12]} vs {tok.identity[:12]}): teacher and student must share a tokenizer"
-            )
-    trim_rows = check_vocab(tok.vocab_size, teacher_spec, student_spec)
-    top, token = tok.largest_id()  # once, before training: every id must have an embedding row
-    rows = min(student_spec.vocab_size, trim_rows or teacher_spec.vocab_size)
-    if top >= rows:
-        raise UserError(
-            f"{tok.path}: token id {top} ({short_repr(token)}) is outside the models' embeddings "
-            f"({rows} rows: student vocab_size {student_spec.vocab_size}, teacher {teacher_spec.vocab_size})"
-        )
-    if trim_rows is not None and cfg.kd.alpha > 0:
-        log.info("teacher vocab %d trimmed to %d rows (padding)", teacher_spec.vocab_size, trim_rows)
-        if not quiet:
-            print(
-                f"teacher embedding rows {teacher_spec.vocab_size} trimmed to {trim_rows} (padded vocabulary)"
-            )
-    if cfg.data.seq_len > student_spec.max_position_embeddings or (
-        cfg.kd.alpha > 0 and cfg.data.seq_len > teacher_spec.max_position_embeddings
-    ):
-        limit = min(student_spec.max_position_embeddings, teacher_spec.max_position_embeddings)
-        raise UserError(
-            f"data.seq_len {cfg.data.seq_len} exceeds the models' max_position_embeddings ({limit})"
-        )
-    return teacher_spec, student_spec, tok, trim_rows
-
-
-def check_cross_tokenizer(
-    cfg: RunConfig, teacher_spec: ModelSpec, student_spec: ModelSpec, teacher_tok: Tokenizer
-) -> tuple[ModelSpec, ModelSpec, Tokenizer, int | None]:
-    """check_models for kd.cross_tokenizer: the data is tokenized with the student's own tokenizer
-    (student.path must hold tokenizer.json); the teacher keeps its vocabulary (padding rows trimmed)."""
-    student_dir = Path(cfg.student.path)
-    if not (student_dir.is_dir() and (student_dir / "tokenizer.json").is_file()):
-        raise UserError(
-            f"kd.cross_tokenizer needs the student's tokenizer, but '{cfg.student.path}' has no tokenizer.json"
-        )
-    tok = load_tokenizer(student_dir)
-    if student_spec.vocab_size < tok.vocab_size:
-        raise UserError(
-            f"student vocab_size {student_spec.vocab_size} is smaller than its tokenizer's vocabulary ({tok.vocab_size})"
-        )
-    limit = min(student_spec.max_position_embeddings, teacher_spec.max_position_embeddings)
-    if cfg.data.seq_len > limit:
-        raise UserError(
-            f"data.seq_len {cfg.data.seq_len} exceeds the models' max_position_embeddings ({limit})"
-        )
-    trim = teacher_tok.vocab_size if teacher_spec.vocab_size > teacher_tok.vocab_size else None
-    return teacher_spec, student_spec, tok, trim
-
-
-def check_teachers(
-    cfg: RunConfig, tok: Tokenizer, student_spec: ModelSpec
-) -> list[tuple[ModelSpec, int | None]]:
-    """The other teachers of a mixture (`teachers[1:]`): (spec, rows to trim to or None) each, after
-    checking that each is a model directory with the first teacher's tokenizer and a vocabulary that
-    covers the student's, and supports data.seq_len."""
-    out = []
-    for i, entry in enumerate(cfg.teachers[1:], start=1):
-        where = f"teachers[{i}].path"
-        if not Path(entry.path).is_dir():
-            raise UserError(
-                f"{where} '{entry.path}' is not a model directory (weights, config.json, tokenizer.json)"
-            )
-        spec = load_spec(entry.path)
-        if not (Path(entry.path) / "tokenizer.json").is_file():
-            raise UserError(
-                f"{where} '{entry.path}' has no tokenizer.json: teachers must share the student's tokenizer"
-            )
-        theirs = load_tokenizer(entry.path)
-        if theirs.identity != tok.identity:
-            raise UserError(
-                f"{Path(entry.path) / 'tokenizer.json'}: tokenizer differs from teachers[0]'s "
-                f"({theirs.identity[:12]} vs {tok.identity[:12]}): every teacher must share one tokenizer"
-            )
-        trim = check_vocab(tok.vocab_size, spec, student_spec)
-        if cfg.data.seq_len > spec.max_position_embeddings:
-            raise UserError(
-                f"data.seq_len {cfg.data.seq_len} exceeds {where}'s max_position_embeddings "
-                f"({spec.max_position_embeddings})"
-            )
-        out.append((spec, trim))
-    return out
-
-
-def check_vocab(tok_vocab: int, teacher: ModelSpec, student: ModelSpec) -> int | None:
-    """Rows to trim the teacher to (padded vocab), or None. Any other mismatch is an error."""
-    if student.vocab_size < tok_vocab:
-        raise UserError(
-            f"student vocab_size {student.vocab_size} is smaller than the tokenizer's vocabulary ({tok_vocab})"
-        )
-    if teacher.vocab_size < student.vocab_size:
-        raise UserError(
-            f"teacher vocab_size {teacher.vocab_size} is smaller than the student's {student.vocab_size}: "
-            "vocabularies must match (only teacher padding rows beyond the tokenizer are trimmed)"
-        )
-    if teacher.vocab_size > student.vocab_size:
-        if student.vocab_size != tok_vocab and teacher.vocab_size != student.vocab_size:
-            # Both padded, differently: the extra student rows would have no teacher target.
-            log.info("student has %d padding rows beyond the tokenizer", student.vocab_size - tok_vocab)
-        return student.vocab_size
-    return None
-
-
-def check_memory(
-    cfg: RunConfig,
-    teacher: ModelSpec,
-    student: ModelSpec,
-    device: torch.device,
-    quiet: bool,
-    extra_teachers: list[ModelSpec] | None = None,
-) -> tuple[RunConfig, Layout]:
-    """Compare the plan with the device's free memory (the GPU's, or the RAM a CPU run can still
-    allocate) before loading anything: on a GPU resolve the auto choices (teacher placement,
-    activation checkpointing: `memory.choose_layout`), then refuse, or with runtime.auto_fit lower
-    schedule.batch_size until it fits (seq_len is never changed: the error names the largest seq_len
-    that fits, for the user to choose). Under torchrun the plan is of one process's batch
-    (batch_size / world), and the batch it fits to is a multiple of world. On a CPU `auto` means a
-    sharded teacher (several processes) and no checkpointing."""
-    world = dist.info().world
-    per_process = cfg.schedule.batch_size // world
-    gpu = device.type == "cuda"
-    rt = cfg.runtime
-    layout = Layout(
-        world,
-        world > 1 and rt.teacher_placement != "replicate",
-        rt.activation_checkpointing == "blocks",
-        world > 1 and rt.student_reshard == "after_backward",
-    )
-    if rt.gpu_memory_gib > 0:
-        free: int | None = int(rt.gpu_memory_gib * GIB)
-    elif gpu:
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = available_ram()
-    if free is None:
-        return cfg, layout
-    budget = int(free * 0.95)
-    kind = "cuda" if gpu else "cpu"
-    extras = extra_teachers or []
-    if gpu:
-        layout = choose_layout(teacher, student, cfg, budget, world, per_process)
-    need = estimate_memory(teacher, student, cfg, kind, per_process, layout, extra_teachers=extras)["total"]
-    if need <= budget:
-        return cfg, layout
-    fit = fit_limits(teacher, student, cfg, budget, batch=per_process, layout=layout, extra_teachers=extras)
-    fit_batch = fit["batch_size"] * world
-    if cfg.runtime.auto_fit and fit_batch > 0:
-        if not quiet:
-            print(
-                f"runtime.auto_fit: batch_size {cfg.schedule.batch_size} -> {fit_batch} "
-                f"(plan {need / GIB:.1f} GiB > free {free / GIB:.1f} GiB)"
-            )
-        return dataclasses.replace(
-            cfg, schedule=dataclasses.replace(cfg.schedule, batch_size=fit_batch)
-        ), layout
-    raise UserError(
-        f"the plan needs {need / GIB:.1f} GiB per device ({layout.describe()}) but {free / GIB:.1f} GiB is "
-        f"free: the largest that fit are schedule.batch_size={fit_batch} (at seq_len {cfg.data.seq_len}) or "
-        f"data.seq_len={fit['seq_len']} (at batch {cfg.schedule.batch_size}); or set runtime.auto_fit=true"
-    )
-
-
-def available_ram() -> int | None:
-    """Bytes of RAM available to a new allocation (Linux MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
-    """Train and held-out sequences. The held-out split does not depend on the training seed, so runs
-    stay comparable; under torchrun rank 0 fills the token cache and the others read it."""
-    data_cfg = dataclasses.replace(
-        cfg.data, train=expand_data_paths(cfg.data.train), heldout=expand_data_paths(cfg.data.heldout)
-    )
-    if is_conversation_data(data_cfg.train):
-        return prepare_chat_data(data_cfg, tok, chat_template(cfg), seed=0)
-    with dist.main_first():
-        return prepare_data(data_cfg, tok, seed=0)
-
-
-def open_teacher_cache(cfg: RunConfig, tok: Tokenizer, data: PreparedData) -> TeacherCache:
-    """teacher.cache opened and checked against this run's teacher, tokenizer, packed rows, seq_len and
-    the held-out rows its evals read (a one-line error naming the field that differs). A cache without
-    held-out targets (written before they were cached) is used with one log line: its evals report the
-    student's CE only."""
-    if cfg.student.init == "teacher_layers":
-        raise UserError(
-            "student.init=teacher_layers needs the teacher's weights, but teacher.cache skips loading it"
-        )
-    cache = TeacherCache.open(cfg.teacher.cache, run_identity(cfg, tok.identity, data.train, data.heldout))
-    if cache.heldout is None and dist.is_main():
-        log.warning(
-            "teacher.cache %s holds no held-out targets (written before they were cached): held-out evals "
-            "report the student's CE only; run kdistill teacher-cache again with the same --out to add them",
-            cfg.teacher.cache,
-        )
-    return cache
-
-
-def chat_template(cfg: RunConfig) -> ChatTemplate:
-    """The template conversations are rendered with: data.chat_template when set, else the teacher's.
-    A student directory whose own template differs gets a warning naming both."""
-    template = load_chat_template(cfg.teacher.path, cfg.data.chat_template or None)
-    student_dir = Path(cfg.student.path)
-    if not cfg.data.chat_template and student_dir.is_dir():
-        try:
-            theirs = load_chat_template(student_dir)
-        except UserError:  # a student without a template of its own: nothing to compare
-            return template
-        warning = template_mismatch(template, theirs)
-        if warning:
-            log.warning("%s", warning)
-    return template
-
-
-def check_fp8_layout(cfg: RunConfig, teacher_sharded: bool) -> None:
-    """teacher.precision=fp8 keeps a whole FP8 teacher per process: refused with a sharded teacher."""
-    if teacher_sharded and cfg.teacher.precision == "fp8" and not cfg.teacher.cache:
-        raise UserError(
-            "teacher.precision=fp8 keeps a whole FP8 teacher on every process, but this run shards the "
-            "teacher (runtime.teacher_placement): set runtime.teacher_placement=replicate"
-        )
-
-
-def teacher_precision(cfg: RunConfig, teacher: Decoder, device: torch.device) -> None:
-    """teacher.precision=fp8: the frozen teacher's decoder linears become FP8 GEMMs (weights quantised
-    here, once); refused on a GPU without FP8 matrix units."""
-    if cfg.teacher.precision == "fp8":
-        fp8.check_device(device)
-        fp8.convert_to_fp8(teacher)
-
-
-def load_mixture(
-    cfg: RunConfig,
-    teacher: Decoder | None,
-    trims: list[int | None],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> list[tuple[Decoder, float]] | None:
-    """Several teachers (`teachers:`): [(teacher, normalised weight), ...], the first being the one
-    load_models loaded, the others loaded here, each frozen in the compute dtype. None for one teacher."""
-    if len(cfg.teachers) < 2 or teacher is None:
-        return None
-    out = [(teacher, cfg.teachers[0].weight)]
-    for entry, trim in zip(cfg.teachers[1:], trims):
-        t = load_model(entry.path, device=device, dtype=dtype, vocab_rows=trim)
-        t.eval().requires_grad_(False)
-        teacher_precision(cfg, t, device)
-        out.append((t, entry.weight))
-    return out
-
-
-def load_models(
-    cfg: RunConfig,
-    student_spec: ModelSpec,
-    device: torch.device,
-    dtype: torch.dtype,
-    trim_rows: int | None,
-    teacher_device: torch.device | None = None,
-) -> tuple[Decoder | None, Decoder, str]:
-    """(frozen teacher in the compute dtype, fp32 student in train mode, how the student began).
-    The teacher is loaded even at alpha=0: held-out evals report its loss and the KL to it; onto
-    teacher_device when given (the host, for a teacher that FSDP2 shards onto the GPUs). With
-    teacher.cache it is not loaded at all (None): the cache holds its targets."""
-    teacher = None
-    if not cfg.teacher.cache:
-        teacher = load_model(
-            cfg.teacher.path, device=teacher_device or device, dtype=dtype, vocab_rows=trim_rows
-        )
-        teacher.eval().requires_grad_(False)
-        teacher_precision(cfg, teacher, device)
-    student_dir = Path(cfg.student.path) if Path(cfg.student.path).is_dir() else None
-    init = cfg.student.init
-    if init == "auto":
-        init = "pretrained" if student_dir is not None and has_weights(student_dir) else "random"
-    if init == "pretrained":
-        if student_dir is None or not has_weights(student_dir):
-            raise UserError(f"student.init=pretrained but '{cfg.student.path}' holds no weights")
-        base_dtype = torch_dtype(cfg.student.lora.base_dtype) if cfg.student.lora.enabled else torch.float32
-        student = load_model(student_dir, device=device, dtype=base_dtype)
-    else:
-        student = build_decoder(student_spec, device=device, dtype=torch.float32, seed=cfg.schedule.seed)
-        if init == "teacher_layers":
-            init_from_teacher_layers(student, teacher)
-    if cfg.student.lora.enabled:
-        lo = cfg.student.lora
-        if init != "pretrained":
-            raise UserError(
-                f"student.lora needs a pretrained student, but '{cfg.student.path}' holds no weights"
-            )
-        if lo.base_dtype != "float32" and (device.type != "cuda" or dtype == torch.float32):
-            raise UserError(
-                f"student.lora.base_dtype is {lo.base_dtype} but the run computes in float32 (the CPU, or "
-                "runtime.dtype=float32): a low-precision frozen base needs a GPU run under autocast"
-            )
-        apply_lora(
-            student,
-            rank=lo.rank,
-            alpha=lo.alpha,
-            dropout=lo.dropout,
-            targets=lo.targets,
-            seed=cfg.schedule.seed,
-        )
-        init = f"{init}, LoRA rank {lo.rank} on {','.join(lo.targets)}"
-    student.train()
-    return teacher, student, init
-
-
-def init_from_teacher_layers(student: Decoder, teacher: Decoder) -> None:
-    """Copy evenly spaced teacher layers (and embeddings, norm, head) into the student."""
-    s, t = student.spec, teacher.spec
-    for field in (
-        "hidden_size",
-        "intermediate_size",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "attention_bias",
-        "qk_norm",
-    ):
-        if getattr(s, field) != getattr(t, field):
-            raise UserError(
-                f"student.init=teacher_layers needs equal {field} (student {getattr(s, field)}, "
-                f"teacher {getattr(t, field)})"
-            )
-    picks = [round(i * (t.num_layers - 1) / max(1, s.num_layers - 1)) for i in range(s.num_layers)]
-    with torch.no_grad():
-        rows = s.vocab_size
-        student.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight[:rows])
-        student.model.norm.weight.copy_(teacher.model.norm.weight)
-        if not s.tie_word_embeddings:
-            student.lm_head.weight.copy_(teacher.lm_head_weight[:rows])
-        for dst, src in zip(student.model.layers, picks):
-            dst.load_state_dict(teacher.model.layers[src].state_dict())
-    log.info("student initialised from teacher layers %s", picks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -729,6 +375,12 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         row["degenerate"] = True
     if profiled:
         row["profiled"] = True
+    if out.generated and run.ctx.onpolicy is not None:  # a generated step: its phases and samples
+        row.update(out.generated)
+        row["update_s"] = max(seconds - row["gen_s"] - row["score_s"], 0.0)
+        if row["policy"] == "on_policy":
+            row["sample_kl"] = out.kd  # the divergence to the teacher per token of the student's samples
+        run.ctx.onpolicy.record(row, seconds)
     run.metrics.write(row)
     run.trackers.log(step, {TRACKER_KEYS.get(k, k): v for k, v in row.items() if k in TRACKER_KEYS})
     return row
@@ -841,7 +493,7 @@ class Samples:
 def save(run: Run, step: int) -> None:
     """Checkpoint the run at `step` (see resume.py for what is saved)."""
     ctx = run.ctx
-    save_state(run.run_dir, step, ctx.student, ctx.opt, run.batcher, run.counters, run.cfg)
+    save_state(run.run_dir, step, ctx.student, ctx.opt, run.batcher, run.counters, run.cfg, ctx.onpolicy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -960,6 +612,8 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
         summary["planned_memory_gib"] = planned / GIB
     else:
         summary["kernels"].pop("arch", None)  # the arch of a GPU that did not run: only on a GPU run
+    if run.ctx.onpolicy is not None:
+        summary["on_policy"] = run.ctx.onpolicy.summary()
     if run.cfg.runtime.profile_steps:
         summary["profiled_steps"] = list(run.profiled_steps)  # [] when the run never reached them
     if run.data_stats:  # conversations: how full the packed rows are and what is learned

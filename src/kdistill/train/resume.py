@@ -52,14 +52,18 @@ def save_state(
     batcher: Batcher,
     counters: dict[str, Any],
     cfg: RunConfig,
+    onpolicy: Any = None,
 ) -> None:
-    """Checkpoint `step` (atomic, rotated to output.keep_checkpoints)."""
+    """Checkpoint `step` (atomic, rotated to output.keep_checkpoints). onpolicy: a run's
+    kdistill.train.onpolicy.OnPolicy (its prompt order, sampling generator and totals), or None."""
     state = {
         "batcher": batcher.state_dict(),
         "rng_cpu": torch.get_rng_state().tolist(),
         "counters": counters,
         "config": cfg.to_dict(),
     }
+    if onpolicy is not None:
+        state["onpolicy"] = onpolicy.state_dict()
     if dist.active():  # every process writes its own shards (collective), rank 0 commits the folder
         ckpt.save_sharded_checkpoint(
             run_dir,
@@ -83,6 +87,7 @@ def restore_state(
     counters: dict[str, Any],
     cfg: RunConfig,
     device: torch.device,
+    onpolicy: Any = None,
 ) -> int:
     """Load the newest loadable checkpoint into student, opt, batcher, the RNG and `counters`; return
     the step to continue from (0 when there is none). A checkpoint that does not fit this run is a
@@ -109,6 +114,8 @@ def restore_state(
             _load_full(student, opt, weights, opt_tensors, state, device)
         batcher.load_state_dict(state["batcher"])
         torch.set_rng_state(torch.tensor(state["rng_cpu"], dtype=torch.uint8))
+        if onpolicy is not None:  # KeyError for a checkpoint of a run that did not generate
+            onpolicy.load_state_dict(state["onpolicy"])
         start_step = state["step"]
         # a checkpoint past schedule.steps (a run extended with --resume schedule.steps=N, resumed with
         # the older count): its training is complete, and the run goes straight to its export

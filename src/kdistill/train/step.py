@@ -2,6 +2,7 @@
 
     r = compute_loss(student, teacher, input_ids, labels, cfg, amp)     # KDLossResult (loss, ce, kd, tokens)
     r = compute_loss(..., position_ids=pos, doc_ids=doc)                # packed conversations
+    r = batch_loss(student, batch, source, cfg, amp, extras)            # any TargetSource (train/targets.py)
     out = train_step(ctx, batcher, step, counters, policy)              # one optimizer step
     res = heldout_eval(student, teacher, batches, cfg, device, amp, with_teacher_loss=True)
 
@@ -27,25 +28,22 @@ from kdistill.config import RunConfig
 from kdistill.data import Batcher, check_batch
 from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder
-from kdistill.ops import kd_sparse
 from kdistill.ops.kd_loss import check_token_ids, label_count
 from kdistill.train import distributed as dist
-from kdistill.train import faults, layers
-from kdistill.train.cross_tok import cross_tokenizer_loss
+from kdistill.train import faults
+from kdistill.train.onpolicy import OnPolicy, generated_accumulate
 from kdistill.train.optim import lr_at
+from kdistill.train.targets import (
+    MicroBatch,
+    TargetSource,
+    batch_loss,
+    extra_terms,
+    head_operands,
+    target_source,
+    teacher_operands,
+)
 
 log = logging.getLogger("kdistill")
-
-
-def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KD head's GEMM operands: under autocast both go to the autocast dtype, as every other
-    linear of the model does (fp32 master weights would otherwise make the lm_head GEMMs fp32). The
-    head still accumulates logits and the lm_head gradient in fp32."""
-    dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return hidden.to(dt), weight.to(dt)
-    return hidden, weight
 
 
 def compute_loss(
@@ -58,145 +56,14 @@ def compute_loss(
     position_ids: torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
     *,
-    targets: torch.Tensor | None = None,
-    cache_mode: str = "exact",
-    cache_k: int = 0,
-    mixture: list[tuple[Decoder, float]] | None = None,
     cross: Any = None,
-    n_tokens: int | None = None,
 ) -> dispatch.KDLossResult:
-    """Teacher forward (no grad), student forward, chunked KD loss. Returns a KDLossResult.
-    position_ids, doc_ids (B, T): packed conversations (see Decoder.forward); None for raw text.
-    targets (B, T, X): the batch's rows of a teacher cache (kdistill.teacher_cache) of `cache_mode`
-    instead of a teacher forward: exact log-probs go to the KD head as teacher_logprobs, topk and
-    sampled targets to kdistill.ops.kd_sparse. mixture [(teacher, weight), ...]: several teachers
-    (`teachers:`), whose mixture in probability space is the target (`teacher` is then ignored).
-    cross: a CrossTokenizer (kd.cross_tokenizer): the ULD loss over character-aligned positions.
-    n_tokens: the labels' count from their host copy (kdistill.ops.kd_loss.label_count): the loss then
-    never waits for the GPU, and the host queues the backward while the forward runs."""
-    kd = cfg.kd
-    if cross is not None:  # kd.cross_tokenizer: a kdistill.train.cross_tok.CrossTokenizer
-        return cross_tokenizer_loss(student, teacher, input_ids, labels, cfg, amp, cross)
-    if mixture is not None:
-        return _mixture_loss(student, mixture, input_ids, labels, cfg, amp, position_ids, doc_ids)
-    if targets is not None:
-        with amp:
-            s_hidden = student(input_ids, position_ids, doc_ids).flatten(0, 1)  # (N, Hs)
-            s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
-        common = dict(
-            alpha=kd.alpha, temperature=kd.temperature, divergence=kd.divergence, beta=kd.beta,
-            ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
-        )  # fmt: skip
-        flat = targets.to(s_hidden.device).flatten(0, 1)  # (N, X)
-        if cache_mode == "exact":
-            return dispatch.kd_loss(
-                s_hidden,
-                s_weight,
-                None,
-                None,
-                labels.flatten(),
-                teacher_logprobs=flat,
-                n_tokens=n_tokens,
-                **common,
-            )
-        return kd_sparse.kd_loss_sparse(
-            s_hidden, s_weight, flat, labels.flatten(), mode=cache_mode, k=cache_k, **common
-        )
-    if kd.layers_on and teacher is not None:
-        return _layer_map_loss(student, teacher, input_ids, labels, cfg, amp, position_ids, doc_ids)
-    t_hidden, t_weight = None, None
-    if teacher is not None and kd.alpha > 0:
-        with torch.no_grad(), amp:
-            t_hidden = teacher(input_ids, position_ids, doc_ids).flatten(0, 1)  # (N, Ht)
-        t_weight = teacher.lm_head_weight
-    with amp:
-        s_hidden = student(input_ids, position_ids, doc_ids).flatten(0, 1)  # (N, Hs)
-        s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
-        if t_hidden is not None:
-            t_hidden, t_weight = head_operands(t_hidden, t_weight)
-    return dispatch.kd_loss(
-        s_hidden,
-        s_weight,
-        t_hidden,
-        t_weight,
-        labels.flatten(),
-        alpha=kd.alpha,
-        temperature=kd.temperature,
-        divergence=kd.divergence,
-        beta=kd.beta,
-        ignore_index=kd.ignore_index,
-        chunk_size=kd.chunk_size,
-        n_tokens=n_tokens,
-    )
-
-
-def _layer_map_loss(
-    student: Decoder,
-    teacher: Decoder,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    cfg: RunConfig,
-    amp: contextlib.AbstractContextManager,
-    position_ids: torch.Tensor | None,
-    doc_ids: torch.Tensor | None,
-) -> dispatch.KDLossResult:
-    """compute_loss with kd.layer_map: the KD head's loss plus the weighted layer loss
-    (kdistill.train.layers), which `loss` includes and `ce`, `kd` do not."""
-    kd = cfg.kd
-    extra, s_hidden, t_hidden = layers.layer_kd(
-        student, teacher, input_ids, labels, cfg, amp, position_ids, doc_ids
-    )
-    with amp:
-        s_hidden, s_weight = head_operands(s_hidden.flatten(0, 1), student.lm_head_weight)
-        t_hidden, t_weight = head_operands(t_hidden.flatten(0, 1), teacher.lm_head_weight)
-    if kd.alpha == 0:
-        t_hidden = t_weight = None
-    r = dispatch.kd_loss(
-        s_hidden, s_weight, t_hidden, t_weight, labels.flatten(), alpha=kd.alpha,
-        temperature=kd.temperature, divergence=kd.divergence, beta=kd.beta,
-        ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
-    )  # fmt: skip
-    return r._replace(loss=r.loss + extra.to(r.loss.dtype))
-
-
-def teacher_operands(
-    mixture: list[tuple[Decoder, float]],
-    input_ids: torch.Tensor,
-    amp: contextlib.AbstractContextManager,
-    *docs: torch.Tensor,
-) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-    """[(hidden (N, Ht_i), lm_head (Vt_i, Ht_i), weight), ...] of each teacher (forward without grad)."""
-    parts = []
-    for teacher, weight in mixture:
-        with torch.no_grad(), amp:
-            h = teacher(input_ids, *docs).flatten(0, 1)  # (N, Ht_i)
-            h, w = head_operands(h, teacher.lm_head_weight)
-        parts.append((h, w, weight))
-    return parts
-
-
-def _mixture_loss(
-    student: Decoder,
-    mixture: list[tuple[Decoder, float]],
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    cfg: RunConfig,
-    amp: contextlib.AbstractContextManager,
-    position_ids: torch.Tensor | None,
-    doc_ids: torch.Tensor | None,
-) -> dispatch.KDLossResult:
-    """compute_loss with several teachers: every teacher's forward, then the KD head on their mixture."""
-    kd = cfg.kd
-    docs = (position_ids, doc_ids)
-    parts = teacher_operands(mixture, input_ids, amp, *docs) if kd.alpha > 0 else None
-    with amp:
-        s_hidden = student(input_ids, *docs).flatten(0, 1)  # (N, Hs)
-        s_hidden, s_weight = head_operands(s_hidden, student.lm_head_weight)
-    return dispatch.kd_loss(
-        s_hidden, s_weight, None, None, labels.flatten(), alpha=kd.alpha, temperature=kd.temperature,
-        divergence=kd.divergence, beta=kd.beta, ignore_index=kd.ignore_index, chunk_size=kd.chunk_size,
-        teacher_mixture=parts,
-    )  # fmt: skip
+    """The loss of one live teacher (or, with `cross`, a cross-tokenizer teacher) on a batch: the
+    step's batch -> targets -> loss (kdistill.train.targets) for callers holding tensors, with the
+    config's layer map. position_ids, doc_ids (B, T): packed conversations; None for raw text."""
+    batch = MicroBatch(input_ids, labels, position_ids, doc_ids)
+    source = target_source(teacher, cross=cross)
+    return batch_loss(student, batch, source, cfg, amp, extra_terms(cfg) if cross is None else None)
 
 
 @torch.no_grad()
@@ -299,6 +166,17 @@ class StepContext:
     cache: Any = None  # a kdistill.teacher_cache.TeacherCache (teacher.cache), else None
     mixture: list[tuple[Decoder, float]] | None = None  # several teachers: [(teacher, weight), ...]
     cross: Any = None  # kd.cross_tokenizer: a kdistill.train.cross_tok.CrossTokenizer
+    source: TargetSource | None = None  # the teacher's side of the loss (default: from the fields above)
+    onpolicy: OnPolicy | None = None  # kd.on_policy / kd.seq_kd: the steps that train on generated text
+    extras: Any = None  # the loss's extra terms (kd.layer_map: a kdistill.train.layers.LayerMap)
+
+    def __post_init__(self) -> None:
+        if self.source is None:
+            self.source = target_source(
+                self.teacher, mixture=self.mixture, cache=self.cache, cross=self.cross
+            )
+        if self.extras is None and self.cross is None:
+            self.extras = extra_terms(self.cfg)
 
 
 @dataclasses.dataclass
@@ -314,6 +192,7 @@ class StepResult:
     skipped: str | None  # why the batch was skipped (a non-finite loss or gradient norm)
     degenerate: bool  # a micro-batch had too few scored tokens (see data.check_batch)
     stop_any: bool = False  # under torchrun: some process had been asked to stop (a signal)
+    generated: dict[str, Any] = dataclasses.field(default_factory=dict)  # a generated step's stats
 
 
 class NonFinitePolicy:
@@ -368,7 +247,14 @@ def train_step(
     for g in opt.param_groups:
         g["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
+    kind = ctx.onpolicy.kind(step) if ctx.onpolicy is not None else "data"
+    generated: dict[str, Any] = {}
+    if kind == "data":
+        means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
+    else:  # the student's (or the teacher's) completions of the data's prompts (train/onpolicy.py)
+        assert ctx.onpolicy is not None
+        means, tokens, stats = generated_accumulate(ctx, ctx.onpolicy, step, kind)
+        degenerate, stops, generated = False, None, stats.row()
     loss_ok = torch.isfinite(means[:, 0]).all()
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     norm = clip_gradients(ctx.student, clip)
@@ -401,7 +287,9 @@ def train_step(
     acc = cfg.schedule.grad_accum
     sums = [loss_sum, ce_sum, kd_sum]
     mean = [None if cause is not None else v / acc for v in sums]
-    return StepResult(lr, mean[0], mean[1], mean[2], grad_norm, tokens, cause, degenerate, stop_any)
+    return StepResult(
+        lr, mean[0], mean[1], mean[2], grad_norm, tokens, cause, degenerate, stop_any, generated
+    )
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -463,32 +351,22 @@ def _accumulate(
         if multi:
             everyone = int((torch.as_tensor(batch[1]) != ignore).sum())
             batch = tuple(t[ctx.rows] for t in batch)
-        cached = {}
-        if ctx.cache is not None:  # the teacher's targets of the batch's dataset rows
-            targets = ctx.cache.targets(batcher.last_indices)
-            if multi:
-                targets = targets[ctx.rows]
-            # on the device before the forward is queued: copied later (inside compute_loss) the host
-            # would wait for the student's forward first
-            targets = targets.to(ctx.device, non_blocking=True)
-            cached = dict(targets=targets, cache_mode=ctx.cache.mode, cache_k=ctx.cache.k)
-        if ctx.mixture is not None:
-            cached = dict(mixture=ctx.mixture)
-        if ctx.cross is not None:
-            cached = dict(cross=ctx.cross)
-        else:
-            cached["n_tokens"] = label_count(torch.as_tensor(batch[1]).flatten(), vocab, ignore)
+        n_tokens = None
+        if ctx.cross is None:
+            n_tokens = label_count(torch.as_tensor(batch[1]).flatten(), vocab, ignore)
         if multi:  # this process's share of the tokens over all processes weighs its mean loss
-            mine = cached.get("n_tokens", int((torch.as_tensor(batch[1]) != ignore).sum()))
+            mine = n_tokens if n_tokens is not None else int((torch.as_tensor(batch[1]) != ignore).sum())
             weight, _ = dist.loss_weight(mine, everyone)
+        assert ctx.source is not None
+        cached = ctx.source.fetch(batcher.last_indices, ctx.rows, ctx.device)  # a teacher cache's rows
         input_ids, labels, *docs = (t.to(ctx.device, non_blocking=True) for t in batch)
         faults.poison(step + 1, ctx.student)
-        r = compute_loss(ctx.student, ctx.teacher, input_ids, labels, cfg, ctx.amp, *docs, **cached)
+        micro_batch = MicroBatch(input_ids, labels, *docs, n_tokens=n_tokens, cached=cached)
+        r = batch_loss(ctx.student, micro_batch, ctx.source, cfg, ctx.amp, ctx.extras)
         if multi:
             (r.loss * (weight / cfg.schedule.grad_accum)).backward()
-            for teacher in [t for t, _ in ctx.mixture] if ctx.mixture else [ctx.teacher]:
-                if teacher is not None:
-                    dist.reshard(teacher)  # after backward: the KD head's backward reads its lm_head
+            for teacher in ctx.source.teachers:
+                dist.reshard(teacher)  # after backward: the KD head's backward reads its lm_head
         else:
             (r.loss / cfg.schedule.grad_accum).backward()
         # Device tensors only: a host value copied to the GPU (torch.tensor(..., device=), new_tensor)

@@ -1,0 +1,251 @@
+"""On-policy distillation: steps whose completions the student writes and the teacher grades token by token.
+
+    op = OnPolicy(cfg, prompts, stop_ids, pad_id, device)      # prompts: the data's (prompt_pool)
+    kind = op.kind(step)                                       # "on_policy", "seq_kd" or "data"
+    means, tokens, stats = generated_accumulate(ctx, op, step, kind)   # in place of the data's micro-batches
+    state = op.state_dict(); op.load_state_dict(state)         # in every checkpoint: exact resume
+
+A step is on-policy with probability kd.on_policy (GKD's lambda), drawn from (seed, step) alone so a
+resumed run makes the same choices; otherwise, with probability kd.seq_kd, its completions are the
+teacher's; else it trains on the data as any run does. A generated step has three phases:
+
+1. generation: the prompts of all its micro-batches (schedule.grad_accum x batch_size rows, each
+   prompt kd.samples_per_prompt times) completed in one batched call (kdistill.train.rollouts) from
+   the current weights, sampled at kd.sampling_temperature with the run's generator;
+2. scoring: the teacher's targets of every micro-batch, without gradients (any live TargetSource);
+3. update: the student's forward and the loss on the completion tokens (the prompt's labels are the
+   ignore index), normalised by the number of completion tokens, then backward.
+
+On-policy steps train on the divergence alone (kd.alpha = 1: the CE of a sample the student wrote
+itself would only reinforce it), with kd.divergence over the full vocabulary at every completion
+position, or with kd.on_policy_loss=sampled_reverse_kl the policy-gradient form that needs the
+teacher's log-prob of the sampled token only (kdistill.ops.onpolicy_loss). Teacher-written (seq_kd)
+steps train with the run's own kd.alpha and divergence, as on the data.
+
+Rows are right-padded to data.seq_len, so every micro-batch has the training shapes the kernel plan
+was warmed at; a prompt longer than seq_len + 1 - kd.max_new_tokens keeps its last tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kdistill.config import RunConfig
+from kdistill.data import Batcher
+from kdistill.data.chat_pack import PackedRows
+from kdistill.errors import UserError
+from kdistill.generate import sample_prompts
+from kdistill.ops.kd_loss import label_count
+from kdistill.train import faults
+from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
+from kdistill.train.targets import MicroBatch, batch_loss
+
+KINDS = ("data", "on_policy", "seq_kd")
+
+
+def prompt_pool(train: Any) -> list[list[int]]:
+    """Every prompt of the training data: each conversation's tokens up to its first learned token (the
+    template's header of the answer included). Raw text has no prompts: a one-line error."""
+    if not isinstance(train, PackedRows):
+        raise UserError(
+            "kd.on_policy and kd.seq_kd need prompts, but data.train is raw text: give conversation files "
+            "(JSONL with 'prompt' + 'completion' or 'messages')"
+        )
+    prompts = sample_prompts(train, len(train) * max(1, int(train.doc_ids.max()) + 1))
+    if not prompts:
+        raise UserError(
+            "kd.on_policy and kd.seq_kd need prompts, but data.train has no learned answer tokens"
+        )
+    return prompts
+
+
+class OnPolicy:
+    """Which steps train on generated completions, the prompts they draw and the sampling generator."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        prompts: list[list[int]],
+        stop_ids: set[int],
+        pad_id: int,
+        device: torch.device,
+    ) -> None:
+        kd, sched = cfg.kd, cfg.schedule
+        self.cfg = cfg
+        self.prompts = prompts
+        self.stop_ids = stop_ids
+        self.pad_id = pad_id
+        self.device = device
+        self.per_micro = sched.batch_size // kd.samples_per_prompt  # prompts per micro-batch
+        # the prompts of a whole step are drawn at once, in a resumable shuffled order of their own
+        self.batcher = Batcher(np.arange(len(prompts)), self.per_micro * sched.grad_accum, sched.seed)
+        self.generator = torch.Generator(device=device).manual_seed(int(sched.seed) + 1)
+        self.sampling = RolloutSampling(kd.max_new_tokens, kd.sampling_temperature)
+        self.prompt_len = cfg.data.seq_len + 1 - kd.max_new_tokens  # the longest prompt kept
+        # the run's totals over its generated steps (saved with the checkpoint, for the summary)
+        self.totals: dict[str, float] = {
+            "on_policy_steps": 0, "seq_kd_steps": 0, "gen_seconds": 0.0, "score_seconds": 0.0,
+            "update_seconds": 0.0, "completion_tokens": 0, "completions": 0, "eos": 0, "sample_kl_sum": 0.0,
+        }  # fmt: skip
+
+    def describe(self) -> str:
+        kd = self.cfg.kd
+        return (
+            f"lambda {kd.on_policy:g}, seq_kd {kd.seq_kd:g}, {kd.on_policy_loss}, "
+            f"{kd.max_new_tokens} new tokens at temperature {kd.sampling_temperature:g}"
+        )
+
+    def kind(self, step: int) -> str:
+        """Step `step` (0-based): "on_policy", "seq_kd" or "data", drawn from (seed, step) alone."""
+        kd = self.cfg.kd
+        u, v = np.random.default_rng([self.cfg.schedule.seed, step, 20]).random(2)
+        if kd.on_policy > 0 and u < kd.on_policy:
+            return "on_policy"
+        if kd.seq_kd > 0 and v < kd.seq_kd:
+            return "seq_kd"
+        return "data"
+
+    def generate(
+        self, writer: torch.nn.Module, amp: Any
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Rollout]:
+        """One step's generation: grad_accum micro-batches (input_ids, labels) (batch_size, seq_len) on
+        the host, and the rollout they came from."""
+        idx = self.batcher.next_indices()
+        spp = self.cfg.kd.samples_per_prompt
+        prompts = [self.prompts[i][-self.prompt_len :] for i in idx.tolist() for _ in range(spp)]
+        out = rollout(
+            writer, prompts, self.sampling, self.stop_ids, self.generator, pad_id=self.pad_id, amp=amp
+        )
+        ids, labels = completion_rows(
+            prompts, out.completions, self.cfg.data.seq_len, self.pad_id, self.cfg.kd.ignore_index
+        )
+        b = self.cfg.schedule.batch_size
+        return [(ids[i : i + b], labels[i : i + b]) for i in range(0, len(prompts), b)], out
+
+    def record(self, row: dict[str, Any], seconds: float) -> None:
+        """Add a generated step's metrics row (with its update_s and, on-policy, sample_kl) to the totals."""
+        t = self.totals
+        t[f"{row['policy']}_steps"] += 1
+        t["gen_seconds"] += row["gen_s"]
+        t["score_seconds"] += row["score_s"]
+        t["update_seconds"] += row["update_s"]
+        t["completion_tokens"] += row["completion_tokens"]
+        t["completions"] += row["completions"]
+        t["eos"] += round(row["eos_fraction"] * row["completions"])
+        if row.get("sample_kl") is not None:
+            t["sample_kl_sum"] += row["sample_kl"]
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's `on_policy`: steps of each kind, time per phase, the samples' length, EOS
+        fraction and the teacher's per-token KL on them, completion tokens per second of generated steps."""
+        t = self.totals
+        seconds = t["gen_seconds"] + t["score_seconds"] + t["update_seconds"]
+        done = max(t["completions"], 1)
+        return {
+            "on_policy_steps": int(t["on_policy_steps"]),
+            "seq_kd_steps": int(t["seq_kd_steps"]),
+            "gen_seconds": t["gen_seconds"],
+            "score_seconds": t["score_seconds"],
+            "update_seconds": t["update_seconds"],
+            "mean_completion_len": t["completion_tokens"] / done,
+            "eos_fraction": t["eos"] / done,
+            "sample_kl": t["sample_kl_sum"] / t["on_policy_steps"] if t["on_policy_steps"] else None,
+            "completion_tokens_per_s": t["completion_tokens"] / seconds if seconds else None,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "prompts": self.batcher.state_dict(),
+            "generator": self.generator.get_state().tolist(),
+            "totals": dict(self.totals),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batcher.load_state_dict(state["prompts"])
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        self.totals.update({k: type(v)(state["totals"][k]) for k, v in self.totals.items()})
+
+
+def completion_rows(
+    prompts: list[list[int]], completions: list[list[int]], seq_len: int, pad_id: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), each (rows, seq_len) int64: prompt + completion shifted by one, right-padded;
+    labels only on the completion's tokens (the ignore index on the prompt and the padding)."""
+    ids = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(prompts), seq_len), ignore_index, dtype=torch.long)
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        seq = (list(p) + list(c))[: seq_len + 1]
+        ids[r, : len(seq) - 1] = torch.tensor(seq[:-1])
+        labels[r, len(p) - 1 : len(seq) - 1] = torch.tensor(seq[len(p) :])
+    return ids, labels
+
+
+@dataclasses.dataclass
+class GeneratedStats:
+    """What a generated step reports (metrics.jsonl): its kind, phase times and its samples."""
+
+    kind: str
+    gen_s: float
+    score_s: float
+    completion_tokens: int
+    completions: int
+    eos: int
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "policy": self.kind,
+            "gen_s": self.gen_s,
+            "score_s": self.score_s,
+            "completion_len": self.completion_tokens / max(self.completions, 1),
+            "eos_fraction": self.eos / max(self.completions, 1),
+            "completion_tokens": self.completion_tokens,
+            "completions": self.completions,
+        }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generated_accumulate(
+    ctx: Any, op: OnPolicy, step: int, kind: str
+) -> tuple[torch.Tensor, int, GeneratedStats]:
+    """A generated step's micro-batches (see the module docstring), forward and backward: (their loss,
+    ce, kd means (M, 3) on the device, float64; the completion tokens trained on; the step's stats)."""
+    cfg = ctx.cfg
+    writer = ctx.student if kind == "on_policy" else ctx.teacher
+    t0 = time.perf_counter()
+    micro, out = op.generate(writer, ctx.amp)
+    _sync(ctx.device)
+    t1 = time.perf_counter()
+    objective = "divergence"
+    step_cfg = cfg
+    if kind == "on_policy":
+        step_cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, alpha=1.0))
+        objective = cfg.kd.on_policy_loss
+    vocab = ctx.student.lm_head_weight.shape[0]
+    batches = []
+    for ids, labels in micro:
+        n = label_count(labels.flatten(), vocab, cfg.kd.ignore_index)
+        batches.append(MicroBatch(ids.to(ctx.device), labels.to(ctx.device), n_tokens=n))
+    scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
+    _sync(ctx.device)
+    t2 = time.perf_counter()
+    rows, tokens = [], 0
+    for i, (b, targets) in enumerate(zip(batches, scored)):
+        r = batch_loss(ctx.student, b, ctx.source, step_cfg, ctx.amp, None, objective, targets)
+        (r.loss / cfg.schedule.grad_accum).backward()
+        values = torch.stack([r.loss.detach(), r.ce, r.kd]).double()
+        if faults.nan_step(step + 1) and i == 0:
+            values[0] = float("nan")
+        rows.append(values)
+        tokens += int(r.tokens)
+        faults.at(f"{step + 1}.{i + 1}")
+    stats = GeneratedStats(kind, t1 - t0, t2 - t1, out.tokens, len(out.completions), sum(out.stopped))
+    return torch.stack(rows), tokens, stats

@@ -1,0 +1,302 @@
+"""On-policy distillation: the student writes completions of the data's prompts and the teacher grades them.
+
+- A generated step's loss and gradient equal the dense formula computed here on the sampled tokens,
+  for every divergence (kd.alpha = 1 over the full vocabulary at the completion positions, normalised
+  by the completion tokens) and for the sampled reverse KL (policy-gradient form).
+- Rollouts: the generator's state reproduces the tokens; rows stop at a stop token; the prompt's
+  labels are masked.
+- A run with kd.on_policy = 0 is bit-identical to one without the on-policy settings; a run with
+  kd.on_policy = 1 reports its phases and samples; bad settings are one-line errors.
+- A run killed mid-way and resumed ends with the same weights and metrics as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from kdistill.config import DIVERGENCES, RunConfig
+from kdistill.memory import estimate_memory
+from kdistill.models.decoder import build_decoder
+from kdistill.ops.kd_loss import kd_loss_dense
+from kdistill.train.onpolicy import OnPolicy, completion_rows, generated_accumulate
+from kdistill.train.rollouts import RolloutSampling, rollout
+from kdistill.train.step import StepContext
+from tests.test_chat_train import write_chat_files
+from tests.test_contract import make_spec
+from tests.test_train_kit import (
+    assert_same_weights,
+    assets,
+    base_config,
+    final_weights,
+    one_error_line,
+    read_summary,
+    run_cli,
+    run_proc,
+)
+
+VOCAB = 40
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [3, 1]]
+
+
+def _pair():
+    teacher = build_decoder(make_spec(hidden=32, vocab=VOCAB), seed=0).eval().requires_grad_(False)
+    student = build_decoder(make_spec(hidden=24, vocab=VOCAB), seed=1)
+    return teacher, student
+
+
+def _cfg(divergence: str = "reverse_kl", loss: str = "divergence", temperature: float = 1.5) -> RunConfig:
+    cfg = RunConfig()
+    cfg.data.seq_len = 12
+    cfg.schedule.batch_size, cfg.schedule.grad_accum = 2, 2
+    kd = cfg.kd
+    kd.divergence, kd.on_policy_loss, kd.temperature, kd.alpha = divergence, loss, temperature, 0.3
+    kd.on_policy, kd.max_new_tokens, kd.chunk_size = 1.0, 6, 5  # chunks split the rows
+    kd.samples_per_prompt = 2
+    return cfg.validate(need_paths=False)
+
+
+def _step(cfg: RunConfig, teacher, student):
+    """One on-policy step's accumulation, and the rows it trained on (drawn again from the same seed)."""
+    op = OnPolicy(cfg, PROMPTS, stop_ids={0}, pad_id=0, device=torch.device("cpu"))
+    again = OnPolicy(cfg, PROMPTS, stop_ids={0}, pad_id=0, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(student.parameters())
+    ctx = StepContext(cfg, student, teacher, opt, torch.device("cpu"), contextlib.nullcontext(), None)
+    student.zero_grad()
+    means, tokens, stats = generated_accumulate(ctx, op, 0, "on_policy")
+    micro, out = again.generate(student, contextlib.nullcontext())
+    return means, tokens, stats, micro, out
+
+
+def _dense_grads(student, teacher, micro, cfg, loss_fn):
+    """The dense loss per micro-batch, backward of their mean: (losses, the student's gradients)."""
+    student.zero_grad()
+    losses = []
+    for ids, labels in micro:
+        s_logits = student.logits(ids).flatten(0, 1)  # (N, V)
+        with torch.no_grad():
+            t_logits = teacher.logits(ids).flatten(0, 1)
+        loss = loss_fn(s_logits, t_logits, labels.flatten())
+        (loss / len(micro)).backward()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.grad.clone() for n, p in student.named_parameters()}
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_on_policy_divergence_equals_the_dense_formula_on_the_samples(divergence):
+    cfg = _cfg(divergence)
+    teacher, student = _pair()
+    means, tokens, stats, micro, out = _step(cfg, teacher, student)
+    got = {n: p.grad.clone() for n, p in student.named_parameters()}
+    assert tokens == out.tokens == sum(int((lab != -100).sum()) for _, lab in micro)
+    assert stats.completions == 4  # 2 micro-batches of 2 rows: 2 prompts, 2 samples each
+
+    def dense(s, t, y):  # alpha = 1 on generated steps: the divergence alone, T^2 D(p_T || q_T)
+        return kd_loss_dense(
+            s, t, y, alpha=1.0, temperature=1.5, divergence=divergence, beta=cfg.kd.beta
+        ).loss
+
+    losses, want = _dense_grads(student, teacher, micro, cfg, dense)
+    torch.testing.assert_close(means[:, 0], torch.tensor(losses, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name].float(), atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_sampled_reverse_kl_equals_the_policy_gradient_formula():
+    cfg = _cfg(loss="sampled_reverse_kl")
+    teacher, student = _pair()
+    means, _, _, micro, _ = _step(cfg, teacher, student)
+    got = {n: p.grad.clone() for n, p in student.named_parameters()}
+    kd_means = []
+
+    def dense(s, t, y):
+        valid = y != -100
+        yy = y.clamp(min=0)[:, None]
+        logq = (s.double() / 1.5).log_softmax(-1).gather(1, yy).squeeze(1)[valid]
+        logp = (t.double() / 1.5).log_softmax(-1).gather(1, yy).squeeze(1)[valid]
+        adv = (logq - logp).detach()  # the per-token reverse KL of the sampled token, as the advantage
+        kd_means.append(float(adv.mean()))
+        return (adv * logq).sum() / valid.sum()
+
+    losses, want = _dense_grads(student, teacher, micro, cfg, dense)
+    torch.testing.assert_close(means[:, 0], torch.tensor(losses, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(means[:, 2], torch.tensor(kd_means, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name].float(), atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_rollout_is_reproduced_from_the_generator_state_and_stops_at_a_stop_token():
+    _, student = _pair()
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    sampling = RolloutSampling(max_new_tokens=8, temperature=1.0)
+    first = rollout(student, PROMPTS, sampling, {0}, gen)
+    gen.set_state(state)
+    assert rollout(student, PROMPTS, sampling, {0}, gen).completions == first.completions
+    assert student.training  # put back in train mode
+    greedy = rollout(student, PROMPTS, RolloutSampling(8, 0.0), set(), None)
+    stop = greedy.completions[0][2]  # the third greedy token of the first row becomes a stop token
+    stopped = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, None)
+    row = stopped.completions[0]
+    assert stopped.stopped[0] and row[-1] == stop and stop not in row[:-1] and len(row) <= 3
+    for c, s in zip(stopped.completions, stopped.stopped):
+        assert (c[-1] == stop) == s and all(t != stop for t in c[:-1])
+
+
+def test_completion_rows_label_the_completion_only():
+    ids, labels = completion_rows(
+        [[1, 2, 3], [4]], [[7, 8], [9, 5, 6]], seq_len=6, pad_id=0, ignore_index=-100
+    )
+    assert ids.tolist() == [[1, 2, 3, 7, 0, 0], [4, 9, 5, 0, 0, 0]]
+    assert labels.tolist() == [[-100, -100, 7, 8, -100, -100], [9, 5, 6, -100, -100, -100]]
+
+
+def test_memory_plan_has_a_generation_phase():
+    t, s = make_spec(hidden=64, vocab=5000), make_spec(hidden=32, vocab=5000)
+    cfg = _cfg()
+    cfg.schedule.batch_size, cfg.schedule.grad_accum = 64, 4
+    off = estimate_memory(t, s, dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, on_policy=0.0)))
+    on = estimate_memory(t, s, cfg)
+    assert on["total"] > off["total"] and "generation_kv_cache_and_logits" in on
+
+
+# -- whole runs --------------------------------------------------------------------------------------
+def _run_config(root: Path, **kd) -> dict:
+    data, template = write_chat_files(root / "data", n=40)
+    cfg = base_config(root / "run", steps=4, batch_size=4, grad_accum=1)
+    cfg["data"] = {
+        "train": [str(data)],
+        "heldout_fraction": 0.2,
+        "seq_len": 40,
+        "chat_template": str(template),
+    }
+    cfg["kd"].update(temperature=1.0, divergence="reverse_kl", **kd)
+    cfg["schedule"]["sample_prompts"] = 0
+    return cfg
+
+
+def _write(root: Path, cfg: dict, name: str = "run.yaml") -> Path:
+    path = root / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _metrics(run_dir: Path, drop=("tokens_per_s", "gen_s", "score_s", "update_s")) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+
+
+def test_lambda_zero_is_the_off_policy_run_and_lambda_one_reports_its_phases(tmp_path, capsys):
+    cfg = _run_config(tmp_path)
+    rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg)), "--quiet")
+    assert rc == 0, err
+    cfg["output"]["dir"] = str(tmp_path / "zero")
+    cfg["kd"].update(on_policy=0.0, max_new_tokens=8, samples_per_prompt=2, sample_temperature=0.7)
+    rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg, "zero.yaml")), "--quiet")
+    assert rc == 0, err
+    assert _metrics(tmp_path / "run", ("tokens_per_s",)) == _metrics(tmp_path / "zero", ("tokens_per_s",))
+    assert_same_weights(final_weights(tmp_path / "run"), final_weights(tmp_path / "zero"))
+    assert "on_policy" not in read_summary(tmp_path / "zero")
+
+    cfg["output"]["dir"] = str(tmp_path / "one")
+    cfg["kd"].update(on_policy=1.0)
+    rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg, "one.yaml")), "--quiet")
+    assert rc == 0, err
+    rows = _metrics(tmp_path / "one", ())
+    assert all(r["policy"] == "on_policy" and r["completions"] == 4 for r in rows)
+    assert all(1 <= r["completion_len"] <= 8 and 0 <= r["eos_fraction"] <= 1 for r in rows)
+    assert all(r["gen_s"] > 0 and r["score_s"] > 0 and r["update_s"] >= 0 for r in rows)
+    assert all(r["sample_kl"] == r["kd"] and r["loss"] == r["kd"] for r in rows)  # alpha = 1: the KL alone
+    summary = read_summary(tmp_path / "one")
+    op = summary["on_policy"]
+    assert summary["status"] == "completed" and op["on_policy_steps"] == 4 and op["seq_kd_steps"] == 0
+    assert op["mean_completion_len"] == pytest.approx(sum(r["completion_len"] for r in rows) / 4)
+    assert summary["jit_after_prewarm"] == 0
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("kd.on_policy=1.5", "kd.on_policy is 1.5, expected a number in [0, 1]"),
+        ("kd.on_policy=-0.1", "kd.on_policy is -0.1, expected a number in [0, 1]"),
+        ("kd.seq_kd=2", "kd.seq_kd is 2.0, expected a number in [0, 1]"),
+        ("kd.max_new_tokens=0", "kd.max_new_tokens is 0, expected a positive number"),
+        (
+            "kd.on_policy_loss=ppo",
+            "kd.on_policy_loss is 'ppo', expected one of: divergence, sampled_reverse_kl",
+        ),
+        ("kd.max_new_tokens=40", "kd.max_new_tokens is 40, expected fewer than data.seq_len (40)"),
+        ("teacher.cache=somewhere", "kd.on_policy needs a live teacher, but teacher.cache is set"),
+    ],
+)
+def test_bad_on_policy_settings_are_one_line_errors(tmp_path, capsys, override, expected):
+    cfg = _run_config(tmp_path, on_policy=1.0, max_new_tokens=8)
+    rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg)), override, "--quiet")
+    assert rc == 2 and expected in one_error_line(err), err
+    assert "Traceback" not in err
+
+
+def test_raw_text_data_has_no_prompts(tmp_path, capsys):
+    cfg = base_config(tmp_path / "run", steps=2)
+    cfg["kd"].update(on_policy=1.0, max_new_tokens=8)
+    rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg)), "--quiet")
+    assert rc == 2 and "need prompts, but data.train is raw text" in one_error_line(err), err
+
+
+def test_killed_and_resumed_on_policy_run_matches_uninterrupted(tmp_path):
+    cfg = _run_config(tmp_path, on_policy=0.5, seq_kd=0.5, max_new_tokens=6)
+    cfg["schedule"].update(steps=6, checkpoint_every=3, grad_accum=2)
+    path = _write(tmp_path, cfg)
+    base, cut = tmp_path / "base", tmp_path / "cut"
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(run_proc, ["run", str(path), f"output.dir={base}", "--quiet"], 240)
+        b = pool.submit(
+            run_proc, ["run", str(path), f"output.dir={cut}", "--quiet"], 240, KDISTILL_TEST_KILL_AT="5"
+        )
+        assert a.result().returncode == 0, a.result().stderr
+        assert b.result().returncode != 0  # killed after step 5; its newest checkpoint is step 3
+    r = run_proc(["run", "--resume", str(cut), "--quiet"], 240)
+    assert r.returncode == 0 and "resuming from" in r.stderr, r.stderr
+    assert_same_weights(final_weights(base), final_weights(cut))
+    rows = _metrics(base)
+    assert rows == _metrics(cut)
+    assert {r.get("policy", "data") for r in rows} == {"on_policy", "seq_kd", "data"}
+    s_base, s_cut = read_summary(base)["on_policy"], read_summary(cut)["on_policy"]
+    for k in ("on_policy_steps", "seq_kd_steps", "mean_completion_len", "eos_fraction", "sample_kl"):
+        assert s_base[k] == s_cut[k], k
+
+
+def test_lora_student_and_fp8_teacher_train_on_generated_steps(tmp_path, capsys):
+    cfg = _run_config(tmp_path, on_policy=0.5, seq_kd=1.0, max_new_tokens=6)
+    cfg["teacher"]["precision"] = "fp8"  # the teacher writes the seq_kd completions with its FP8 linears
+    cfg["student"] = {
+        "path": str(assets().student),
+        "init": "pretrained",
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj"]},
+    }
+    rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg)), "--quiet")
+    assert rc == 0, err
+    rows = _metrics(tmp_path / "run", ())
+    assert {r["policy"] for r in rows} == {"on_policy", "seq_kd"}  # seq_kd = 1: every other step
+    assert all(r["skipped"] is None for r in rows if "skipped" in r)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_kernel_plan_covers_the_generated_steps_decoding():
+    from kdistill.kernels.plan import required_kernels
+
+    t, s = make_spec(hidden=32, vocab=VOCAB), make_spec(hidden=24, vocab=VOCAB)
+    cfg = _cfg()
+    plan = required_kernels(t, s, cfg, "sm_90")
+    sdpa = [dict(k.params) for k in plan if k.op == "sdpa" and k.get("masked")]
+    prompt = cfg.data.seq_len + 1 - cfg.kd.max_new_tokens
+    assert any(p["B"] == 4 and p["T"] == prompt for p in sdpa)  # the prefill of a step's 4 rows
+    off = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, on_policy=0.0))
+    assert required_kernels(t, s, off, "sm_90") < plan
