@@ -150,6 +150,29 @@ def test_rollout_is_reproduced_from_the_generator_state_and_stops_at_a_stop_toke
         assert (c[-1] == stop) == s and all(t != stop for t in c[:-1])
 
 
+def test_engine_rollout_equals_the_eager_one_and_follows_the_weights():
+    """The decode engine behind rollout (the GPU's path; here on the CPU): the same greedy completions
+    and stops as the eager path, reproducible from the generator state when sampling, and a cached
+    engine sees the model's new weights after an update."""
+    _, student = _pair()
+    stop = rollout(student, PROMPTS, RolloutSampling(8, 0.0), set(), None).completions[1][3]
+    eager = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, None)
+    engines: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    got = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, gen, engines=engines, max_len=40)
+    assert got.completions == eager.completions and got.stopped == eager.stopped
+    state = gen.get_state()
+    a = rollout(student, PROMPTS, RolloutSampling(8, 1.0), {stop}, gen, engines=engines, max_len=40)
+    gen.set_state(state)
+    assert rollout(student, PROMPTS, RolloutSampling(8, 1.0), {stop}, gen, engines=engines, max_len=40) == a
+    with torch.no_grad():
+        for p in student.parameters():
+            p.mul_(1.5)  # an "update"
+    fresh = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, None)
+    again = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, gen, engines=engines, max_len=40)
+    assert again.completions == fresh.completions
+
+
 def test_completion_rows_label_the_completion_only():
     ids, labels = completion_rows(
         [[1, 2, 3], [4]], [[7, 8], [9, 5, 6]], seq_len=6, pad_id=0, ignore_index=-100
@@ -295,8 +318,14 @@ def test_kernel_plan_covers_the_generated_steps_decoding():
     t, s = make_spec(hidden=32, vocab=VOCAB), make_spec(hidden=24, vocab=VOCAB)
     cfg = _cfg()
     plan = required_kernels(t, s, cfg, "sm_90")
-    sdpa = [dict(k.params) for k in plan if k.op == "sdpa" and k.get("masked")]
     prompt = cfg.data.seq_len + 1 - cfg.kd.max_new_tokens
-    assert any(p["B"] == 4 and p["T"] == prompt for p in sdpa)  # the prefill of a step's 4 rows
+    # on a GPU the decode engine's prefill of a step's 4 rows (causal SDPA) and its bf16 norms
+    sdpa = [dict(k.params) for k in plan if k.op == "sdpa" and not k.get("grad")]
+    assert any(p["B"] == 4 and p["T"] == prompt and not p.get("masked") for p in sdpa)
+    assert any(k.op == "rmsnorm_fwd" and k["w_dtype"] == "bf16" for k in plan)
+    on_cpu = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device="cpu"))
+    cpu = required_kernels(t, s, on_cpu, "sm_90")  # the eager path: masked attention over the KV cache
+    masked = [dict(k.params) for k in cpu if k.op == "sdpa" and k.get("masked")]
+    assert any(p["B"] == 4 and p["T"] == prompt for p in masked)
     off = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, on_policy=0.0))
     assert required_kernels(t, s, off, "sm_90") < plan

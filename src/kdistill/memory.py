@@ -188,6 +188,10 @@ def estimate_memory(
     if kd.generates:  # kd.on_policy / kd.seq_kd: generation and scoring phases before the update
         # every micro-batch's teacher hidden states are scored before the update and kept until it
         forward_peak["scored_targets"] = (cfg.schedule.grad_accum - 1) * n * teacher.hidden_size * act_bytes
+        if act_bytes == 2:  # on a GPU the decode engines keep bf16 copies of the writers' weights
+            fixed["decode_engine_weights"] = engine_weights(student, full=True)
+            if kd.seq_kd > 0:
+                fixed["decode_engine_weights"] += engine_weights(teacher, full=False)
         generation = generation_memory(
             [student, teacher] if kd.seq_kd > 0 else [student],
             rows * cfg.schedule.grad_accum,
@@ -203,6 +207,15 @@ def estimate_memory(
         terms = {**fixed, "generation_kv_cache_and_logits": generation}
     terms["total"] = sum(terms.values())
     return terms
+
+
+def engine_weights(spec: ModelSpec, full: bool) -> int:
+    """bf16 bytes of a decode engine's weights (kdistill.decode.DecodeWeights): all of them for an fp32
+    student (full), else the stacked q/k/v and gate/up copies (the rest is shared with a bf16 model)."""
+    if full:
+        return spec.param_counts()["total"] * 2
+    h = spec.hidden_size
+    return spec.num_layers * h * (spec.q_size + 2 * spec.kv_size + 2 * spec.intermediate_size) * 2
 
 
 def generation_memory(writers: list[ModelSpec], rows: int, max_len: int, act_bytes: int) -> int:

@@ -281,12 +281,18 @@ def required_kernels(
         out |= gemm_kernels(extra, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
     kd = run.kd
     if getattr(kd, "on_policy", 0) > 0 or getattr(kd, "seq_kd", 0) > 0:
-        # generated steps (kdistill.train.rollouts): every micro-batch's rows decoded at once, in the
-        # run's precision, through the KV cache (masked attention; a prefill at the longest prompt)
-        g = dict(batch=b * run.schedule.grad_accum, seq=t + 1 - kd.max_new_tokens, masked=True)
-        out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=False, **g)
-        if kd.seq_kd > 0 and not cached:
-            out |= model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **g)
+        # generated steps (kdistill.train.rollouts): every micro-batch's rows decoded at once. On a GPU
+        # the decode engine in bf16 (generation_kernels: prefill at the longest prompt, the one-token
+        # step over seq_len + 1 cache slots); on a CPU the eager path in the run's precision.
+        rows, prompt = b * run.schedule.grad_accum, t + 1 - kd.max_new_tokens
+        writers = [student_spec] + ([teacher_spec] if kd.seq_kd > 0 and not cached else [])
+        eager = arch == "cpu" or getattr(run.runtime, "device", "auto") == "cpu"
+        for spec in writers:
+            if eager:
+                w = prec.student_weights if spec is student_spec else prec.teacher_weights
+                out |= model_kernels(spec, arch, prec, w, grad=False, batch=rows, seq=prompt, masked=True)
+            else:
+                out |= generation_kernels(spec, arch, "bf16", batch=rows, prompt_len=prompt, max_len=t + 1)
     return out
 
 

@@ -87,6 +87,8 @@ class OnPolicy:
         self.generator = torch.Generator(device=device).manual_seed(int(sched.seed) + 1)
         self.sampling = RolloutSampling(kd.max_new_tokens, kd.sampling_temperature)
         self.prompt_len = cfg.data.seq_len + 1 - kd.max_new_tokens  # the longest prompt kept
+        # on a GPU the decode engine writes the completions (one per writing model, kept across steps)
+        self.engines: dict[int, Any] | None = {} if device.type == "cuda" else None
         # the run's totals over its generated steps (saved with the checkpoint, for the summary)
         self.totals: dict[str, float] = {
             "on_policy_steps": 0, "seq_kd_steps": 0, "gen_seconds": 0.0, "score_seconds": 0.0,
@@ -119,7 +121,15 @@ class OnPolicy:
         spp = self.cfg.kd.samples_per_prompt
         prompts = [self.prompts[i][-self.prompt_len :] for i in idx.tolist() for _ in range(spp)]
         out = rollout(
-            writer, prompts, self.sampling, self.stop_ids, self.generator, pad_id=self.pad_id, amp=amp
+            writer,
+            prompts,
+            self.sampling,
+            self.stop_ids,
+            self.generator,
+            pad_id=self.pad_id,
+            amp=amp,
+            engines=self.engines,
+            max_len=self.cfg.data.seq_len + 1,
         )
         ids, labels = completion_rows(
             prompts, out.completions, self.cfg.data.seq_len, self.pad_id, self.cfg.kd.ignore_index

@@ -5,12 +5,14 @@
     out.completions[i]        # new token ids of prompt i (its stop token last, when it stopped)
     out.stopped[i]            # whether row i stopped at a stop token (else it ran to max_new_tokens)
 
-The on-policy step's one generation (kdistill.train.onpolicy). This is the eager path: the prompts
+The on-policy step's one generation (kdistill.train.onpolicy). Given `engines` (a dict the caller
+keeps; on a GPU), the decode engine (kdistill.decode: a bf16 copy of the writer's weights refreshed
+before each rollout, a static KV cache of max_len slots, the CUDA-graph step, sampling on the device)
+writes the completions and stays cached for the next step. Otherwise the eager path: the prompts
 left-padded (kdistill.generate.left_pad), one prefill, then one token per step through the decoder's
-KV cache (Decoder.forward_cached), sampling on the device with the caller's generator, so that a
-resumed run draws the same tokens from the generator state it saved. A faster decode engine can
-stand behind the same function. The model runs in eval mode (no dropout) and without gradients, in
-the caller's autocast.
+KV cache (Decoder.forward_cached). Both sample with the caller's generator, so that a resumed run
+draws the same tokens from the generator state it saved. The model runs in eval mode (no dropout)
+and without gradients, in the caller's autocast.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kdistill.decode import DecodeEngine, Sampling
 from kdistill.generate import left_pad
 from kdistill.models.decoder import Decoder, KVCache
 
@@ -63,10 +66,16 @@ def rollout(
     *,
     pad_id: int = 0,
     amp: contextlib.AbstractContextManager | None = None,
+    engines: dict[int, DecodeEngine] | None = None,
+    max_len: int | None = None,
 ) -> Rollout:
-    """Completions of every prompt (each non-empty) by `model`, in one batch (see the module docstring)."""
+    """Completions of every prompt (each non-empty) by `model`, in one batch (see the module docstring).
+    engines: the decode engines of earlier rollouts, by model (None: the eager path); max_len: the
+    engine's cache slots per row (at least the longest prompt + max_new_tokens)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("rollout needs at least one prompt, each with at least one token")
+    if engines is not None:
+        return _engine_rollout(model, prompts, sampling, stop_ids, generator, pad_id, engines, max_len)
     was_training = model.training
     threads = torch.get_num_threads()
     cpu = model.lm_head_weight.device.type == "cpu"
@@ -80,6 +89,39 @@ def rollout(
         model.train(was_training)
         if cpu:
             torch.set_num_threads(threads)
+
+
+def _engine_rollout(
+    model: Decoder,
+    prompts: Sequence[Sequence[int]],
+    sampling: RolloutSampling,
+    stop_ids: set[int] | Sequence[int],
+    generator: torch.Generator | None,
+    pad_id: int,
+    engines: dict[int, DecodeEngine],
+    max_len: int | None,
+) -> Rollout:
+    need = max(len(p) for p in prompts) + sampling.max_new_tokens
+    eng = engines.get(id(model))
+    if eng is None or eng.batch_size < len(prompts) or eng.max_len < need or eng.generator is not generator:
+        engines.pop(id(model), None)  # free the old cache first
+        eng = DecodeEngine(
+            model,
+            batch_size=len(prompts),
+            max_len=max(need, max_len or 0),
+            sampling=Sampling(
+                max_new_tokens=sampling.max_new_tokens, temperature=float(sampling.temperature)
+            ),
+            stop_ids=stop_ids,
+            pad_id=pad_id,
+            generator=generator,
+        )
+        engines[id(model)] = eng
+    else:
+        eng.refresh(model)  # the weights of the last optimizer step
+    stops = set(stop_ids)
+    new = eng.generate(prompts)
+    return Rollout(new, [bool(r) and r[-1] in stops for r in new])
 
 
 def _decode(
