@@ -597,7 +597,7 @@ def check_token_ids(batches: Any, vocab: int, ignore_index: int = -100, where: s
     the model's vocabulary [0, vocab): the check the training step makes with `label_count`, for the
     eval paths, before any embedding lookup (an IndexError there otherwise)."""
     for batch in batches:
-        ids = torch.as_tensor(batch[0])
+        ids = torch.as_tensor(batch[0]).long()  # uint16/uint32 token files: no min/max for those dtypes
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             raise UserError(
@@ -606,7 +606,7 @@ def check_token_ids(batches: Any, vocab: int, ignore_index: int = -100, where: s
             )
         if len(batch) > 1:
             try:
-                label_count(torch.as_tensor(batch[1]).flatten(), vocab, ignore_index)
+                label_count(torch.as_tensor(batch[1]).long().flatten(), vocab, ignore_index)
             except UserError as e:
                 raise UserError(f"{where}: {e}") from None
 
