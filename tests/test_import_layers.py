@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
         "console",
         "jsonio",
         "rundir",
+        "outputs",
         "config",
         "models.spec",
         "models.presets",
@@ -37,8 +38,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kernels",),
     ("dispatch",),
     ("models",),
-    ("data", "memory"),
-    ("train", "scoring", "generate", "teacher_cache"),
+    ("data", "memory", "decode"),
+    ("train", "scoring", "generate", "teacher_cache", "answer_file"),
     ("api", "demo", "commands"),
     ("cli", "__main__", "__init__"),
 ]

@@ -28,10 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from kdistill import __version__
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
 from kdistill.generate import Job, build_engine, prepare_job, run_job
+from kdistill.kernels.seal import jit_after_prewarm
 from kdistill.outputs import output_lock
 from kdistill.train import faults
 
@@ -204,8 +207,6 @@ def _answer(
     show: bool,
     on_row: Any,
 ) -> dict[str, Any]:
-    from tqdm import tqdm
-
     engine, info = build_engine(job, sampling, device=device, batch_size=batch_size, max_length=max_length)
     pending: list[str] = []
     chunk_rows = int(os.environ.get(faults.GENERATE_CHUNK_ENV) or CHUNK_ROWS)
@@ -250,8 +251,6 @@ def _answer(
         flush()
         bar.close()
     seconds = time.monotonic() - t0
-    from kdistill.kernels.seal import jit_after_prewarm
-
     return {
         "jit_after_prewarm": jit_after_prewarm(),
         "device": info.get("arch") if info.get("mode") == "triton" else str(engine.device),

@@ -45,6 +45,8 @@ from torch import nn
 from kdistill import dispatch
 from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder, rope_tables
+from kdistill.models.fp8 import FP8Linear
+from kdistill.models.lora import LoraLinear
 from kdistill.models.spec import ModelSpec
 
 MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1 / T would overflow the logits' scale
@@ -117,9 +119,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def dense_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight (out, in), bias or None) of a linear layer as a plain matrix: an nn.Linear as is, a
     LoRA wrapper merged (W + scaling B A), an FP8 linear dequantised."""
-    from kdistill.models.fp8 import FP8Linear
-    from kdistill.models.lora import LoraLinear
-
     if isinstance(module, LoraLinear):
         base = module.base_layer
         w = _full(base.weight).float()

@@ -40,6 +40,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from kdistill.errors import UserError
 
 # ----------------------------------------------------------------------------------------------
@@ -108,8 +110,6 @@ def library_fault(code: int, path: Path | str, lib: str = "os") -> BaseException
     anything else: OSError(errno, strerror, path)."""
     reason = os.strerror(code)
     if lib == "safetensors":
-        from safetensors import SafetensorError
-
         return SafetensorError(f"Error while serializing: I/O error: {reason} (os error {code})")
     if lib == "numpy" and code == errno_mod.ENOSPC:
         return OSError("32768 requested and 22464 written")

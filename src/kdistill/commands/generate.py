@@ -19,6 +19,7 @@ import json
 import sys
 from typing import Any
 
+from kdistill.answer_file import generate_to_file
 from kdistill.data.chat_template import using_chat_template
 from kdistill.decode import Sampling
 from kdistill.generate import generate_texts
@@ -51,7 +52,6 @@ def _generate(args: Any) -> int:
         samples_per_prompt=args.samples_per_prompt,
     )
     if args.out:
-        from kdistill.answer_file import generate_to_file
 
         def print_row(row: dict[str, Any]) -> None:
             print(json.dumps(row, ensure_ascii=False), flush=True)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from kdistill.errors import KernelCacheMiss
+from kdistill.kernels import pack as packs
 from kdistill.kernels import registry, runtime
 from kdistill.kernels.keys import KernelKey
 from kdistill.kernels.plan import required_kernels
@@ -274,8 +275,6 @@ def prewarm(
     report = PrewarmReport(cache_dir=setup_cache_dir())
     packed: set[KernelKey] = set()
     if pack and not dry:
-        from kdistill.kernels import pack as packs
-
         installed = packs.install(pack, keys, arch or runtime.current().arch, strict=runtime.current().strict)
         packed, report.pack, report.pack_missing = installed.keys, str(pack), len(installed.missing)
     if not dry:

@@ -36,6 +36,7 @@ from kdistill import signals
 from kdistill.errors import UserError
 from kdistill.fileio import fault_point, fsync_dir, write_guard, write_json_durable
 from kdistill.jsonio import read_json
+from kdistill.outputs import clean_stale  # outputs -> rundir -> fileio: no cycle at import time
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 
@@ -221,8 +222,6 @@ def clean_partial(run_dir: Path) -> None:
     """Remove what a killed process left in the run directory (the caller holds the run's lock): temp
     folders of a checkpoint write, of the export (`.student.tmp-*`, `.adapter.tmp-*`: kdistill.outputs)
     and temp files of atomic writes (`.summary.json.<random>.tmp`, ...)."""
-    from kdistill.outputs import clean_stale  # outputs -> rundir -> fileio: no cycle at import time
-
     root = run_dir / "checkpoints"
     if root.is_dir():
         for p in root.iterdir():
