@@ -31,6 +31,8 @@ CHILD = textwrap.dedent(
     run = RunConfig()
     run.teacher.precision = "fp8"  # every registered kernel, the FP8 teacher's quantisation too
     keys = plan.required_kernels(load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b"), run, "sm_90")
+    # and the decode engine's (its attention over the static cache)
+    keys |= plan.generation_kernels(load_spec("qwen2.5-0.5b"), "sm_90", "bf16", batch=2, prompt_len=8, max_len=16)
     ops = {k.op for k in keys}
     assert {kern.op for spec in registry.KERNELS for kern in spec.kernels} <= ops, ops
     x, w = torch.randn(2, 3, 16), torch.rand(16)
