@@ -160,6 +160,7 @@ def test_two_processes_match_one_process_and_keep_the_base(runs):
     # The adapters, written once by rank 0 from the gathered shards: PEFT's layout, and PEFT loads them
     # with the one-process adapters' logits.
     assert sorted(p.name for p in (two / "adapter").iterdir()) == [
+        ".kdistill-output",  # the marker: an output kdistill wrote (kdistill.outputs)
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
