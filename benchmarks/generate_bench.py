@@ -24,7 +24,6 @@ produce identical greedy tokens for every row of a ragged batch: checked and rep
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import random
 import statistics
@@ -40,6 +39,13 @@ from kdistill.generate import prepare_kernels
 from kdistill.kernels import seal
 from kdistill.models.hf_io import load_model
 from kdistill.models.presets import PRESETS
+
+try:  # run as a script (benchmarks/ on sys.path) or as a module
+    from kd_throughput import _argv_for_record
+    from kd_throughput import _version as version
+except ImportError:  # pragma: no cover
+    from benchmarks.kd_throughput import _argv_for_record
+    from benchmarks.kd_throughput import _version as version
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -246,22 +252,6 @@ def bench_hf(d: Path, prompts: list[list[int]], a) -> dict:
     return res
 
 
-def _version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _argv_for_record() -> str:
-    """The command line as run, with the output file named by its base name only."""
-    args = list(sys.argv[1:])
-    for i, arg in enumerate(args[:-1]):
-        if arg == "--json":
-            args[i + 1] = "benchmarks/results/" + args[i + 1].rsplit("/", 1)[-1]
-    return " ".join(args)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
@@ -283,8 +273,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "versions": {
             "torch": torch.__version__,
-            "triton": _version("triton"),
-            "transformers": _version("transformers"),
+            "triton": version("triton"),
+            "transformers": version("transformers"),
             "python": sys.version.split()[0],
         },
         "command": "python3 benchmarks/generate_bench.py " + _argv_for_record(),

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdistill.cli import main
 from kdistill.decode import MIN_TEMPERATURE, DecodeEngine, Sampling, sample_tokens
 from kdistill.generate import generate_ids
 from kdistill.kernels import plan as plan_mod
 from kdistill.kernels import runtime
 from kdistill.models.hf_io import load_model
-from tests.test_generate import TEMPLATE, hf_greedy
+from tests import test_generate
+from tests.test_generate import cli, hf_greedy
 from tests.tiny import load_hf, make_tiny_model, sample_ids
 
 LENS = (7, 3, 11, 5, 9)
@@ -138,13 +138,7 @@ def test_engine_keys_are_planned(tmp_path):
 
 
 # -- generate --out ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory):
-    d = make_tiny_model(tmp_path_factory.mktemp("chat"), family="qwen2")
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return d
+chat_dir = test_generate.chat_dir  # the tiny chat model of the generate tests (a module fixture)
 
 
 def prompts_file(path: Path, n: int) -> Path:
@@ -154,20 +148,11 @@ def prompts_file(path: Path, n: int) -> Path:
     return path
 
 
-def generate_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(["generate", *argv])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def test_out_writes_conversations_and_a_manifest(chat_dir, tmp_path, capsys):
     msgs = prompts_file(tmp_path / "p.jsonl", 5)
     out = tmp_path / "answers.jsonl"
     argv = ["--model", str(chat_dir), "--messages", str(msgs), "--out", str(out), "--device", "cpu"]
-    rc, _, err = generate_cli(
-        capsys, *argv, "--max-new-tokens", "5", "--samples-per-prompt", "2", "--batch-size", "3"
-    )
+    rc, _, err = cli(capsys, *argv, "--max-new-tokens", "5", "--samples-per-prompt", "2", "--batch-size", "3")
     assert rc == 0, err
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(r["index"], r["sample"]) for r in rows] == [(i, j) for i in range(5) for j in range(2)]
@@ -179,10 +164,10 @@ def test_out_writes_conversations_and_a_manifest(chat_dir, tmp_path, capsys):
     assert m["samples_per_prompt"] == 2 and m["model"] == str(chat_dir.resolve())
     # a second start has nothing to do and changes nothing
     before = out.read_bytes()
-    rc, _, _ = generate_cli(capsys, *argv, "--max-new-tokens", "5", "--samples-per-prompt", "2")
+    rc, _, _ = cli(capsys, *argv, "--max-new-tokens", "5", "--samples-per-prompt", "2")
     assert rc == 0 and out.read_bytes() == before
     # other settings on the same file: one line, nothing changed
-    rc, _, err = generate_cli(capsys, *argv, "--max-new-tokens", "6", "--samples-per-prompt", "2")
+    rc, _, err = cli(capsys, *argv, "--max-new-tokens", "6", "--samples-per-prompt", "2")
     assert rc == 2 and err.count("\n") == 1 and "other settings" in err and "sampling" in err, err
     assert out.read_bytes() == before
 
@@ -191,7 +176,7 @@ def test_out_never_replaces_a_file_kdistill_did_not_write(chat_dir, tmp_path, ca
     msgs = prompts_file(tmp_path / "p.jsonl", 2)
     out = tmp_path / "notes.jsonl"
     out.write_text("my own notes\n")
-    rc, _, err = generate_cli(
+    rc, _, err = cli(
         capsys, "--model", str(chat_dir), "--messages", str(msgs), "--out", str(out), "--device", "cpu"
     )
     assert rc == 2 and err.count("\n") == 1 and "was not written by kdistill" in err, err
@@ -215,9 +200,9 @@ def test_out_resumes_after_a_kill(chat_dir, tmp_path, capsys):
         f.write('{"index": 11, "sample": 0, "te')  # a line torn by the kill
     m = json.loads((tmp_path / "a.jsonl.manifest.json").read_text())
     assert m["status"] == "running"
-    rc, _, err = generate_cli(capsys, *argv[1:], "--out", str(out))
+    rc, _, err = cli(capsys, *argv[1:], "--out", str(out))
     assert rc == 0, err
-    rc, _, err = generate_cli(capsys, *argv[1:], "--out", str(ref))
+    rc, _, err = cli(capsys, *argv[1:], "--out", str(ref))
     assert rc == 0, err
     assert out.read_text() == ref.read_text()  # greedy: the resumed file equals an uninterrupted one
     assert set(kept) <= set(out.read_text().splitlines())
@@ -236,7 +221,7 @@ def test_out_resumes_after_a_kill(chat_dir, tmp_path, capsys):
     ],
 )
 def test_bad_sizes_are_one_line_errors(chat_dir, capsys, argv, message):
-    rc, _, err = generate_cli(
+    rc, _, err = cli(
         capsys, "--model", str(chat_dir), "--prompt", "the quick brown fox", "--device", "cpu", *argv
     )
     assert rc == 2 and err.count("\n") == 1 and message in err, err

@@ -525,8 +525,8 @@ def locate_answers(
                 start = _prompt_end(text, gen_text, max(lo, _common_prefix(before, text)), body)
             else:
                 # Find the prompt in the rendering that ends with this turn (its region is bounded by
-                # the history before it there), then carry the lead (text between the prompt and the
-                # body, e.g. Qwen3's "<think>\n") over when the conversation renders it too.
+                # the history before it there), then carry the text between the prompt and the body
+                # (e.g. Qwen3's "<think>\n") over when the conversation renders it too.
                 own = render(messages[: k + 1])
                 own_alt = render(messages[:k] + [stand_in])
                 own_body, _ = _body(own, own_alt)
