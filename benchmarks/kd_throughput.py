@@ -9,6 +9,10 @@ Each step: teacher forward (no grad), student forward, loss, backward, AdamW ste
 
   triton      kdistill: its kernels (prewarmed and sealed first), chunked KD loss head
   triton-fp8  the same with teacher.precision=fp8: the teacher's linears as row-wise scaled FP8 GEMMs
+  PROVIDER-step   a kdistill provider through the training run's own step (kdistill.train.step: the
+              loss of each micro-batch, gradient clipping, the non-finite test, fused AdamW), eager
+  PROVIDER-graph  the same step captured as a CUDA graph after two eager steps and replayed
+              (runtime.cuda_graphs); e.g. triton-graph, triton-fp8-graph
   reference   kdistill's PyTorch reference ops, chunked KD loss head
   dense       kdistill's decoder with reference ops and the KD loss written the obvious way (full
               [tokens x vocab] logits, log-softmax, KL)
@@ -43,14 +47,17 @@ from kdistill.models.fp8 import convert_to_fp8
 from kdistill.models.spec import load_spec
 from kdistill.ops.kd_loss import label_count
 from kdistill.train.optim import make_optimizer
-from kdistill.train.step import compute_loss
+from kdistill.train.targets import MicroBatch, batch_loss, target_source
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module
     from hf_providers import HF_PROVIDERS, make_provider
 except ImportError:  # pragma: no cover
     from benchmarks.hf_providers import HF_PROVIDERS, make_provider
 
-KDISTILL_PROVIDERS = ("triton", "triton-fp8", "reference", "dense")
+KDISTILL_BASE = ("triton", "triton-fp8", "reference", "dense")
+KDISTILL_PROVIDERS = KDISTILL_BASE + tuple(
+    f"{p}-{mode}" for p in ("triton", "triton-fp8") for mode in ("step", "graph")
+)
 
 
 def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -85,6 +92,9 @@ def dense_loss(student, teacher, ids, labels, alpha, T):
 
 def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callable[[], int]]:
     """(step(ids, labels) -> loss, jit_after_prewarm) for one of kdistill's providers."""
+    if provider.endswith(("-step", "-graph")):
+        base = provider.rsplit("-", 1)[0]
+        return run_step(base, provider.endswith("-graph"), cfg, t_spec, s_spec)
     dev = torch.device("cuda")
     kernels = "reference" if provider in ("reference", "dense") else "triton"
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels))
@@ -99,6 +109,7 @@ def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callabl
     amp = torch.autocast("cuda", dtype=torch.bfloat16)
 
     counts: dict[int, int] = {}
+    source = target_source(teacher)
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
@@ -110,10 +121,63 @@ def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callabl
             n = counts.get(id(labels))
             if n is None:
                 n = counts[id(labels)] = label_count(labels.cpu().flatten(), s_spec.vocab_size)
-            loss = compute_loss(student, teacher, ids, labels, cfg, amp, n_tokens=n).loss
+            loss = batch_loss(student, MicroBatch(ids, labels, n_tokens=n), source, cfg, amp).loss
         loss.backward()
         opt.step()
         return loss.detach()
+
+    return step, sess.jit_after_prewarm
+
+
+class _Feed:
+    """The training step's batcher for one batch already on the host."""
+
+    def __init__(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.batch, self.last_indices = batch, None
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch
+
+
+def run_step(base: str, graphs: bool, cfg, t_spec, s_spec) -> tuple[Callable, Callable[[], int]]:
+    """The run's own training step (kdistill.train.step: micro-batch loss, clipping, the non-finite
+    test, fused AdamW with its device learning rate), captured as a CUDA graph or eager. The step is
+    timed without its read-back of the logged values (one small copy the run adds), so the host time
+    is the time to queue the step."""
+    from kdistill.train.graph import StepGraph
+    from kdistill.train.step import StepContext, _graphed
+
+    dev = torch.device("cuda")
+    rt = dataclasses.replace(cfg.runtime, kernels="triton", cuda_graphs="on" if graphs else "off")
+    cfg = dataclasses.replace(cfg, runtime=rt)
+    if base == "triton-fp8":
+        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
+    sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
+    teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
+    if base == "triton-fp8":
+        convert_to_fp8(teacher)
+    student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
+    opt = make_optimizer(student, cfg.optim)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16)
+    ctx = StepContext(cfg, student, teacher, opt, dev, amp, None)
+    graph = StepGraph(dev)
+    if not graphs:
+        graph.capture_now = lambda sig: False  # type: ignore[method-assign]  # the same step, never captured
+    counters = {"degenerate_batches": 0}
+    host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    done = [0]
+    assert ctx.lr_device is not None
+
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        batch = host.get(id(labels))
+        if batch is None:
+            batch = host[id(labels)] = (ids.cpu().pin_memory(), labels.cpu().pin_memory())
+        for g in opt.param_groups:
+            g["lr"] = cfg.optim.lr
+        ctx.lr_device.fill_(cfg.optim.lr)
+        packed, _, _ = _graphed(ctx, graph, _Feed(batch), done[0], counters)
+        done[0] += 1
+        return packed[0]
 
     return step, sess.jit_after_prewarm
 
@@ -226,6 +290,7 @@ def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a)
         "median_step_s": med,
         "tokens_per_s": tokens / med,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,  # CUDA-graph pools included
         "final_loss": loss,
         "setup_s": setup_s,
         "jit_after_prewarm": jit(),

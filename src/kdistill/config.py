@@ -15,7 +15,7 @@ A run config is YAML with these sections (every field has a default except the m
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
     runtime:  {device, dtype, kernels, strict_kernels, arch, kernel_pack, on_nonfinite, max_nonfinite,
                auto_fit, gpu_memory_gib, teacher_placement, activation_checkpointing, student_reshard,
-               profile_steps}
+               profile_steps, cuda_graphs}
 
 Command-line overrides are dotted: `kd.temperature=2 output.dir=runs/a`. Unknown keys are one-line
 errors that name the key and the closest valid one.
@@ -333,6 +333,11 @@ class RuntimeConfig:
     # Profile this many training steps right after the warm-up steps (torch.profiler; every process
     # writes profile/rank{R}.txt and .json into the run directory); 0: off.
     profile_steps: int = 0
+    # The training step captured as one CUDA graph and replayed (kdistill.train.graph): the host no
+    # longer queues every kernel of every step. auto: on a CUDA device in one process with live teachers
+    # (not with a teacher cache, cross-tokenizer teacher, layer map, LoRA or on-policy steps); on: the
+    # same, refused in one line where it cannot be done; off: every step eager.
+    cuda_graphs: str = "auto"  # auto | on | off
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -344,6 +349,7 @@ class RuntimeConfig:
         _choice("runtime.teacher_placement", self.teacher_placement, ("auto", "shard", "replicate"))
         _choice("runtime.activation_checkpointing", self.activation_checkpointing, ("auto", "none", "blocks"))
         _choice("runtime.student_reshard", self.student_reshard, ("auto", "after_forward", "after_backward"))
+        _choice("runtime.cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
         if self.profile_steps < 0:
             raise UserError(
                 f"runtime.profile_steps is {self.profile_steps}, expected 0 (off) or a positive integer"

@@ -205,8 +205,43 @@ def estimate_memory(
         terms = {**fixed, "gradients_and_optimizer_temporaries": optimizer_phase}
     elif generation > live_forward:
         terms = {**fixed, "generation_kv_cache_and_logits": generation}
+    if gpu and _graphed(cfg, w):
+        # runtime.cuda_graphs: the captured step's memory is the graph's private pool, which nothing
+        # else can reuse; the held-out eval between steps allocates beside it: the final hidden states
+        # of both models, one block's transient activations and two [chunk x vocab] fp32 logits buffers.
+        inter = max(student.intermediate_size, teacher.intermediate_size)
+        terms["eval_beside_graph_pool"] = (
+            n * (student.hidden_size + teacher.hidden_size) * act_bytes
+            + n * 3 * inter * act_bytes
+            + 2 * chunk * vocab * 4
+        )
     terms["total"] = sum(terms.values())
     return terms
+
+
+def _graphed(cfg: RunConfig, world: int) -> bool:
+    """Whether a CUDA run of this config captures its training step (kdistill.train.graph)."""
+    return cfg.runtime.cuda_graphs != "off" and capture_blocker(cfg, "cuda", world) is None
+
+
+def capture_blocker(cfg: RunConfig, device_type: str, world: int) -> str | None:
+    """Why a run's training step cannot be captured as a CUDA graph (None: it can): the planner and
+    the step (kdistill.train.graph) decide alike."""
+    if device_type != "cuda":
+        return "the run is not on a CUDA device"
+    if world > 1:
+        return "the run is under torchrun (the step's collectives are not captured)"
+    if cfg.teacher.cache:
+        return "the teacher is a cache (teacher.cache)"
+    if cfg.kd.cross_tokenizer:
+        return "the teacher has another tokenizer (kd.cross_tokenizer)"
+    if cfg.kd.layers_on:
+        return "a layer map adds terms (kd.layer_map)"
+    if cfg.student.lora.enabled:
+        return "the student trains LoRA adapters (student.lora)"
+    if cfg.kd.generates:
+        return "steps train on generated text of varying length (kd.on_policy / kd.seq_kd)"
+    return None
 
 
 def engine_weights(spec: ModelSpec, full: bool) -> int:

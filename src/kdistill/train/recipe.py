@@ -53,6 +53,8 @@ from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.cross_tok import CrossTokenizer
 from kdistill.train.evidence import MetricsWriter, NullWriter, plot_losses, read_metrics, smoke_contract
+from kdistill.train.graph import StepGraph
+from kdistill.train.graph import wanted as graph_wanted
 from kdistill.train.layers import attach_projections, check_layer_map
 from kdistill.train.loading import (
     chat_template,
@@ -157,6 +159,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         else contextlib.nullcontext()
     )
     torch.manual_seed(cfg.schedule.seed)
+    graphs = graph_wanted(cfg, device, dist.info().world if multi else 1)  # `on` refused here, before loading
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
     if cfg.kd.layers_on:
@@ -247,7 +250,10 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         if data.documents:
             raise UserError("kd.cross_tokenizer runs on text data, not packed conversations")
         cross = CrossTokenizer(tok, load_tokenizer(cfg.teacher.path), teacher_spec.max_position_embeddings)
-    ctx = StepContext(cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross, onpolicy=onpolicy)
+    graph = StepGraph(device) if graphs else None
+    ctx = StepContext(
+        cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross, onpolicy=onpolicy, graph=graph
+    )
     # Last in setup, so nothing after it can fail before train() takes over closing them.
     trackers = Trackers()
     if cfg.output.report_to and dist.is_main():
@@ -609,11 +615,14 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
             extra_teachers=run.extra_specs,
         )["total"]
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB  # graph pools included
         summary["planned_memory_gib"] = planned / GIB
     else:
         summary["kernels"].pop("arch", None)  # the arch of a GPU that did not run: only on a GPU run
     if run.ctx.onpolicy is not None:
         summary["on_policy"] = run.ctx.onpolicy.summary()
+    # runtime.cuda_graphs: steps captured, replayed and run eagerly; "off" when the step is never captured
+    summary["cuda_graphs"] = run.ctx.graph.summary() if run.ctx.graph is not None else "off"
     if run.cfg.runtime.profile_steps:
         summary["profiled_steps"] = list(run.profiled_steps)  # [] when the run never reached them
     if run.data_stats:  # conversations: how full the packed rows are and what is learned

@@ -31,6 +31,7 @@ from kdistill.models.decoder import Decoder
 from kdistill.ops.kd_loss import check_token_ids, label_count
 from kdistill.train import distributed as dist
 from kdistill.train import faults
+from kdistill.train.graph import StepGraph, signature
 from kdistill.train.onpolicy import OnPolicy, generated_accumulate
 from kdistill.train.optim import lr_at
 from kdistill.train.targets import (
@@ -169,6 +170,11 @@ class StepContext:
     source: TargetSource | None = None  # the teacher's side of the loss (default: from the fields above)
     onpolicy: OnPolicy | None = None  # kd.on_policy / kd.seq_kd: the steps that train on generated text
     extras: Any = None  # the loss's extra terms (kd.layer_map: a kdistill.train.layers.LayerMap)
+    graph: StepGraph | None = None  # runtime.cuda_graphs: the data steps captured and replayed
+    # torch's fused AdamW on one device reads the learning rate from this device scalar, captured or not
+    # (a captured update cannot take a host float that changes every step; eager steps use the same
+    # kernel so a captured run's values equal an eager run's bit for bit)
+    lr_device: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.source is None:
@@ -177,6 +183,8 @@ class StepContext:
             )
         if self.extras is None and self.cross is None:
             self.extras = extra_terms(self.cfg)
+        if self.lr_device is None and type(self.opt) is torch.optim.AdamW and self.opt.defaults.get("fused"):
+            self.lr_device = torch.zeros((), dtype=torch.float32, device=self.device)
 
 
 @dataclasses.dataclass
@@ -246,41 +254,44 @@ def train_step(
     lr = lr_at(step, cfg.schedule.steps, cfg.optim)
     for g in opt.param_groups:
         g["lr"] = lr
-    opt.zero_grad(set_to_none=True)
+    if ctx.lr_device is not None:
+        ctx.lr_device.fill_(lr)  # a fill: no wait for the GPU
     kind = ctx.onpolicy.kind(step) if ctx.onpolicy is not None else "data"
     generated: dict[str, Any] = {}
-    if kind == "data":
-        means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
-    else:  # the student's (or the teacher's) completions of the data's prompts (train/onpolicy.py)
-        assert ctx.onpolicy is not None
-        means, tokens, stats = generated_accumulate(ctx, ctx.onpolicy, step, kind)
-        degenerate, stops, generated = False, None, stats.row()
-    loss_ok = torch.isfinite(means[:, 0]).all()
-    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    norm = clip_gradients(ctx.student, clip)
-    ok = loss_ok & torch.isfinite(norm)
-    if opt.defaults.get("fused"):
-        opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
-        opt.step()
-    elif bool(ok):
-        opt.step()
-    # the step's one read-back: [loss, ce, kd] summed over the micro-batches, the norm, the flags
-    parts = [means.sum(0), norm.double().reshape(1), torch.stack([loss_ok, ok]).double()]
-    if isinstance(tokens, torch.Tensor):  # under torchrun: the tokens and the stop requests, summed
-        parts += [tokens.reshape(1), stops.reshape(1)]  # type: ignore[union-attr]
-    out = torch.cat(parts).tolist()
+    stops = None
+    if kind == "data" and ctx.graph is not None:
+        packed, tokens, degenerate = _graphed(ctx, ctx.graph, batcher, step, counters)
+    else:
+        if ctx.graph is None or not ctx.graph.restore_grads():
+            opt.zero_grad(set_to_none=True)
+        if kind == "data":
+            means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
+        else:  # the student's (or the teacher's) completions of the data's prompts (train/onpolicy.py)
+            assert ctx.onpolicy is not None
+            means, tokens, stats = generated_accumulate(ctx, ctx.onpolicy, step, kind)
+            degenerate, generated = False, stats.row()
+        parts = _update(ctx, means)
+        if isinstance(tokens, torch.Tensor):  # under torchrun: the tokens and the stop requests, summed
+            parts += [tokens.reshape(1), stops.reshape(1)]  # type: ignore[union-attr]
+        packed = torch.cat(parts + [means[:, 0]])
+    # the step's one read-back: [loss, ce, kd] summed over the micro-batches, the norm, the flags,
+    # (under torchrun) the tokens and stop requests, then each micro-batch's loss
+    out = packed.tolist()
     loss_sum, ce_sum, kd_sum, grad_norm, loss_finite, good = out[:6]
+    micro_losses = out[6:]
     stop_any = False
     if isinstance(tokens, torch.Tensor):
         tokens, stop_any = int(out[6]), out[7] > 0
+        micro_losses = out[8:]
     cause = None
     if not loss_finite:
-        bad = next(v for v in means[:, 0].tolist() if not math.isfinite(v))
+        bad = next(v for v in micro_losses if not math.isfinite(v))
         cause, grad_norm = f"loss is {bad}", None
     elif not good:
         cause = f"gradient norm is {grad_norm}"
     if cause is not None:
-        opt.zero_grad(set_to_none=True)
+        if ctx.graph is None or not ctx.graph.restore_grads():
+            opt.zero_grad(set_to_none=True)
         policy.bad(step + 1, cause, counters)
     else:
         policy.good()
@@ -290,6 +301,93 @@ def train_step(
     return StepResult(
         lr, mean[0], mean[1], mean[2], grad_norm, tokens, cause, degenerate, stop_any, generated
     )
+
+
+def _update(ctx: StepContext, means: torch.Tensor) -> list[torch.Tensor]:
+    """Clip, test and update, all on the device: [the micro-batches' (loss, ce, kd) summed, the
+    gradient norm, (loss finite, step good)] as float64 tensors. means (M, 3): the micro-batches' values.
+    A non-finite loss or gradient norm skips the update: the fused AdamW's `found_inf` flag skips it
+    inside the kernel; an optimizer without the flag (the CPU's) reads the flag back first."""
+    cfg, opt = ctx.cfg, ctx.opt
+    loss_ok = torch.isfinite(means[:, 0]).all()
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    norm = clip_gradients(ctx.student, clip)
+    ok = loss_ok & torch.isfinite(norm)
+    if opt.defaults.get("fused"):
+        opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
+        if ctx.lr_device is not None:
+            lrs = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = ctx.lr_device
+            try:
+                opt.step()
+            finally:
+                for g, v in zip(opt.param_groups, lrs, strict=True):
+                    g["lr"] = v  # the state dict keeps a float
+        else:
+            opt.step()
+    elif bool(ok):
+        opt.step()
+    return [means.sum(0), norm.double().reshape(1), torch.stack([loss_ok, ok]).double()]
+
+
+def _micro(ctx: StepContext, micro_batch: MicroBatch) -> torch.Tensor:
+    """One micro-batch's forward and backward (of loss / grad_accum) in one process, as `_accumulate`
+    runs it: its (loss, ce, kd), float64 on the device."""
+    r = batch_loss(ctx.student, micro_batch, ctx.source, ctx.cfg, ctx.amp, ctx.extras)  # type: ignore[arg-type]
+    (r.loss / ctx.cfg.schedule.grad_accum).backward()
+    return torch.stack([r.loss.detach(), r.ce, r.kd]).double()
+
+
+def _graphed(
+    ctx: StepContext, graph: StepGraph, batcher: Batcher, step: int, counters: dict[str, Any]
+) -> tuple[torch.Tensor, int, bool]:
+    """A data step of a run that captures its step (kdistill.train.graph): the micro-batches taken and
+    counted on the host, then the step replayed, captured, or (another shape) run eagerly on the same
+    code. Returns (the read-back values as the eager step packs them, the scored tokens, degenerate)."""
+    cfg = ctx.cfg
+    acc = cfg.schedule.grad_accum
+    vocab = ctx.student.lm_head_weight.shape[0]
+    host: list[tuple[tuple[torch.Tensor, ...], int | None]] = []
+    degenerate = False
+    for _ in range(acc):
+        batch = batcher.next()
+        reason = check_batch(batch[1], cfg.kd.ignore_index)
+        if reason:
+            degenerate = True
+            counters["degenerate_batches"] += 1
+            log.warning("step %d: degenerate batch (%s)", step + 1, reason)
+        tensors = tuple(torch.as_tensor(t) for t in batch)
+        host.append((tensors, label_count(tensors[1].flatten(), vocab, cfg.kd.ignore_index)))
+    tokens = sum(n for _, n in host if n is not None)
+    sig = signature(host)
+
+    def body(inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        rows = [_micro(ctx, MicroBatch(*t, n_tokens=n)) for t, (_, n) in zip(inputs, host, strict=True)]
+        means = torch.stack(rows)  # (M, 3)
+        return torch.cat(_update(ctx, means) + [means[:, 0]])
+
+    nan = faults.nan_step(step + 1)  # a test's NaN loss is a host decision: that step runs eagerly
+    faults.poison(step + 1, ctx.student)  # in place: the graph reads the poisoned weight
+    if graph.ready(sig) and not nan:
+        packed = graph.replay(host)
+    elif graph.capture_now(sig) and not nan:
+        packed = graph.capture(host, ctx.opt, ctx.student, body)
+    else:
+        graph.note_eager(sig)
+        if not graph.restore_grads():
+            ctx.opt.zero_grad(set_to_none=True)
+        inputs = [tuple(t.to(ctx.device, non_blocking=True) for t in tensors) for tensors, _ in host]
+        if nan:
+            rows = [_micro(ctx, MicroBatch(*t, n_tokens=n)) for t, (_, n) in zip(inputs, host, strict=True)]
+            rows[0][0] = float("nan")
+            means = torch.stack(rows)
+            packed = torch.cat(_update(ctx, means) + [means[:, 0]])
+        else:
+            packed = body(inputs)
+    for micro in range(acc):
+        faults.at(f"{step + 1}.{micro + 1}")
+    return packed, tokens, degenerate
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

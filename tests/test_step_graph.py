@@ -1,0 +1,83 @@
+"""runtime.cuda_graphs on a machine without a GPU: the setting's checks, which runs may capture their
+step, the bookkeeping that decides when to capture, and the memory plan's term for the graph's pool.
+The captured step itself is tested on a GPU (tests/gpu/test_graph_gpu.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+from kdistill.config import RunConfig, TeacherConfig
+from kdistill.errors import UserError
+from kdistill.memory import estimate_memory
+from kdistill.models.spec import load_spec
+from kdistill.train.graph import WARM_STEPS, StepGraph, signature, wanted
+from tests.test_train_kit import base_config, run_cli
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+def _cfg(**runtime) -> RunConfig:
+    cfg = RunConfig()
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, **runtime))
+
+
+def test_bad_value_is_one_line(tmp_path, capsys):
+    cfg = base_config(tmp_path / "run")
+    cfg["runtime"]["cuda_graphs"] = "sometimes"
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 2 and "runtime.cuda_graphs" in err and "expected one of: auto, on, off" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_on_is_refused_in_one_line_where_capture_cannot_be_done(tmp_path, capsys):
+    cfg = base_config(tmp_path / "run")
+    cfg["runtime"]["cuda_graphs"] = "on"  # on the CPU
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 2 and "Traceback" not in err
+    line = [x for x in err.splitlines() if "cuda_graphs" in x]
+    assert len(line) == 1 and "not on a CUDA device" in line[0]
+
+
+def test_which_runs_capture():
+    assert wanted(_cfg(), CUDA, 1)
+    assert not wanted(_cfg(), CPU, 1)  # auto: not on a CPU
+    assert not wanted(_cfg(), CUDA, 2)  # auto: not under torchrun
+    assert not wanted(_cfg(cuda_graphs="off"), CUDA, 1)
+    cached = dataclasses.replace(_cfg(), teacher=TeacherConfig(cache="some/cache"))
+    assert not wanted(cached, CUDA, 1)
+    for cfg, why in [(cached, "teacher.cache"), (_cfg(), "torchrun")]:
+        on = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, cuda_graphs="on"))
+        with pytest.raises(UserError, match=why):
+            wanted(on, CUDA, 2 if why == "torchrun" else 1)
+
+
+def test_capture_after_warm_steps_at_one_signature():
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    a = [((ids, ids), 14)]
+    b = [((ids, ids), 13)]  # another count of scored tokens: another graph
+    g = StepGraph(CPU)
+    assert signature(a) != signature(b)
+    for _ in range(WARM_STEPS):
+        assert not g.capture_now(signature(a))
+        g.note_eager(signature(a))
+    assert g.capture_now(signature(a)) and not g.capture_now(signature(b))
+    g.note_eager(signature(b))  # a step of another shape restarts the count
+    assert not g.capture_now(signature(a))
+    assert not g.ready(signature(a)) and not g.restore_grads()  # nothing captured yet
+
+
+def test_memory_plan_counts_the_eval_beside_the_graph_pool():
+    t, s = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
+    on = estimate_memory(t, s, _cfg())
+    off = estimate_memory(t, s, _cfg(cuda_graphs="off"))
+    assert "eval_beside_graph_pool" in on and "eval_beside_graph_pool" not in off
+    assert on["total"] - off["total"] == on["eval_beside_graph_pool"] > 0
+    assert "eval_beside_graph_pool" not in estimate_memory(t, s, _cfg(), device="cpu")
