@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from kdistill.commands.plan import make_plan
 from kdistill.config import load_config
 from kdistill.kernels import seal
+from kdistill.memory import estimate_memory
 from kdistill.models.decoder import build_decoder
 from kdistill.models.fp8 import convert_to_fp8
 from kdistill.models.spec import load_spec
@@ -88,6 +89,19 @@ def dense_loss(student, teacher, ids, labels, alpha, T):
     ce = F.cross_entropy(s, labels.flatten())
     kl = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), log_target=True, reduction="batchmean")
     return (1 - alpha) * ce + alpha * T * T * kl
+
+
+def provider_cfg(provider: str, cfg):
+    """The run config a kdistill provider stands for (kernels, teacher precision, CUDA graphs)."""
+    base = provider.rsplit("-", 1)[0] if provider.endswith(("-step", "-graph")) else provider
+    graphs = "on" if provider.endswith("-graph") else "off"
+    kernels = "reference" if base in ("reference", "dense") else "triton"
+    cfg = dataclasses.replace(
+        cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels, cuda_graphs=graphs)
+    )
+    if base == "triton-fp8":
+        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
+    return cfg
 
 
 def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callable[[], int]]:
@@ -272,8 +286,10 @@ def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     jit: Callable[[], int | None] = lambda: None  # noqa: E731
+    planned = None
     if provider in KDISTILL_PROVIDERS:
         step, jit = kdistill_step(provider, cfg, t_spec, s_spec)
+        planned = estimate_memory(t_spec, s_spec, provider_cfg(provider, cfg))["total"] / 2**30
     else:
         seal.unseal()  # the seal guards kdistill's kernels; the baselines JIT-compile their own
         step = make_provider(
@@ -291,6 +307,7 @@ def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a)
         "tokens_per_s": tokens / med,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,  # CUDA-graph pools included
+        "planned_gib": planned,  # kdistill's memory plan for this provider's config
         "final_loss": loss,
         "setup_s": setup_s,
         "jit_after_prewarm": jit(),
@@ -319,7 +336,7 @@ def main() -> None:
     ap.add_argument("--batch", default="4,8,16", help="comma-separated batch sizes")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--providers", default="triton,hf,liger,liger-bf16")
+    ap.add_argument("--providers", default="triton,triton-graph,hf,liger,liger-bf16")
     ap.add_argument("--chunk-size", type=int, default=None, help="kd.chunk_size (default: the config's)")
     ap.add_argument("--quick", action="store_true", help="batch 8, 5 timed steps (under 5 minutes)")
     ap.add_argument("--json", default=None)
@@ -394,18 +411,19 @@ def main() -> None:
 def print_table(name: str, pair: str, batch: int, seq: int, floor_s: float, rows: list[dict]) -> None:
     print(f"\n{name}, {pair}, batch {batch} x seq {seq}; FLOP floor {floor_s * 1e3:.1f} ms/step")
     print(
-        f"{'provider':>11} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'MFU':>6} {'loss':>8} {'jit':>4}"
-        f" {'host ms':>8}"
+        f"{'provider':>18} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'resv GiB':>9} {'plan GiB':>9}"
+        f" {'MFU':>6} {'loss':>8} {'jit':>4} {'host ms':>8}"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['provider']:>11} {r['error']}")
+            print(f"{r['provider']:>18} {r['error']}")
             continue
         jit = "-" if r["jit_after_prewarm"] is None else str(r["jit_after_prewarm"])
+        plan = "-" if r.get("planned_gib") is None else f"{r['planned_gib']:.2f}"
         print(
-            f"{r['provider']:>11} {r['median_step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10.0f} "
-            f"{r['peak_gib']:>9.2f} {r['mfu']:>6.1%} {r['final_loss']:>8.3f} {jit:>4}"
-            f" {r['host_median_s'] * 1e3:>8.1f}"
+            f"{r['provider']:>18} {r['median_step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10.0f} "
+            f"{r['peak_gib']:>9.2f} {r['peak_reserved_gib']:>9.2f} {plan:>9} {r['mfu']:>6.1%}"
+            f" {r['final_loss']:>8.3f} {jit:>4} {r['host_median_s'] * 1e3:>8.1f}"
         )
 
 
