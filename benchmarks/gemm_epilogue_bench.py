@@ -70,6 +70,7 @@ if any(flag in sys.argv for flag in INTERPRET_FLAGS):  # chosen before any kerne
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -110,8 +111,9 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def gate_up_kernel(
     x_desc,  # (M, K), block (BLOCK_M, BLOCK_K)
-    wg_desc,  # W_gate (I, K), block (BLOCK_N, BLOCK_K)
-    wu_desc,  # W_up (I, K), block (BLOCK_N, BLOCK_K)
+    wg_desc,  # W_gate (I, K), block (BLOCK_N, BLOCK_K); read when not ONE_DOT
+    wu_desc,  # W_up (I, K), block (BLOCK_N, BLOCK_K); read when not ONE_DOT
+    wi_desc,  # W_gate and W_up interleaved by BLOCK_N rows, block (2 BLOCK_N, BLOCK_K); ONE_DOT
     h_desc,  # h (M, I), block (BLOCK_M, BLOCK_N); written when EPILOGUE is 1 or 2
     g_desc,  # gu[:, :I] (M, I) row stride 2I; written when EPILOGUE is 0 or 2
     u_desc,  # gu[:, I:] (M, I) row stride 2I; written when EPILOGUE is 0 or 2
@@ -125,10 +127,16 @@ def gate_up_kernel(
     GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr,
     OCCUPANCY: tl.constexpr,  # programs per SM: the grid is min(NUM_SMS x OCCUPANCY, tiles)
+    ONE_DOT: tl.constexpr,  # one (BLOCK_M, 2 BLOCK_N) dot on wi instead of two (BLOCK_M, BLOCK_N)
     DOT_F32: tl.constexpr = False,  # interpreter runs only: fp32 operands for the dots
 ):
     """Persistent gate/up GEMM; each tile accumulates x @ W_gate^T and x @ W_up^T for the same
-    (BLOCK_M, BLOCK_N) output block, in fp32, and the epilogue writes gu and/or h = silu(g) * u."""
+    (BLOCK_M, BLOCK_N) output block, in fp32, and the epilogue writes gu and/or h = silu(g) * u.
+
+    Two ways to the same sums: two dots per K step sharing the x tile (W_gate and W_up as they are),
+    or one dot twice as wide on a weight whose rows alternate BLOCK_N rows of W_gate and of W_up
+    (wider wgmma instructions, the x tile read from shared memory once), its accumulator split in two
+    in the epilogue."""
     dtype = x_desc.dtype
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -139,17 +147,28 @@ def gate_up_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            a = x_desc.load([off_m, off_k])  # (BLOCK_M, BLOCK_K)
-            bg = wg_desc.load([off_n, off_k])  # (BLOCK_N, BLOCK_K)
-            bu = wu_desc.load([off_n, off_k])
-            if DOT_F32:  # exact upcasts: the same fp32 sums, for an interpreter without bf16 dots
-                a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
-            acc_g = tl.dot(a, bg.T, acc_g)
-            acc_u = tl.dot(a, bu.T, acc_u)
+        if ONE_DOT:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                off_k = ki * BLOCK_K
+                a = x_desc.load([off_m, off_k])  # (BLOCK_M, BLOCK_K)
+                b = wi_desc.load([2 * off_n, off_k])  # (2 BLOCK_N, BLOCK_K): gate rows, then up rows
+                if DOT_F32:  # exact upcasts: the same fp32 sums, for an interpreter without bf16 dots
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc)
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                off_k = ki * BLOCK_K
+                a = x_desc.load([off_m, off_k])  # (BLOCK_M, BLOCK_K)
+                bg = wg_desc.load([off_n, off_k])  # (BLOCK_N, BLOCK_K)
+                bu = wu_desc.load([off_n, off_k])
+                if DOT_F32:
+                    a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+                acc_g = tl.dot(a, bg.T, acc_g)
+                acc_u = tl.dot(a, bu.T, acc_u)
 
         g = acc_g.to(dtype)  # rounded as the unfused GEMM's output is
         u = acc_u.to(dtype)
@@ -168,6 +187,10 @@ def set_block_shapes(nargs: dict) -> None:
     nargs["x_desc"].block_shape = [bm, bk]
     nargs["wg_desc"].block_shape = [bn, bk]
     nargs["wu_desc"].block_shape = [bn, bk]
+    wi = nargs["wi_desc"]  # the interleaving follows BLOCK_N: that config's copy of the weight
+    wi.base = wi.by_block_n[bn]
+    wi.shape = list(wi.base.shape)
+    wi.block_shape = [2 * bn, bk]
     for name in ("h_desc", "g_desc", "u_desc"):
         nargs[name].block_shape = [bm, bn]
 
@@ -185,24 +208,26 @@ def configs() -> list:
     A flattened tile loop
     (`tl.range(..., flatten=True)`) is left out: there ptxas serializes the wgmma instructions
     (warning C7515: the accumulator's zeroing sits inside the pipelined loop)."""
-    table = [
-        (128, 128, 64, 3, 8, 1),
-        (128, 128, 64, 4, 8, 1),
-        (128, 128, 128, 2, 8, 1),
-        (128, 64, 64, 4, 4, 1),
-        (128, 64, 128, 3, 4, 1),
-        (64, 128, 64, 4, 4, 1),
-        (128, 64, 64, 3, 4, 2),
-        (64, 128, 64, 2, 4, 2),
+    table = [  # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, programs per SM, one dot
+        (128, 128, 64, 3, 8, 1, False),
+        (128, 64, 64, 4, 4, 1, False),
+        (128, 64, 64, 3, 4, 2, False),
+        (128, 128, 64, 3, 8, 1, True),
+        (128, 128, 64, 4, 8, 1, True),
+        (128, 128, 128, 2, 8, 1, True),
+        (128, 64, 64, 4, 4, 1, True),
+        (64, 128, 64, 4, 4, 1, True),
+        (128, 64, 64, 3, 4, 2, True),
+        (64, 128, 64, 2, 4, 2, True),
     ]
     return [
         triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "OCCUPANCY": occ},
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "OCCUPANCY": occ, "ONE_DOT": one},
             num_stages=st,
             num_warps=w,
             pre_hook=set_block_shapes,
         )
-        for bm, bn, bk, st, w, occ in table
+        for bm, bn, bk, st, w, occ, one in table
     ]
 
 
@@ -234,12 +259,28 @@ def tuned_kernel():
     return _TUNED
 
 
+def interleave(w_gu: torch.Tensor, block_n: int) -> torch.Tensor:
+    """[W_gate; W_up] (2I, K) -> (2 nb BLOCK_N, K), nb = ceil(I / BLOCK_N): row block j of W_gate, then
+    row block j of W_up, for every j (zero rows pad I up to nb BLOCK_N). A one-time copy of the weights,
+    as the step's `torch.cat([W_gate, W_up])` already is."""
+    i, k = w_gu.shape[0] // 2, w_gu.shape[1]
+    nb = triton.cdiv(i, block_n)
+    out = torch.zeros((nb, 2, block_n, k), dtype=w_gu.dtype, device=w_gu.device)
+    g = torch.zeros((nb * block_n, k), dtype=w_gu.dtype, device=w_gu.device)
+    u = torch.zeros_like(g)
+    g[:i], u[:i] = w_gu[:i], w_gu[i:]
+    out[:, 0], out[:, 1] = g.view(nb, block_n, k), u.view(nb, block_n, k)
+    return out.view(2 * nb * block_n, k)
+
+
 class GateUp:
     """The fused kernel's launcher for one (x, W_gu) pair: descriptors and outputs made once.
 
     x (M, K), w_gu (2I, K) = [W_gate; W_up]. Outputs: gu (M, 2I) and h (M, I), bf16."""
 
-    def __init__(self, x: torch.Tensor, w_gu: torch.Tensor, num_sms: int) -> None:
+    def __init__(
+        self, x: torch.Tensor, w_gu: torch.Tensor, num_sms: int, block_ns: tuple[int, ...] = (64, 128)
+    ) -> None:
         m, k = x.shape
         i = w_gu.shape[0] // 2
         if k % 8 or i % 8:  # TMA: every row stride a multiple of 16 bytes, both halves aligned
@@ -251,12 +292,16 @@ class GateUp:
         self.x_desc = TensorDescriptor(x, [m, k], [k, 1], blk)
         self.wg_desc = TensorDescriptor(w_gu[:i], [i, k], [k, 1], blk)
         self.wu_desc = TensorDescriptor(w_gu[i:], [i, k], [k, 1], blk)
+        by_block_n = {bn: interleave(w_gu, bn) for bn in block_ns}  # for ONE_DOT configs
+        first = by_block_n[block_ns[0]]
+        self.wi_desc = TensorDescriptor(first, list(first.shape), [k, 1], blk)
+        self.wi_desc.by_block_n = by_block_n  # set_block_shapes picks the config's BLOCK_N
         self.h_desc = TensorDescriptor(self.h, [m, i], [i, 1], blk)
         self.g_desc = TensorDescriptor(self.gu[:, :i], [m, i], [2 * i, 1], blk)
         self.u_desc = TensorDescriptor(self.gu[:, i:], [m, i], [2 * i, 1], blk)
 
     def _args(self) -> tuple:
-        d = (self.x_desc, self.wg_desc, self.wu_desc, self.h_desc, self.g_desc, self.u_desc)
+        d = (self.x_desc, self.wg_desc, self.wu_desc, self.wi_desc, self.h_desc, self.g_desc, self.u_desc)
         return (*d, self.m, self.i, self.k)
 
     def _grid(self, meta: dict) -> tuple[int]:
@@ -301,7 +346,10 @@ def agreement(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 def interpret_check() -> int:
     """The kernel under Triton's interpreter on the CPU at a tiny, ragged shape (M, K, I not multiples
-    of the blocks; more tiles than programs), every epilogue against the PyTorch reference."""
+    of the blocks; more tiles than programs), every epilogue and both dot forms against the PyTorch
+    reference. The interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest even, so
+    its outputs sit up to a few bf16 ulps from the reference (within `agreement`'s tolerance); a wrong
+    tile, half or edge is off by O(1), and outputs start as NaN so that an unwritten element fails."""
     if not INTERPRET:
         print("--interpret-check needs TRITON_INTERPRET=1 set before Triton is imported")
         return 2
@@ -314,11 +362,11 @@ def interpret_check() -> int:
     # check feeds the dots exact fp32 upcasts of the same tiles; everything else is the GPU's code
     config = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "OCCUPANCY": 1, "DOT_F32": True}
     failures = 0
-    for name, epi in EPILOGUES.items():
-        op = GateUp(x, w_gu, num_sms=3)  # 3 x 3 tiles over 3 programs: each walks three tiles
+    for (name, epi), one_dot in itertools.product(EPILOGUES.items(), (False, True)):
+        op = GateUp(x, w_gu, num_sms=3, block_ns=(16,))  # 3 x 3 tiles, 3 programs: three tiles each
         op.gu.fill_(float("nan"))  # every element must be written, none outside the tensors
         op.h.fill_(float("nan"))
-        op.run_fixed(epi, config)
+        op.run_fixed(epi, dict(config, ONE_DOT=one_dot))
         checks = {}
         if epi != 1:
             checks["gu"] = agreement(op.gu, gu_ref)
@@ -328,7 +376,8 @@ def interpret_check() -> int:
             failures += not res["ok"]
             status = "ok" if res["ok"] else "FAILED"
             print(
-                f"interpreter {name:<11} {out:<2} M={m} K={k} I={i}: max abs {res['max_abs']:.3g}, "
+                f"interpreter {name:<11} {'one dot ' if one_dot else 'two dots'} {out:<2} M={m} K={k} I={i}: "
+                f"max abs {res['max_abs']:.3g}, "
                 f"max rel {res['max_rel']:.3g} {status}"
             )
     print(f"triton {triton.__version__}, torch {torch.__version__}: {'FAILED' if failures else 'passed'}")
@@ -561,7 +610,7 @@ def main() -> int:
             f"{c['fused_vs_fp32']['max_abs']:.3g}, baseline {c['baseline_vs_fp32']['max_abs']:.3g}; best "
             + ", ".join(
                 f"{n}: {b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']} s{b['num_stages']} w{b['num_warps']}"
-                f" x{b['OCCUPANCY']}"
+                f" x{b['OCCUPANCY']}{' one-dot' if b['ONE_DOT'] else ''}"
                 for n, b in r["best_config"].items()
             )
         )
