@@ -250,7 +250,7 @@ _TUNED = None
 
 
 def tuned_kernel():
-    """gate_up_kernel autotuned per (M, I, K, EPILOGUE) (built on first use: GPU runs only)."""
+    """gate_up_kernel autotuned per (M, I, K, EPILOGUE), made on first use (never by --interpret-check)."""
     global _TUNED
     if _TUNED is None:
         _TUNED = triton.autotune(configs(), key=["M", "I", "K", "EPILOGUE"], do_bench=_quick_bench)(
