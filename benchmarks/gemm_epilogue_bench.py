@@ -1,13 +1,15 @@
 """Gate/up GEMM with a SwiGLU epilogue (persistent Triton GEMM, TMA) against cuBLAS + kdistill's SwiGLU.
 
     PYTHONPATH=src python3 benchmarks/gemm_epilogue_bench.py \
-        --json benchmarks/results/gemm_epilogue_<date>_h100.json        # one GPU, about 1-2 minutes
+        --json benchmarks/results/gemm_epilogue_<date>_h100.json   # one GPU, about 2 minutes
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/gemm_epilogue_bench.py --interpret-check
-    TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/gemm_epilogue_bench.py --smoke   # CPU, ~1 min
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/gemm_epilogue_bench.py --smoke   # CPU, ~2 min
 
 `--interpret-check` runs the kernel under Triton's interpreter at a tiny ragged shape against the
 PyTorch reference; `--smoke` runs this whole script's GPU path (autotuning, checks, table, JSON) on the
-CPU under the interpreter at tiny shapes, its numbers meaningless: a check of the script itself.
+CPU under the interpreter at tiny shapes, its numbers meaningless: a check of the script itself. On
+the GPU most of the time is the first shape's compiles (30 kernel variants, each once: 10 configs x 3
+epilogues); `--models`, `--batches` narrow the run.
 
 A measurement before anything replaces cuBLAS in the training step (benchmarks/NOTES.md, "Fused GEMM
 epilogues: prediction"). The MLP of a Qwen2.5 block computes, per layer and micro-batch,
@@ -545,6 +547,16 @@ def print_row(r: dict) -> None:
     )
 
 
+def _argv_for_record() -> str:
+    """The command line as run, the output file named by its base name only (as the other benchmarks
+    record it)."""
+    args = list(sys.argv[1:])
+    for n, arg in enumerate(args[:-1]):
+        if arg == "--json":
+            args[n + 1] = "benchmarks/results/" + os.path.basename(args[n + 1])
+    return " ".join(args)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the results here")
@@ -627,7 +639,7 @@ def main() -> int:
         record = {
             "bench": "gemm_epilogue_bench",
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python3 benchmarks/gemm_epilogue_bench.py " + " ".join(sys.argv[1:]),
+            "command": "python3 benchmarks/gemm_epilogue_bench.py " + _argv_for_record(),
             "device": device_name,
             "num_sms": num_sms,
             "torch": torch.__version__,
