@@ -448,6 +448,10 @@ def check_against_truth(op: GateUp, base_h: torch.Tensor, x, w_gu, rows: int = 4
     return out
 
 
+def _config_record(cfg) -> dict:
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
 def run_shape(model: str, batch: int, args, num_sms: int, bw: float) -> dict:
     """Autotune, check and time every provider at one (model, batch); the row of the table and JSON."""
     from kdistill import dispatch
@@ -471,11 +475,16 @@ def run_shape(model: str, batch: int, args, num_sms: int, bw: float) -> dict:
         torch.mm(x, w_gu.t(), out=gu)
         return dispatch.swiglu(*halves)
 
-    best = {}
+    best, tuning = {}, {}
     for name, epi in EPILOGUES.items():  # autotune each epilogue now, outside the timed rounds
         op.run(epi)
-        cfg = tuned_kernel().best_config
-        best[name] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        tuner = tuned_kernel()
+        best[name] = _config_record(tuner.best_config)
+        # every config's median ms at this shape: which tile form and occupancy the rate comes from
+        tuning[name] = [
+            {**_config_record(c), "ms": t[0] if isinstance(t, list) else t}
+            for c, t in getattr(tuner, "configs_timings", {}).items()
+        ]
     _sync()
 
     with torch.no_grad():
@@ -525,6 +534,7 @@ def run_shape(model: str, batch: int, args, num_sms: int, bw: float) -> dict:
             "fused_save": ms["baseline"] - ms["fused_save"],
         },
         "best_config": best,
+        "autotune_ms": tuning,
         "checks": checks,
     }
     # per micro-batch of the training step: every layer's forward; the teacher runs `fused`, the
@@ -626,6 +636,20 @@ def main() -> int:
                 for n, b in r["best_config"].items()
             )
         )
+    for r in rows:  # which tile form and occupancy the rates come from (best ms of each, per variant)
+        parts = []
+        for name, runs in r["autotune_ms"].items():
+            best_of = {
+                label: min((t["ms"] for t in runs if t[key] == value), default=float("nan"))
+                for label, key, value in (
+                    ("two dots", "ONE_DOT", False),
+                    ("one dot", "ONE_DOT", True),
+                    ("1/SM", "OCCUPANCY", 1),
+                    ("2/SM", "OCCUPANCY", 2),
+                )
+            }
+            parts.append(f"{name} " + " ".join(f"{k} {v:.3f}" for k, v in best_of.items()))
+        print(f"autotune {r['model']} b{r['batch']} (best ms): " + "; ".join(parts))
     verdict = "FAILED " + "; ".join(failed) if failed else "every fused output within tolerance"
     print(f"correctness: {verdict}")
     step = {}
