@@ -253,8 +253,8 @@ def train_step(
         means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
     else:  # the student's (or the teacher's) completions of the data's prompts (train/onpolicy.py)
         assert ctx.onpolicy is not None
-        means, tokens, stats = generated_accumulate(ctx, ctx.onpolicy, step, kind)
-        degenerate, stops, generated = False, None, stats.row()
+        means, tokens, stats, stops = generated_accumulate(ctx, ctx.onpolicy, step, kind, stop_requested)
+        degenerate, generated = False, stats.row()
     loss_ok = torch.isfinite(means[:, 0]).all()
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     norm = clip_gradients(ctx.student, clip)
