@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +24,14 @@ import torch
 import yaml
 
 from kdistill.config import DIVERGENCES, RunConfig
-from kdistill.memory import estimate_memory
+from kdistill.memory import Layout, engine_weights, estimate_memory
 from kdistill.models.decoder import build_decoder
+from kdistill.models.lora import apply_lora, has_lora
 from kdistill.ops.kd_loss import kd_loss_dense
+from kdistill.train import distributed as dist
+from kdistill.train import onpolicy
 from kdistill.train.onpolicy import OnPolicy, completion_rows, generated_accumulate
-from kdistill.train.rollouts import RolloutSampling, rollout
+from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
 from kdistill.train.step import StepContext
 from tests.test_chat_train import write_chat_files
 from tests.test_contract import make_spec
@@ -70,7 +74,7 @@ def _step(cfg: RunConfig, teacher, student):
     opt = torch.optim.AdamW(student.parameters())
     ctx = StepContext(cfg, student, teacher, opt, torch.device("cpu"), contextlib.nullcontext(), None)
     student.zero_grad()
-    means, tokens, stats = generated_accumulate(ctx, op, 0, "on_policy")
+    means, tokens, stats, _ = generated_accumulate(ctx, op, 0, "on_policy")
     micro, out = again.generate(student, contextlib.nullcontext())
     return means, tokens, stats, micro, out
 
@@ -188,6 +192,115 @@ def test_memory_plan_has_a_generation_phase():
     off = estimate_memory(t, s, dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, on_policy=0.0)))
     on = estimate_memory(t, s, cfg)
     assert on["total"] > off["total"] and "generation_kv_cache_and_logits" in on
+
+
+def test_memory_plan_counts_the_gathered_writers_under_torchrun():
+    t, s = make_spec(hidden=64, vocab=5000), make_spec(hidden=32, vocab=5000)
+    cfg = _cfg()
+    cfg.kd.seq_kd = 0.5
+    sharded, replicated = Layout(world=2, teacher_sharded=True), Layout(world=2, teacher_sharded=False)
+    # GPU: the engines' bf16 weights, a sharded teacher's all of them (gathered), a replicated one's stacked
+    # q/k/v and gate/up only (the rest is its own weights)
+    full = estimate_memory(t, s, cfg, batch=1, layout=sharded)["decode_engine_weights"]
+    part = estimate_memory(t, s, cfg, batch=1, layout=replicated)["decode_engine_weights"]
+    assert full == engine_weights(s, full=True) + engine_weights(t, full=True)
+    assert part == engine_weights(s, full=True) + engine_weights(t, full=False) < full
+    # CPU: the eager path's gathered fp32 copies of the sharded writers
+    cpu = estimate_memory(t, s, cfg, "cpu", batch=1, layout=sharded)
+    assert cpu["gathered_writers"] == (s.param_counts()["total"] + t.param_counts()["total"]) * 4
+    assert "gathered_writers" not in estimate_memory(t, s, cfg, "cpu", batch=2)  # one process: none
+
+
+def _fake_rollout(model, prompts, sampling, stop_ids, generator, **kwargs):
+    """Completions of unequal lengths that depend on the prompt alone (any split of the rows over
+    processes writes the same ones)."""
+    comps = [[(sum(p) + j) % VOCAB for j in range(1 + sum(p) % sampling.max_new_tokens)] for p in prompts]
+    return Rollout(comps, [len(c) < sampling.max_new_tokens for c in comps])
+
+
+@pytest.mark.parametrize("loss", ["divergence", "sampled_reverse_kl"])
+def test_processes_weigh_their_losses_by_their_share_of_all_completion_tokens(monkeypatch, loss):
+    """Under torchrun each process trains on its rows of every micro-batch; its loss is weighted by its
+    share of the micro-batch's completion tokens over all processes. Two processes emulated in one: each
+    runs the step on its rows with the collectives answered by the sums over both, and the average of
+    their gradients (FSDP's reduce-scatter) and their combined means equal one process's on every row."""
+    cfg = _cfg(loss=loss)
+    cfg.kd.samples_per_prompt = 1  # two prompts per micro-batch: one per process
+    teacher, base = _pair()
+    cpu, amp = torch.device("cpu"), contextlib.nullcontext()
+    monkeypatch.setattr(onpolicy, "rollout", _fake_rollout)
+
+    def run(rows=None):
+        student = copy.deepcopy(base)
+        ctx = StepContext(cfg, student, teacher, torch.optim.AdamW(student.parameters()), cpu, amp, rows)
+        op = OnPolicy(cfg, PROMPTS, stop_ids={0}, pad_id=0, device=cpu, rows=rows)
+        means, tokens, stats, stops = generated_accumulate(ctx, op, 0, "on_policy")
+        return means, tokens, stats, stops, {n: p.grad for n, p in student.named_parameters()}
+
+    want_means, want_tokens, want_stats, _, want = run()
+    micro, out = OnPolicy(cfg, PROMPTS, {0}, 0, cpu).generate(base, amp)
+    counts = [int((lab != -100).sum()) for _, lab in micro]
+    sums = [float(c) for c in counts] + [out.tokens, len(out.completions), sum(out.stopped)]
+    given = []
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda values: list(sums))
+    monkeypatch.setattr(dist, "all_reduce_tensor", lambda t: given.append(t.clone()) or t)
+    ranks = []
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "_INFO", dist.DistInfo(rank, 2, rank, None))
+        ranks.append(run(dist.batch_slice(cfg.schedule.batch_size)))
+    mine = [g[:-1, 3].tolist() for g in given]  # each process's completion tokens per micro-batch
+    assert mine[0] != mine[1] and [a + b for a, b in zip(*mine)] == counts  # unequal shares: weights != 1
+    both = given[0] + given[1]
+    torch.testing.assert_close(both[:-1, :3] / both[:-1, 3:], want_means, atol=1e-6, rtol=1e-6)
+    for stats in (ranks[0][2], ranks[1][2]):  # every process reports the samples of all
+        assert (stats.completion_tokens, stats.completions, stats.eos) == (
+            want_stats.completion_tokens, want_stats.completions, want_stats.eos,
+        )  # fmt: skip
+    assert float(ranks[0][1] + ranks[1][1]) == want_tokens  # each its own, summed by the all-reduce
+    assert float(both[-1, 0]) == 0  # no process asked to stop
+    for name in want:
+        torch.testing.assert_close(
+            (ranks[0][4][name] + ranks[1][4][name]) / 2, want[name], atol=1e-7, rtol=1e-5
+        )
+
+
+def test_gathered_copy_writes_as_the_model_with_its_adapters_merged():
+    """The eager path's writer under torchrun (distributed.gathered_copy; here of an unsharded model, whose
+    parameters are whole already): a plain decoder whose logits are the LoRA model's, refreshed in place."""
+    _, student = _pair()
+    apply_lora(student, rank=2, alpha=4, dropout=0.0, targets=["q_proj", "v_proj", "down_proj"])
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # adapters that change the output
+    ids = torch.tensor([PROMPTS[0] * 2])
+    plain = dist.gathered_copy(student)
+    assert not has_lora(plain)
+    torch.testing.assert_close(plain.logits(ids), student.logits(ids), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        student.model.norm.weight.mul_(2.0)
+    assert dist.gathered_copy(student, into=plain) is plain
+    torch.testing.assert_close(plain.logits(ids), student.logits(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_a_checkpoint_of_other_processes_samples_from_a_new_deterministic_stream(caplog):
+    cfg = _cfg()
+    cpu = torch.device("cpu")
+    saved = OnPolicy(cfg, PROMPTS, {0}, 0, cpu).state_dict()
+    mine = saved.pop("generator")
+    saved["generators"] = [mine, mine]  # as two processes write it
+    states = []
+    for _ in range(2):
+        op = OnPolicy(cfg, PROMPTS, {0}, 0, cpu)
+        op.load_state_dict(saved)
+        states.append(op.generator.get_state())
+    assert torch.equal(states[0], states[1]) and not torch.equal(
+        states[0], torch.tensor(mine, dtype=torch.uint8)
+    )
+    assert "sampling generators of 2 process(es), this run has 1" in caplog.text
+    one = OnPolicy(cfg, PROMPTS, {0}, 0, cpu)
+    one.load_state_dict({**saved, "generators": [mine]})  # as many processes: exactly the saved state
+    assert one.generator.get_state().tolist() == mine
 
 
 # -- whole runs --------------------------------------------------------------------------------------

@@ -110,10 +110,14 @@ def sample_tokens(logits: torch.Tensor, s: Sampling, u: torch.Tensor | None) -> 
 
 
 # -- the engine's weights -----------------------------------------------------------------------
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole value (an FSDP2 shard gathered), detached."""
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value, detached: an FSDP2 shard (a DTensor) all-gathered from every process
+    (a collective: every process gathers the same parameters in the same order), a plain tensor as is."""
     t = t.detach()
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+_full = full_value  # the short name the layer code below uses
 
 
 def dense_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -380,7 +384,10 @@ class DecodeEngine:
                 self._decode_step(st)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: under torchrun a process group's watchdog thread polls the events of earlier
+        # collectives while this thread captures; in the default (global) mode such a query from another
+        # thread would invalidate the capture. The step itself has no collective.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._decode_step(st)
         torch.cuda.synchronize(self.device)
         st.graph = graph

@@ -188,16 +188,30 @@ def estimate_memory(
     if kd.generates:  # kd.on_policy / kd.seq_kd: generation and scoring phases before the update
         # every micro-batch's teacher hidden states are scored before the update and kept until it
         forward_peak["scored_targets"] = (cfg.schedule.grad_accum - 1) * n * teacher.hidden_size * act_bytes
+        # the teacher writes the seq_kd completions; under torchrun a sharded one is gathered whole to write
+        teacher_gathered = kd.seq_kd > 0 and w > 1 and layout.teacher_sharded
         if act_bytes == 2:  # on a GPU the decode engines keep bf16 copies of the writers' weights
             fixed["decode_engine_weights"] = engine_weights(student, full=True)
             if kd.seq_kd > 0:
-                fixed["decode_engine_weights"] += engine_weights(teacher, full=False)
+                fixed["decode_engine_weights"] += engine_weights(teacher, full=teacher_gathered)
+        elif w > 1:  # the eager path writes with a gathered whole copy of each sharded writer, kept
+            fixed["gathered_writers"] = (
+                ps + (teacher.param_counts()["total"] if teacher_gathered else 0)
+            ) * 4
         generation = generation_memory(
             [student, teacher] if kd.seq_kd > 0 else [student],
             rows * cfg.schedule.grad_accum,
             cfg.data.seq_len,
             act_bytes,
         )
+        if act_bytes == 2 and w > 1:
+            # refreshing the engine of a sharded writer gathers one parameter at a time in its stored dtype
+            # (the student's fp32 masters, a bf16 teacher) beside the engine's kept KV cache: at most an
+            # embedding at once
+            embed = student.vocab_size * student.hidden_size * 4
+            if teacher_gathered:
+                embed = max(embed, teacher.vocab_size * teacher.hidden_size * act_bytes)
+            generation += embed
     optimizer_phase = trainable * 4 * 2 // w  # gradients plus AdamW's foreach temporaries
     terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())
@@ -246,7 +260,8 @@ def capture_blocker(cfg: RunConfig, device_type: str, world: int) -> str | None:
 
 def engine_weights(spec: ModelSpec, full: bool) -> int:
     """bf16 bytes of a decode engine's weights (kdistill.decode.DecodeWeights): all of them for an fp32
-    student (full), else the stacked q/k/v and gate/up copies (the rest is shared with a bf16 model)."""
+    student or a sharded model gathered (full), else the stacked q/k/v and gate/up copies (the rest is
+    shared with a bf16 model)."""
     if full:
         return spec.param_counts()["total"] * 2
     h = spec.hidden_size

@@ -1,6 +1,7 @@
 """On-policy distillation on a GPU (run with `-m gpu`): strict kernels across generation, scoring and
 the update (nothing compiled after the seal), for each on-policy loss, with the student writing every
-step's completions and the teacher writing some.
+step's completions and the teacher writing some; and the same under torchrun on 2 GPUs (FSDP2, the
+teacher sharded: each decode engine gathers its writer's weights, every process writes its own rows).
 
     pytest -m gpu tests/gpu/test_onpolicy_gpu.py -q
 """
@@ -14,6 +15,7 @@ import torch
 import yaml
 
 from tests.test_chat_train import write_chat_files
+from tests.test_distributed import torchrun
 from tests.test_train_kit import base_config, read_summary, run_cli
 
 pytestmark = [
@@ -22,8 +24,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("loss", ["divergence", "sampled_reverse_kl"])
-def test_strict_on_policy_run_compiles_nothing_after_the_seal(tmp_path, capsys, loss):
+def _config(tmp_path, loss: str) -> dict:
     data, template = write_chat_files(tmp_path / "data", n=60)
     cfg = base_config(tmp_path / "run", steps=6, batch_size=4, grad_accum=2)
     cfg["data"] = {
@@ -37,12 +38,38 @@ def test_strict_on_policy_run_compiles_nothing_after_the_seal(tmp_path, capsys, 
     )
     cfg["schedule"]["sample_prompts"] = 0
     cfg["runtime"] = {"device": "cuda", "kernels": "triton", "strict_kernels": True}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
-    assert rc == 0, err
-    summary = read_summary(tmp_path / "run")
+    return cfg
+
+
+def _check(run_dir) -> list[dict]:
+    summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["jit_after_prewarm"] == 0
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {r.get("policy") for r in rows} >= {"on_policy", "seq_kd"}
     assert all(r["jit_after_prewarm"] == 0 for r in rows)
+    return rows
+
+
+@pytest.mark.parametrize("loss", ["divergence", "sampled_reverse_kl"])
+def test_strict_on_policy_run_compiles_nothing_after_the_seal(tmp_path, capsys, loss):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(_config(tmp_path, loss)))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    _check(tmp_path / "run")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_strict_two_gpu_on_policy_run_under_torchrun(tmp_path):
+    cfg = _config(tmp_path, "divergence")
+    cfg["runtime"]["teacher_placement"] = "shard"  # the teacher's engine gathers it whole to write
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = torchrun(["run", str(path), "--quiet"], timeout=900)
+    # strict kernels: a compile after the seal on any process would have failed the run
+    assert r.returncode == 0, r.stderr[-5000:]
+    rows = _check(tmp_path / "run")
+    summary = read_summary(tmp_path / "run")
+    assert summary["world_size"] == 2 and summary["layout"]["teacher_sharded"]
+    # every generated step: both processes' samples, 2 micro-batches of 4 rows
+    assert all(r["completions"] == 8 for r in rows if "policy" in r)

@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from kdistill.decode import dense_linear, full_value
 from kdistill.errors import UserError
 from kdistill.models.decoder import KD_ONLY_PREFIX, build_decoder
 from kdistill.models.lora import has_lora
@@ -256,6 +257,15 @@ def loss_weight(tokens: int, total: int) -> tuple[float, int]:
     return tokens * _INFO.world / total, total
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every process's `obj` (JSON-like: lists, numbers), in rank order, on every process; [obj] alone."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * _INFO.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
     """Sum `t` over processes in place, on its device, without waiting for it (unchanged when not
     distributed)."""
@@ -345,6 +355,41 @@ def shard_teacher(model: torch.nn.Module) -> torch.nn.Module:
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     _prefetch(model, units, backward=False)
     return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` is an FSDP2 root (its parameters are shards: a forward gathers them, collectively)."""
+    return isinstance(model, FSDPModule)
+
+
+@torch.no_grad()
+def gathered_copy(model: torch.nn.Module, into: torch.nn.Module | None = None) -> torch.nn.Module:
+    """A plain Decoder on this process's device holding a sharded model's whole weights, on every process
+    (collective: each parameter is all-gathered, in the same order everywhere). A LoRA model's adapters
+    are merged into its linears (W + scaling B A, as the decode engine's weights); distillation-only
+    `kd_` modules are left out. `into`: the copy an earlier call returned, refreshed in place.
+
+    Why a copy: a forward of the sharded model gathers every unit, a collective, so processes that
+    generate different numbers of tokens would wait on each other forever; the copy's forwards have no
+    collective at all."""
+    body = model.model  # type: ignore[union-attr]
+    embed = full_value(body.embed_tokens.weight)  # (V, H): its dtype and device make the copy's
+    copy = into
+    if copy is None:
+        copy = build_decoder(model.spec, device=embed.device, dtype=embed.dtype, seed=None)  # type: ignore[arg-type]
+    source = dict(model.named_modules())
+    for name, module in copy.named_modules():
+        if name == "model.embed_tokens":
+            module.weight.copy_(embed)
+        elif isinstance(module, torch.nn.Linear):
+            weight, bias = dense_linear(source[name])
+            module.weight.copy_(weight)
+            if module.bias is not None and bias is not None:
+                module.bias.copy_(bias)
+        else:
+            for pname, p in module.named_parameters(recurse=False):
+                p.copy_(full_value(getattr(source[name], pname)))
+    return copy
 
 
 def check_lora_sharding(base_dtype: torch.dtype) -> None:

@@ -1,8 +1,8 @@
 """On-policy distillation: steps whose completions the student writes and the teacher grades token by token.
 
-    op = OnPolicy(cfg, prompts, stop_ids, pad_id, device)      # prompts: the data's (prompt_pool)
+    op = OnPolicy(cfg, prompts, stop_ids, pad_id, device, rows=None)   # rows: this process's, torchrun
     kind = op.kind(step)                                       # "on_policy", "seq_kd" or "data"
-    means, tokens, stats = generated_accumulate(ctx, op, step, kind)   # in place of the data's micro-batches
+    means, tokens, stats, stops = generated_accumulate(ctx, op, step, kind)   # not the data's batches
     state = op.state_dict(); op.load_state_dict(state)         # in every checkpoint: exact resume
 
 A step is on-policy with probability kd.on_policy (GKD's lambda), drawn from (seed, step) alone so a
@@ -24,12 +24,26 @@ steps train with the run's own kd.alpha and divergence, as on the data.
 
 Rows are right-padded to data.seq_len, so every micro-batch has the training shapes the kernel plan
 was warmed at; a prompt longer than seq_len + 1 - kd.max_new_tokens keeps its last tokens.
+
+Under torchrun every process draws the same prompts (the prompt order is the run's) and completes its own
+rows of each micro-batch (`rows`, the slice of the batch off-policy steps take), with a sampling generator
+of its own (seeded from the run's seed and its rank; every process's state goes in the checkpoint). The
+writer is whole on every process while it writes, and writing has no collective, so processes that
+stop early wait for nobody: the decode engine (GPU) gathers a sharded writer's weights into its own copy
+once per generation (kdistill.decode.full_value), the eager path (CPU) writes with a gathered plain copy
+(distributed.gathered_copy). Then one all-reduce of the completion-token counts: each process's loss is
+weighted by its share of the micro-batch's tokens over all processes (as off-policy steps weigh theirs),
+so the gradient is that of the loss over every process's samples, normalised by all their completion
+tokens. Scoring and update are forwards of the sharded models at the same shapes on every process
+(rows padded to seq_len), and the logged means and sample counts are over all processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,11 +55,13 @@ from kdistill.data.chat_pack import PackedRows
 from kdistill.errors import UserError
 from kdistill.generate import sample_prompts
 from kdistill.ops.kd_loss import label_count
+from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
 from kdistill.train.targets import MicroBatch, batch_loss
 
 KINDS = ("data", "on_policy", "seq_kd")
+log = logging.getLogger("kdistill")
 
 
 def prompt_pool(train: Any) -> list[list[int]]:
@@ -64,8 +80,17 @@ def prompt_pool(train: Any) -> list[list[int]]:
     return prompts
 
 
+def generator_seed(seed: int, rank: int) -> int:
+    """The seed of a process's sampling generator: seed + 1 in one process (and on rank 0), a stream of
+    its own for each other rank."""
+    if rank == 0:
+        return int(seed) + 1
+    return int(np.random.SeedSequence([int(seed), rank, 21]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
 class OnPolicy:
-    """Which steps train on generated completions, the prompts they draw and the sampling generator."""
+    """Which steps train on generated completions, the prompts they draw and the sampling generator.
+    rows: this process's rows of each micro-batch under torchrun (distributed.batch_slice), else None."""
 
     def __init__(
         self,
@@ -74,6 +99,7 @@ class OnPolicy:
         stop_ids: set[int],
         pad_id: int,
         device: torch.device,
+        rows: slice | None = None,
     ) -> None:
         kd, sched = cfg.kd, cfg.schedule
         self.cfg = cfg
@@ -81,10 +107,14 @@ class OnPolicy:
         self.stop_ids = stop_ids
         self.pad_id = pad_id
         self.device = device
+        self.rows = rows
         self.per_micro = sched.batch_size // kd.samples_per_prompt  # prompts per micro-batch
         # the prompts of a whole step are drawn at once, in a resumable shuffled order of their own
         self.batcher = Batcher(np.arange(len(prompts)), self.per_micro * sched.grad_accum, sched.seed)
-        self.generator = torch.Generator(device=device).manual_seed(int(sched.seed) + 1)
+        self.rank = dist.info().rank if rows is not None else 0
+        self.generator = torch.Generator(device=device).manual_seed(generator_seed(sched.seed, self.rank))
+        # under torchrun on the eager path: the gathered plain copy of each sharded writer (kept across steps)
+        self.copies: dict[int, torch.nn.Module] = {}
         self.sampling = RolloutSampling(kd.max_new_tokens, kd.sampling_temperature)
         self.prompt_len = cfg.data.seq_len + 1 - kd.max_new_tokens  # the longest prompt kept
         # on a GPU the decode engine writes the completions (one per writing model, kept across steps)
@@ -116,10 +146,19 @@ class OnPolicy:
         self, writer: torch.nn.Module, amp: Any
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Rollout]:
         """One step's generation: grad_accum micro-batches (input_ids, labels) (batch_size, seq_len) on
-        the host, and the rollout they came from."""
+        the host, and the rollout they came from; under torchrun this process's rows of each micro-batch
+        (rows, seq_len) and its rollout of them (collective when the writer is sharded: see the module
+        docstring)."""
         idx = self.batcher.next_indices()
         spp = self.cfg.kd.samples_per_prompt
         prompts = [self.prompts[i][-self.prompt_len :] for i in idx.tolist() for _ in range(spp)]
+        b = self.cfg.schedule.batch_size
+        if self.rows is not None:  # this process's rows of each micro-batch, micro-batch after micro-batch
+            r = self.rows
+            prompts = [p for i in range(0, len(prompts), b) for p in prompts[i : i + b][r]]
+            b = r.stop - r.start
+            if self.engines is None and dist.is_sharded(writer):
+                writer = self.copies[id(writer)] = dist.gathered_copy(writer, self.copies.get(id(writer)))
         out = rollout(
             writer,
             prompts,
@@ -134,7 +173,6 @@ class OnPolicy:
         ids, labels = completion_rows(
             prompts, out.completions, self.cfg.data.seq_len, self.pad_id, self.cfg.kd.ignore_index
         )
-        b = self.cfg.schedule.batch_size
         return [(ids[i : i + b], labels[i : i + b]) for i in range(0, len(prompts), b)], out
 
     def record(self, row: dict[str, Any], seconds: float) -> None:
@@ -169,16 +207,38 @@ class OnPolicy:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "prompts": self.batcher.state_dict(),
-            "generator": self.generator.get_state().tolist(),
-            "totals": dict(self.totals),
-        }
+        """The prompt order, the sampling generator's state ("generator"; under torchrun every process's,
+        in rank order: "generators", gathered, so every process calls it) and the totals."""
+        state: dict[str, Any] = {"prompts": self.batcher.state_dict(), "totals": dict(self.totals)}
+        mine = self.generator.get_state().tolist()
+        if self.rows is None:
+            state["generator"] = mine
+        else:
+            state["generators"] = dist.all_gather_object(mine)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put a checkpoint's state back. A checkpoint of another number of processes has no generator
+        for this one: each process then draws from a new stream derived from the seed, its rank and the
+        samples drawn so far (deterministic, but not the samples the saved run would have drawn)."""
         self.batcher.load_state_dict(state["prompts"])
-        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
         self.totals.update({k: type(v)(state["totals"][k]) for k, v in self.totals.items()})
+        world = dist.info().world if self.rows is not None else 1
+        saved = state["generators"] if "generators" in state else [state["generator"]]
+        if len(saved) == world:
+            self.generator.set_state(torch.tensor(saved[self.rank], dtype=torch.uint8))
+            return
+        seed = np.random.SeedSequence(
+            [int(self.cfg.schedule.seed), self.rank, int(self.totals["completions"]), 22]
+        )
+        self.generator.manual_seed(int(seed.generate_state(1, dtype=np.uint64)[0] >> 1))
+        if self.rank == 0:
+            log.warning(
+                "kd.on_policy: the checkpoint holds the sampling generators of %d process(es), this run has "
+                "%d: each process samples from a new stream from here on",
+                len(saved),
+                world,
+            )
 
 
 def completion_rows(
@@ -224,14 +284,24 @@ def _sync(device: torch.device) -> None:
 
 
 def generated_accumulate(
-    ctx: Any, op: OnPolicy, step: int, kind: str
-) -> tuple[torch.Tensor, int, GeneratedStats]:
+    ctx: Any, op: OnPolicy, step: int, kind: str, stop_requested: Callable[[], bool] = lambda: False
+) -> tuple[torch.Tensor, int | torch.Tensor, GeneratedStats, torch.Tensor | None]:
     """A generated step's micro-batches (see the module docstring), forward and backward: (their loss,
-    ce, kd means (M, 3) on the device, float64; the completion tokens trained on; the step's stats)."""
+    ce, kd means (M, 3) on the device, float64, token-weighted over the processes under torchrun; the
+    completion tokens trained on, over all processes as a device scalar under torchrun; the step's stats,
+    of every process's samples; under torchrun the number of processes whose `stop_requested()` was
+    true, a device scalar, else None), as train/step.py's `_accumulate` returns them for data steps."""
     cfg = ctx.cfg
+    multi = op.rows is not None
     writer = ctx.student if kind == "on_policy" else ctx.teacher
     t0 = time.perf_counter()
     micro, out = op.generate(writer, ctx.amp)
+    vocab = ctx.student.lm_head_weight.shape[0]
+    counts = [label_count(labels.flatten(), vocab, cfg.kd.ignore_index) for _, labels in micro]
+    samples = [out.tokens, len(out.completions), sum(out.stopped)]
+    if multi:  # every process's token counts (the losses' weights) and samples; the phases' boundary too
+        summed = dist.all_reduce_sum([float(c) for c in counts + samples])
+        totals, samples = [int(c) for c in summed[: len(counts)]], [int(c) for c in summed[len(counts) :]]
     _sync(ctx.device)
     t1 = time.perf_counter()
     objective = "divergence"
@@ -239,23 +309,40 @@ def generated_accumulate(
     if kind == "on_policy":
         step_cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, alpha=1.0))
         objective = cfg.kd.on_policy_loss
-    vocab = ctx.student.lm_head_weight.shape[0]
-    batches = []
-    for ids, labels in micro:
-        n = label_count(labels.flatten(), vocab, cfg.kd.ignore_index)
-        batches.append(MicroBatch(ids.to(ctx.device), labels.to(ctx.device), n_tokens=n))
+    batches = [
+        MicroBatch(ids.to(ctx.device), labels.to(ctx.device), n_tokens=n)
+        for (ids, labels), n in zip(micro, counts)
+    ]
     scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
     _sync(ctx.device)
     t2 = time.perf_counter()
     rows, tokens = [], 0
+    acc = cfg.schedule.grad_accum
     for i, (b, targets) in enumerate(zip(batches, scored)):
         r = batch_loss(ctx.student, b, ctx.source, step_cfg, ctx.amp, None, objective, targets)
-        (r.loss / cfg.schedule.grad_accum).backward()
+        if multi:  # this process's share of the micro-batch's completion tokens over all processes
+            weight, _ = dist.loss_weight(counts[i], totals[i])
+            (r.loss * (weight / acc)).backward()
+        else:
+            (r.loss / acc).backward()
         values = torch.stack([r.loss.detach(), r.ce, r.kd]).double()
         if faults.nan_step(step + 1) and i == 0:
             values[0] = float("nan")
+        if multi:  # summed over processes as loss x tokens, then divided by all their tokens
+            values = torch.cat([values * r.tokens, values.new_full((1,), float(r.tokens))])
         rows.append(values)
         tokens += int(r.tokens)
         faults.at(f"{step + 1}.{i + 1}")
-    stats = GeneratedStats(kind, t1 - t0, t2 - t1, out.tokens, len(out.completions), sum(out.stopped))
-    return torch.stack(rows), tokens, stats
+    stats = GeneratedStats(kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2])
+    stacked = torch.stack(rows)  # (M, 3), or (M, 4) with the token counts under torchrun
+    if not multi:
+        return stacked, tokens, stats, None
+    # every micro-batch's targets read the teacher's gathered lm_head until its backward: freed only now
+    for teacher in ctx.source.teachers:
+        dist.reshard(teacher)
+    flag = stacked.new_zeros((1, 4))  # one more row: this process's stop request, summed with the rest
+    if stop_requested():
+        flag[0, 0] = 1.0
+    both = dist.all_reduce_tensor(torch.cat([stacked, flag]))
+    sums = both[:-1]
+    return sums[:, :3] / sums[:, 3:].clamp(min=1.0), sums[:, 3].sum(), stats, both[-1, 0]

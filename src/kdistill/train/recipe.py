@@ -172,8 +172,6 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     data = load_data(cfg, tok)
     prompts = None
     if cfg.kd.generates:  # kd.on_policy / kd.seq_kd: the data's prompts, refused before any prewarm
-        if multi:
-            raise UserError("kd.on_policy and kd.seq_kd run in one process: run without torchrun")
         prompts = prompt_pool(data.train)
     stage(
         t_start,
@@ -231,7 +229,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         template = chat_template(cfg) if data.documents else None
         stops = stop_token_ids(cfg.teacher.path, tok, template)
         pad = tok.eos_id if tok.eos_id is not None else 0
-        onpolicy = OnPolicy(cfg, prompts, stops, pad, device)
+        onpolicy = OnPolicy(cfg, prompts, stops, pad, device, rows=rows)
         stage(t_start, quiet, f"on-policy: {len(prompts)} prompts, {onpolicy.describe()}")
     counters = new_counters()
     start_step = (

@@ -10,7 +10,8 @@ keeps; on a GPU), the decode engine (kdistill.decode: a bf16 copy of the writer'
 before each rollout, a static KV cache of max_len slots, the CUDA-graph step, sampling on the device)
 writes the completions and stays cached for the next step. Otherwise the eager path: the prompts
 left-padded (kdistill.generate.left_pad), one prefill, then one token per step through the decoder's
-KV cache (Decoder.forward_cached). Both sample with the caller's generator, so that a resumed run
+KV cache (Decoder.forward_cached), of a whole model (under torchrun a sharded writer's gathered
+copy: distributed.gathered_copy). Both sample with the caller's generator, so that a resumed run
 draws the same tokens from the generator state it saved. The model runs in eval mode (no dropout)
 and without gradients, in the caller's autocast.
 """
@@ -26,6 +27,7 @@ import torch
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.generate import left_pad
 from kdistill.models.decoder import Decoder, KVCache
+from kdistill.train import distributed as dist
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,9 @@ def rollout(
     engine's cache slots per row (at least the longest prompt + max_new_tokens)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("rollout needs at least one prompt, each with at least one token")
-    if engines is not None:
+    if engines is None and dist.is_sharded(model):  # each forward would gather: processes must agree
+        raise ValueError("the eager rollout writes with a whole model: pass distributed.gathered_copy(model)")
+    if engines is not None:  # the engine copies a sharded model's weights whole (decode.full_value)
         return _engine_rollout(model, prompts, sampling, stop_ids, generator, pad_id, engines, max_len)
     was_training = model.training
     threads = torch.get_num_threads()

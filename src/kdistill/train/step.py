@@ -268,7 +268,7 @@ def train_step(
             means, tokens, degenerate, stops = _accumulate(ctx, batcher, step, counters, stop_requested)
         else:  # the student's (or the teacher's) completions of the data's prompts (train/onpolicy.py)
             assert ctx.onpolicy is not None
-            means, tokens, stats = generated_accumulate(ctx, ctx.onpolicy, step, kind)
+            means, tokens, stats, stops = generated_accumulate(ctx, ctx.onpolicy, step, kind, stop_requested)
             degenerate, generated = False, stats.row()
         parts = _update(ctx, means)
         if isinstance(tokens, torch.Tensor):  # under torchrun: the tokens and the stop requests, summed

@@ -1,0 +1,91 @@
+"""On-policy distillation under torchrun (2 processes, gloo on the CPU, FSDP2 student and teacher).
+
+One 2-process run with kd.on_policy = 0.5 and kd.seq_kd = 0.5 (seed 0 makes its 4 steps data,
+teacher-written, data, on-policy), sampled at temperature 1 with a generator per process: the student
+(and for the teacher-written step the sharded teacher) writes through a gathered copy on every process,
+each process its own rows. Then the checkpoint it wrote at step 2 is resumed on 2 processes, as a run
+interrupted after it would be, and must end with the uninterrupted run's metrics, weights and
+generator states, bit for bit.
+
+That the loss of a step over 2 processes equals one process's over the same rows, with unequal completion
+tokens per process, is tested in tests/test_onpolicy.py (the two processes emulated, exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_distributed import torchrun
+from tests.test_onpolicy import _metrics, _run_config, _write
+from tests.test_train_kit import assert_same_weights, read_summary, student_weights
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("onpolicy_dist")
+    cfg = _run_config(tmp, on_policy=0.5, seq_kd=0.5, max_new_tokens=6)
+    cfg["schedule"].update(steps=4, checkpoint_every=2, grad_accum=2)
+    path = _write(tmp, cfg)
+    two = tmp / "two"
+    first = torchrun(["run", str(path), f"output.dir={two}", "--quiet"], timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # What a run interrupted after step 3 leaves: its checkpoint at step 2, no export, no summary (the
+    # metrics lines after step 2 are dropped by the resume).
+    cut = tmp / "cut"
+    shutil.copytree(two, cut)
+    for name in ("checkpoints/step-0000004", "student", "summary.json", "loss.png"):
+        target = cut / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    resumed = torchrun(["run", "--resume", str(cut), "--quiet"], timeout=240)
+    return two, cut, resumed
+
+
+def _state(run_dir: Path, step: int) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step-{step:07d}" / "state.json").read_text())
+
+
+def test_two_processes_write_their_own_samples_and_report_every_phase(runs):
+    two, _, _ = runs
+    summary = read_summary(two)
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["jit_after_prewarm"] == 0
+    rows = _metrics(two, ())
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes the metrics
+    assert [r.get("policy", "data") for r in rows] == ["data", "seq_kd", "data", "on_policy"]
+    generated = [r for r in rows if "policy" in r]
+    for r in generated:
+        assert r["completions"] == 8  # 2 micro-batches of 4 rows: both processes' samples
+        assert 1 <= r["completion_len"] <= 6 and 0 <= r["eos_fraction"] <= 1
+        assert r["completion_tokens"] == round(r["completion_len"] * 8)
+        assert r["gen_s"] > 0 and r["score_s"] > 0 and r["update_s"] >= 0
+    on = next(r for r in generated if r["policy"] == "on_policy")
+    assert on["sample_kl"] == on["kd"] == on["loss"]  # alpha = 1: the divergence alone
+    op = summary["on_policy"]
+    assert op["on_policy_steps"] == 1 and op["seq_kd_steps"] == 1
+    assert op["mean_completion_len"] == pytest.approx(sum(r["completion_len"] for r in generated) / 2)
+    # Every process samples with its own generator, whose state the checkpoint keeps (in rank order).
+    gens = _state(two, 4)["onpolicy"]["generators"]
+    assert len(gens) == 2 and gens[0] != gens[1]
+    assert _state(two, 4)["world_size"] == 2
+
+
+def test_resumed_on_policy_run_matches_the_uninterrupted_one(runs):
+    two, cut, resumed = runs
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-0000002 (step 2)" in resumed.stderr
+    assert read_summary(cut)["status"] == "completed"
+    assert_same_weights(
+        student_weights(cut / "student" / "model.safetensors"),
+        student_weights(two / "student" / "model.safetensors"),
+    )
+    assert _metrics(cut) == _metrics(two)  # losses, samples' lengths and EOS, without the timings
+    assert _state(cut, 4)["onpolicy"]["generators"] == _state(two, 4)["onpolicy"]["generators"]
+    a, b = read_summary(two)["on_policy"], read_summary(cut)["on_policy"]
+    for key in ("on_policy_steps", "seq_kd_steps", "mean_completion_len", "eos_fraction", "sample_kl"):
+        assert a[key] == b[key], key
