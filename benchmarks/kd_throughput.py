@@ -9,6 +9,8 @@ Each step: teacher forward (no grad), student forward, loss, backward, AdamW ste
 
   triton      kdistill: its kernels (prewarmed and sealed first), chunked KD loss head
   triton-fp8  the same with teacher.precision=fp8: the teacher's linears as row-wise scaled FP8 GEMMs
+  triton-fp8-student   teacher.precision=fp8 and runtime.precision=fp8: the student's linears train
+              through FP8 GEMMs too (forward and both backward GEMMs, fp32 master weights)
   reference   kdistill's PyTorch reference ops, chunked KD loss head
   dense       kdistill's decoder with reference ops and the KD loss written the obvious way (full
               [tokens x vocab] logits, log-softmax, KL)
@@ -40,6 +42,7 @@ from kdistill.config import load_config
 from kdistill.kernels import seal
 from kdistill.models.decoder import build_decoder
 from kdistill.models.fp8 import convert_to_fp8
+from kdistill.models.fp8_train import convert_student_to_fp8
 from kdistill.models.spec import load_spec
 from kdistill.ops.kd_loss import label_count
 from kdistill.train.optim import make_optimizer
@@ -50,7 +53,7 @@ try:  # run as a script (benchmarks/ on sys.path) or as a module
 except ImportError:  # pragma: no cover
     from benchmarks.hf_providers import HF_PROVIDERS, make_provider
 
-KDISTILL_PROVIDERS = ("triton", "triton-fp8", "reference", "dense")
+KDISTILL_PROVIDERS = ("triton", "triton-fp8", "triton-fp8-student", "reference", "dense")
 
 
 def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -88,13 +91,19 @@ def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callabl
     dev = torch.device("cuda")
     kernels = "reference" if provider in ("reference", "dense") else "triton"
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels))
-    if provider == "triton-fp8":  # teacher.precision=fp8: the teacher's linears as FP8 GEMMs
+    fp8_teacher = provider in ("triton-fp8", "triton-fp8-student")
+    fp8_student = provider == "triton-fp8-student"
+    if fp8_teacher:  # teacher.precision=fp8: the teacher's linears as FP8 GEMMs
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
+    if fp8_student:  # runtime.precision=fp8: the student's linears train through FP8 GEMMs
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, precision="fp8"))
     sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
     teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
-    if provider == "triton-fp8":
+    if fp8_teacher:
         convert_to_fp8(teacher)
     student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
+    if fp8_student:
+        convert_student_to_fp8(student)
     opt = make_optimizer(student, cfg.optim)
     amp = torch.autocast("cuda", dtype=torch.bfloat16)
 
@@ -329,16 +338,16 @@ def main() -> None:
 def print_table(name: str, pair: str, batch: int, seq: int, floor_s: float, rows: list[dict]) -> None:
     print(f"\n{name}, {pair}, batch {batch} x seq {seq}; FLOP floor {floor_s * 1e3:.1f} ms/step")
     print(
-        f"{'provider':>11} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'MFU':>6} {'loss':>8} {'jit':>4}"
+        f"{'provider':>18} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'MFU':>6} {'loss':>8} {'jit':>4}"
         f" {'host ms':>8}"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['provider']:>11} {r['error']}")
+            print(f"{r['provider']:>18} {r['error']}")
             continue
         jit = "-" if r["jit_after_prewarm"] is None else str(r["jit_after_prewarm"])
         print(
-            f"{r['provider']:>11} {r['median_step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10.0f} "
+            f"{r['provider']:>18} {r['median_step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10.0f} "
             f"{r['peak_gib']:>9.2f} {r['mfu']:>6.1%} {r['final_loss']:>8.3f} {jit:>4}"
             f" {r['host_median_s'] * 1e3:>8.1f}"
         )
