@@ -65,6 +65,18 @@ def test_fp8_linear_value_and_gradients_are_the_dequantised_products():
     torch.testing.assert_close(b.grad, gy.sum(0), **tight)
 
 
+def test_a_stacked_weight_gets_the_gradients_of_a_parameter():
+    """q/k/v (gate/up) run on a concatenation of the parameters, whose fp8 W^T is kept from forward
+    instead of the fp32 copy: the same gradients as one parameter of that value."""
+    x, w, b, gy = _case(m=24, k=40, n=30, seed=4)
+    w1, w2 = (t.detach().clone().requires_grad_(True) for t in w.detach().split([18, 12]))
+    x2 = x.detach().clone().requires_grad_(True)
+    fp8_train_linear(x, w, b).backward(gy)
+    fp8_train_linear(x2, torch.cat([w1, w2]), b.detach()).backward(gy)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([w1.grad, w2.grad]), w.grad, rtol=0, atol=0)
+
+
 def test_fp8_linear_is_close_to_the_exact_product():
     x, w, b, gy = _case(m=64, k=48, n=32, seed=1)
     xe, we, be = (t.detach().clone().requires_grad_(True) for t in (x, w, b))

@@ -9,6 +9,8 @@
     o = dispatch.attention(q, k, v, mask)                   # packed documents: (B, 1, T, T) bool mask
     o = dispatch.cached_attention(q, k, v, mask)            # generation: q (B, Hq, T, D), k/v (B, Hkv, S, D)
     o = dispatch.decode_attention(q, k_cache, v_cache, pos) # one token per row over a static cache
+    q, s = dispatch.quantize_rows(x)                        # FP8 GEMM input: (rows, K) e4m3, (rows,) fp32
+    qt, s = dispatch.quantize_cols(x)                       # x^T's: (K, rows) e4m3, (K,) fp32
     r = dispatch.kd_loss(h, W, ht, Wt, labels, alpha=0.5, temperature=2.0, divergence="jsd", chunk_size=1024)
 
 Per call: compute the kernel key (the kernel file's key function), then

@@ -139,13 +139,15 @@ def estimate_memory(
     }
     if fp8_student and gpu:
         # The block linears are quantised from the fp32 masters at each call, never cast by autocast:
-        # no bf16 copies of them. One GEMM's operands exist at a time: the concatenated fp32 q/k/v or
-        # gate/up weight and its fp8 copy with scales (per row and, in backward, per column).
+        # no bf16 copies of them. The stacked q/k/v and gate/up weights keep their fp8 W^T for backward
+        # (1 byte per weight, every layer); one GEMM's operands exist at a time on top: the fp32
+        # concatenation being quantised and its fp8 copy.
         block_linears = student.num_layers * sum(a * b for a, b in student.linear_shapes().values())
         fixed["autocast_weight_copies"] -= block_linears * 2
         h, i = student.hidden_size, student.intermediate_size
+        stacked = (student.q_size + 2 * student.kv_size) * h + 2 * i * h  # per layer
         widest = max((student.q_size + 2 * student.kv_size) * h, 2 * i * h, student.q_size * h)
-        fixed["fp8_weight_copies"] = widest * (4 + 1)
+        fixed["fp8_weight_copies"] = student.num_layers * stacked + widest * (4 + 1)
     w = layout.world
     if w > 1:  # FSDP2: sharded states plus the gathered units in use (see the docstring)
         fixed = {

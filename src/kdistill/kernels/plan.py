@@ -8,7 +8,9 @@ It calls the same key functions as the dispatcher (each kernel's registered plan
 sequence with the dtypes the training loop uses (`precision`): the teacher in the compute dtype
 without grad; the student with fp32 master weights under autocast (bf16 on a GPU), forward with and
 without grad (training and eval) and backward; the KD loss head for training and held-out eval
-(kd.cross_tokenizer: the student's CE head and the ULD term's lm_head GEMMs, `cross_tokenizer_kernels`).
+(kd.cross_tokenizer: the student's CE head and the ULD term's lm_head GEMMs, `cross_tokenizer_kernels`);
+FP8 linears: the teacher's quantisation and GEMMs (`fp8_kernels`, teacher.precision=fp8), the student's
+forward and backward ones (`fp8_student_kernels`, runtime.precision=fp8).
 The property test in tests/test_contract.py proves plan ⊇ launched keys for random specs and runs.
 """
 

@@ -16,7 +16,8 @@ Row-wise operands come from the fp8_quant kernel (dispatch.quantize_rows); opera
 of the original tensor (W^T, gy^T, x^T) from fp8_quant_cols (dispatch.quantize_cols), which writes the
 transposed fp8 copy row-major with its scales. Each kernel writes its GEMM input and its scales in
 one pass. For backward the layer keeps x^T in fp8 (1 byte per element, plus K scales) instead of x in
-the compute dtype; W is the parameter itself (no copy kept).
+the compute dtype; for W, the parameter itself (no copy), or, for the stacked q/k/v and gate/up
+weights (a concatenation made at each call), their fp8 W^T (1 byte per weight instead of 4).
 
 `torch._scaled_mm`'s rules on a GPU: a row-major, b column-major (here: the transpose of a row-major
 fp8 tensor), the reduction and the output's columns multiples of 16, scales (rows of a, 1) and (1, columns of b) fp32, a
@@ -79,27 +80,35 @@ class FP8LinearFunction(torch.autograd.Function):
         y = scaled_mm(xq, xs, wq, ws, out_dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, w.dtype, bias is not None
+        saved: list[torch.Tensor] = []
+        ctx.w_leaf = w.is_leaf
+        if ctx.needs_input_grad[0]:
+            # W^T for grad_x: a parameter is kept as is (no copy) and quantised in backward; a stacked
+            # weight (q/k/v, gate/up: a fresh fp32 concatenation) is quantised now and kept in fp8
+            # (1 byte per weight instead of 4)
+            saved += [w] if ctx.w_leaf else list(dispatch.quantize_cols(w))  # (K, N), (K,)
         if ctx.needs_input_grad[1]:
-            xtq, xts = dispatch.quantize_cols(x)  # (K, M), (K,): x^T for grad_W, kept instead of x
-            ctx.save_for_backward(w, xtq, xts)
-        else:
-            ctx.save_for_backward(w)
+            saved += list(dispatch.quantize_cols(x))  # (K, M), (K,): x^T for grad_W, kept instead of x
+        ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]
-        w = ctx.saved_tensors[0]
+        saved = list(ctx.saved_tensors)
         gy = gy.contiguous()  # (M, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             gq, gs = dispatch.quantize_rows(gy)  # (M, N), (M,)
-            wtq, wts = dispatch.quantize_cols(w)  # (K, N), (K,)
+            if ctx.w_leaf:
+                wtq, wts = dispatch.quantize_cols(saved.pop(0))  # (K, N), (K,)
+            else:
+                wtq, wts = saved.pop(0), saved.pop(0)
             grad_x = scaled_mm(gq, gs, wtq, wts, ctx.x_dtype)  # (M, K)
         if ctx.needs_input_grad[1]:
-            _, xtq, xts = ctx.saved_tensors
+            xtq, xts = saved
             gtq, gts = dispatch.quantize_cols(gy)  # (N, M), (N,)
-            grad_w = scaled_mm(gtq, gts, xtq, xts, w.dtype)  # (N, K)
+            grad_w = scaled_mm(gtq, gts, xtq, xts, ctx.w_dtype)  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.float().sum(0)  # (N,), cast to the bias's dtype by autograd
         return grad_x, grad_w, grad_b, None
