@@ -54,9 +54,11 @@ def fp8_quant_cols_kernel(X, QT, S, R, C: tl.constexpr, BLOCK_R: tl.constexpr, B
         r = (r0 + rows).to(tl.int64)
         m = (r[:, None] < R) & cmask[None, :]
         x = tl.load(X + r[:, None] * C + cols64[None, :], mask=m, other=0.0).to(tl.float32)
-        q = tl.clamp(x * inv[None, :], -448.0, 448.0).to(QT.dtype.element_ty)  # (BR, BC)
-        # transposed tile (BC, BR): consecutive rows of x are consecutive elements of a row of QT
-        tl.store(QT + cols64[:, None] * R + r[None, :], tl.trans(q), mask=tl.trans(m))
+        # transposed tile (BC, BR), in fp32 (the fp8 conversion after): consecutive rows of x are
+        # consecutive elements of a row of QT
+        qt = tl.trans(tl.clamp(x * inv[None, :], -448.0, 448.0))
+        mt = (r[None, :] < R) & cmask[:, None]
+        tl.store(QT + cols64[:, None] * R + r[None, :], qt.to(QT.dtype.element_ty), mask=mt)
 
 
 def launch(key: KernelKey, x: torch.Tensor):
