@@ -193,7 +193,7 @@ def test_memory_plan_counts_fp8_saved_inputs_and_no_bf16_weight_copies():
 
 
 def test_a_run_with_an_fp8_student(tmp_path, capsys):
-    cfg = base_config(tmp_path / "run", steps=3, eval_every=3)
+    cfg = base_config(tmp_path / "run", steps=2, eval_every=2, eval_batches=1)
     cfg["runtime"]["precision"] = "fp8"
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
