@@ -9,10 +9,12 @@ Each step: teacher forward (no grad), student forward, loss, backward, AdamW ste
 
   triton      kdistill: its kernels (prewarmed and sealed first), chunked KD loss head
   triton-fp8  the same with teacher.precision=fp8: the teacher's linears as row-wise scaled FP8 GEMMs
+  triton-fp8-student   teacher.precision=fp8 and runtime.precision=fp8: the student's linears train
+              through FP8 GEMMs too (forward and both backward GEMMs, fp32 master weights)
   PROVIDER-step   a kdistill provider through the training run's own step (kdistill.train.step: the
               loss of each micro-batch, gradient clipping, the non-finite test, fused AdamW), eager
   PROVIDER-graph  the same step captured as a CUDA graph after two eager steps and replayed
-              (runtime.cuda_graphs); e.g. triton-graph, triton-fp8-graph
+              (runtime.cuda_graphs); e.g. triton-graph, triton-fp8-student-graph
   reference   kdistill's PyTorch reference ops, chunked KD loss head
   dense       kdistill's decoder with reference ops and the KD loss written the obvious way (full
               [tokens x vocab] logits, log-softmax, KL)
@@ -45,6 +47,7 @@ from kdistill.kernels import seal
 from kdistill.memory import estimate_memory
 from kdistill.models.decoder import build_decoder
 from kdistill.models.fp8 import convert_to_fp8
+from kdistill.models.fp8_train import convert_student_to_fp8
 from kdistill.models.spec import load_spec
 from kdistill.ops.kd_loss import label_count
 from kdistill.train.optim import make_optimizer
@@ -55,9 +58,9 @@ try:  # run as a script (benchmarks/ on sys.path) or as a module
 except ImportError:  # pragma: no cover
     from benchmarks.hf_providers import HF_PROVIDERS, make_provider
 
-KDISTILL_BASE = ("triton", "triton-fp8", "reference", "dense")
+KDISTILL_BASE = ("triton", "triton-fp8", "triton-fp8-student", "reference", "dense")
 KDISTILL_PROVIDERS = KDISTILL_BASE + tuple(
-    f"{p}-{mode}" for p in ("triton", "triton-fp8") for mode in ("step", "graph")
+    f"{p}-{mode}" for p in ("triton", "triton-fp8", "triton-fp8-student") for mode in ("step", "graph")
 )
 
 
@@ -99,8 +102,10 @@ def provider_cfg(provider: str, cfg):
     cfg = dataclasses.replace(
         cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels, cuda_graphs=graphs)
     )
-    if base == "triton-fp8":
+    if base in ("triton-fp8", "triton-fp8-student"):  # teacher.precision=fp8
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
+    if base == "triton-fp8-student":  # runtime.precision=fp8: the student's linears as FP8 GEMMs too
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, precision="fp8"))
     return cfg
 
 
@@ -110,15 +115,15 @@ def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callabl
         base = provider.rsplit("-", 1)[0]
         return run_step(base, provider.endswith("-graph"), cfg, t_spec, s_spec)
     dev = torch.device("cuda")
-    kernels = "reference" if provider in ("reference", "dense") else "triton"
-    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels))
-    if provider == "triton-fp8":  # teacher.precision=fp8: the teacher's linears as FP8 GEMMs
-        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
+    cfg = provider_cfg(provider, cfg)
+    fp8_teacher, fp8_student = cfg.teacher.precision == "fp8", cfg.runtime.precision == "fp8"
     sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
     teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
-    if provider == "triton-fp8":
+    if fp8_teacher:
         convert_to_fp8(teacher)
     student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
+    if fp8_student:
+        convert_student_to_fp8(student)
     opt = make_optimizer(student, cfg.optim)
     amp = torch.autocast("cuda", dtype=torch.bfloat16)
 
@@ -162,15 +167,15 @@ def run_step(base: str, graphs: bool, cfg, t_spec, s_spec) -> tuple[Callable, Ca
     from kdistill.train.step import StepContext, _graphed
 
     dev = torch.device("cuda")
-    rt = dataclasses.replace(cfg.runtime, kernels="triton", cuda_graphs="on" if graphs else "off")
-    cfg = dataclasses.replace(cfg, runtime=rt)
-    if base == "triton-fp8":
-        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
+    cfg = provider_cfg(f"{base}-{'graph' if graphs else 'step'}", cfg)
+    fp8_teacher, fp8_student = cfg.teacher.precision == "fp8", cfg.runtime.precision == "fp8"
     sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
     teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
-    if base == "triton-fp8":
+    if fp8_teacher:
         convert_to_fp8(teacher)
     student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
+    if fp8_student:
+        convert_student_to_fp8(student)
     opt = make_optimizer(student, cfg.optim)
     amp = torch.autocast("cuda", dtype=torch.bfloat16)
     ctx = StepContext(cfg, student, teacher, opt, dev, amp, None)

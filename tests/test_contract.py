@@ -23,6 +23,7 @@ from kdistill.kernels import rmsnorm as rms_kernel
 from kdistill.kernels import seal as cache
 from kdistill.models.decoder import build_decoder
 from kdistill.models.fp8 import convert_to_fp8
+from kdistill.models.fp8_train import convert_student_to_fp8
 from kdistill.models.spec import spec_from_hf_config
 from kdistill.train.step import compute_loss, heldout_eval
 
@@ -92,6 +93,8 @@ def run_step(
     if run.teacher.precision == "fp8":  # as the loop loads it (train/recipe.py teacher_precision)
         convert_to_fp8(teacher)
     student = build_decoder(student_spec, dtype=student_dtype or TORCH[prec.student_weights], seed=seed + 1)
+    if run.runtime.precision == "fp8":  # as the loop loads it (train/loading.py student_precision)
+        convert_student_to_fp8(student)
     student.checkpoint_blocks(checkpointing)
     g = torch.Generator().manual_seed(seed)
     b, t = run.schedule.batch_size, run.data.seq_len

@@ -395,6 +395,34 @@ def case_decode_engine(device="cpu", dtype=torch.float32):
     assert got == want, (got, want)
 
 
+def case_fp8_quant_cols(device="cpu", dtype=torch.float32, rows=70, cols=45):
+    """The transposed FP8 quantisation (an FP8 student's backward operands): scales equal to the
+    reference's, and the transposed tile holds the bytes the row-wise kernel writes for x^T. Rows past
+    one block, columns past one block and not a multiple of it, an all-zero column. On a GPU the bytes
+    are also compared with the reference; the interpreter's float8 conversion is not the GPU's (it
+    rounds some values that round up to a power of two differently), so here that is checked for
+    every other value."""
+    from kdistill import dispatch
+    from kdistill.kernels import fp8_quant_cols
+
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, cols, generator=g) * torch.logspace(-2, 2, cols)).to(device=device, dtype=dtype)
+    x[:, 1] = 0
+    with _kernel_mode():
+        qt, s = dispatch.quantize_cols(x)  # (C, R), (C,)
+        q_rows, s_rows = dispatch.quantize_rows(x.t().contiguous())
+    rq, rs = fp8_quant_cols.reference(x)
+    assert qt.shape == (cols, rows) and qt.is_contiguous() and s.shape == (cols,)
+    assert torch.equal(s, rs) and torch.equal(s_rows, rs), "scales differ from the reference"
+    assert torch.equal(qt.view(torch.uint8), q_rows.view(torch.uint8)), "transposed bytes differ"
+    diff = qt.float() != rq.float()
+    if device != "cpu":
+        assert not diff.any(), f"{int(diff.sum())} values differ from the reference"
+    else:
+        m = rq.float().abs()[diff]
+        assert bool((m == torch.exp2(torch.log2(m).round())).all()), "values differ from the reference"
+
+
 CASES = {
     "bwd_failure_falls_back": (case_bwd_failure_falls_back, {}),
     "frozen_forward_skips_autograd": (case_frozen_forward_skips_autograd, {}),
@@ -424,6 +452,8 @@ CASES = {
     # fp32 only: the interpreter's dot of bf16 tiles is not the GPU's (the GPU tests cover bf16/fp16)
     "decode_attention_fp32_gqa3": (case_decode_attention, dict(dtype=torch.float32, hq=6, hkv=2, d=32)),
     "decode_engine_fp32": (case_decode_engine, {}),
+    "fp8_quant_cols_fp32": (case_fp8_quant_cols, dict(dtype=torch.float32)),
+    "fp8_quant_cols_narrow": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=5, cols=3)),
 }
 
 

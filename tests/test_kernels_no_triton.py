@@ -30,6 +30,7 @@ CHILD = textwrap.dedent(
     assert not AVAILABLE and "triton" not in sys.modules
     run = RunConfig()
     run.teacher.precision = "fp8"  # every registered kernel, the FP8 teacher's quantisation too
+    run.runtime.precision = "fp8"  # and the FP8 student's transposed one
     keys = plan.required_kernels(load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b"), run, "sm_90")
     # and the decode engine's (its attention over the static cache)
     keys |= plan.generation_kernels(load_spec("qwen2.5-0.5b"), "sm_90", "bf16", batch=2, prompt_len=8, max_len=16)

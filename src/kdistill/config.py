@@ -13,9 +13,11 @@ A run config is YAML with these sections (every field has a default except the m
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
-    runtime:  {device, dtype, kernels, strict_kernels, arch, kernel_pack, on_nonfinite, max_nonfinite,
-               auto_fit, gpu_memory_gib, teacher_placement, activation_checkpointing, student_reshard,
-               profile_steps, cuda_graphs}
+    runtime:  {device, dtype, precision: auto|fp8, kernels, strict_kernels, arch, kernel_pack, on_nonfinite,
+               max_nonfinite, auto_fit, gpu_memory_gib, teacher_placement, activation_checkpointing,
+               student_reshard, profile_steps, cuda_graphs}
+              (runtime.precision=fp8: the student's block linears train through row-wise scaled FP8
+              GEMMs over fp32 master weights; compute capability 8.9 or newer, emulated on the CPU)
 
 Command-line overrides are dotted: `kd.temperature=2 output.dir=runs/a`. Unknown keys are one-line
 errors that name the key and the closest valid one.
@@ -304,6 +306,10 @@ class OutputConfig:
 class RuntimeConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    # auto: the student's linears in the compute dtype; fp8: its q/k/v/o and gate/up/down GEMMs, forward
+    # and backward, as row-wise scaled FP8 GEMMs over fp32 masters (kdistill.models.fp8_train), on GPUs
+    # of compute capability 8.9 or newer (the CPU runs the FP8 emulation)
+    precision: str = "auto"
     kernels: str = "auto"  # auto (Triton on GPU) | triton | reference
     # A compile after the seal, or a kernel failure, is an error. Default: off, or KDISTILL_STRICT_KERNELS=1
     # (the test suite sets it, so tests run strict unless they say otherwise).
@@ -343,6 +349,7 @@ class RuntimeConfig:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise UserError(f"runtime.device is '{self.device}', expected auto, cpu, cuda or cuda:N")
         _choice("runtime.dtype", self.dtype, ("auto", *LONG_NAMES))
+        _choice("runtime.precision", self.precision, ("auto", "fp8"))
         _choice("runtime.kernels", self.kernels, ("auto", "triton", "reference"))
         _choice("runtime.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _positive("runtime.max_nonfinite", self.max_nonfinite)
@@ -379,6 +386,11 @@ class RunConfig:
                 section.validate()
         self._validate_teachers()
         self._validate_kd_options()
+        if self.runtime.precision == "fp8" and self.student.lora.enabled:
+            raise UserError(
+                "runtime.precision=fp8 trains the student's own linears in FP8, but student.lora freezes "
+                "them: use runtime.precision=auto with student.lora"
+            )
         if need_paths:
             if not self.teacher.path:
                 raise UserError("teacher.path is empty, expected a model directory or preset name")

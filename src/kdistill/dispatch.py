@@ -9,6 +9,8 @@
     o = dispatch.attention(q, k, v, mask)                   # packed documents: (B, 1, T, T) bool mask
     o = dispatch.cached_attention(q, k, v, mask)            # generation: q (B, Hq, T, D), k/v (B, Hkv, S, D)
     o = dispatch.decode_attention(q, k_cache, v_cache, pos) # one token per row over a static cache
+    q, s = dispatch.quantize_rows(x)                        # FP8 GEMM input: (rows, K) e4m3, (rows,) fp32
+    qt, s = dispatch.quantize_cols(x)                       # x^T's: (K, rows) e4m3, (K,) fp32
     r = dispatch.kd_loss(h, W, ht, Wt, labels, alpha=0.5, temperature=2.0, divergence="jsd", chunk_size=1024)
 
 Per call: compute the kernel key (the kernel file's key function), then
@@ -29,6 +31,7 @@ import torch
 
 from kdistill.kernels import decode_attention as decode_kernel
 from kdistill.kernels import fp8_quant as fp8_kernel
+from kdistill.kernels import fp8_quant_cols as fp8_cols_kernel
 from kdistill.kernels import kd_loss as kd_kernel
 from kdistill.kernels import library
 from kdistill.kernels import rmsnorm as norm_kernel
@@ -68,6 +71,7 @@ __all__ = [
     "current",
     "decode_attention",
     "kd_loss",
+    "quantize_cols",
     "quantize_rows",
     "recording",
     "rmsnorm",
@@ -452,7 +456,7 @@ def decode_attention(
     return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new)
 
 
-# -- FP8 GEMM inputs (an FP8 teacher) -------------------------------------------------------------
+# -- FP8 GEMM inputs (an FP8 teacher or student) ---------------------------------------------------
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (rows, K) float8_e4m3fn, scale (rows,) fp32) with x (..., K) ~ q * scale[:, None] row by
     row: the input of a row-wise scaled FP8 GEMM. No gradient (the FP8 teacher is frozen)."""
@@ -467,6 +471,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", lambda: fp8_kernel.launch(key, x2))
     return fp8_kernel.reference(x2)
+
+
+def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qt (K, rows) float8_e4m3fn, scale (K,) fp32) with x (..., K) ~ (qt * scale[:, None])^T column by
+    column: x^T as the row-wise scaled input of an FP8 GEMM that reduces over x's rows (an FP8
+    student's backward, kdistill.models.fp8_train). No gradient."""
+    rt = current()
+    x2 = _rows(x)
+    key = fp8_cols_kernel.key(rt.arch, c=x2.shape[-1], dtype=x2.dtype, aligned=aligned(x2))
+    if rt.use_kernel(key, x2):
+        try:
+            args = lambda: fp8_cols_kernel.launch(key, x2)  # noqa: E731
+            return rt.launch(key, lambda: fp8_cols_kernel.run(args()), args)
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", lambda: fp8_cols_kernel.launch(key, x2))
+    return fp8_cols_kernel.reference(x2)
 
 
 # -- the KD head --------------------------------------------------------------------------------------

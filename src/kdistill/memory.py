@@ -8,7 +8,8 @@
     fit = fit_limits(teacher_spec, student_spec, cfg, budget_bytes)        # largest batch / seq_len
 
 The memory model (bytes on one device, GPU path: bf16 teacher, fp32 student master weights with bf16
-autocast, AdamW) is written term by term in `estimate_memory`; docs/memory.md compares it with
+autocast, AdamW; runtime.precision=fp8: the student's block linears keep fp8 inputs for backward) is
+written term by term in `estimate_memory`; docs/memory.md compares it with
 `torch.cuda.max_memory_allocated` on an H100.
 """
 
@@ -29,6 +30,11 @@ GIB = 1024**3
 # backward, not kept).
 # Checked against torch.cuda.max_memory_allocated on an H200 (docs/memory.md).
 ACT_COEF_GPU = {"hidden": 14.0, "inter": 4.0, "q": 4.0, "kv": 4.0}
+# runtime.precision=fp8 (kdistill.models.fp8_train): each block linear keeps its input for backward as
+# an fp8 transposed copy (1 byte per element) instead of the bf16 one, so the three normed-input casts
+# take 3H instead of 6H; o_proj's and down_proj's inputs add 1 per unit of q and of I (the bf16 path
+# recomputes the SwiGLU output instead; the layout of SDPA's own saved tensors does not change).
+ACT_COEF_GPU_FP8 = {"hidden": 11.0, "inter": 5.0, "q": 5.0, "kv": 4.0}
 ACT_COEF_CPU = {"hidden": 28.0, "inter": 12.0, "q": 12.0, "kv": 24.0}  # fp32 everywhere, reference ops
 # With activation checkpointing a block keeps only its inputs for backward: the previous block's MLP
 # output (bf16 under autocast) and the fp32 residual stream; its own activations exist for one block
@@ -102,7 +108,8 @@ def estimate_memory(
     ps = student.param_counts()["total"]
     pt = teacher.param_counts()["total"]
     act_bytes = 2 if gpu else 4
-    coef = ACT_COEF_GPU if gpu else ACT_COEF_CPU
+    fp8_student = cfg.runtime.precision == "fp8"
+    coef = (ACT_COEF_GPU_FP8 if fp8_student else ACT_COEF_GPU) if gpu else ACT_COEF_CPU
     per_tok_layer = (
         coef["hidden"] * student.hidden_size
         + coef["inter"] * student.intermediate_size
@@ -130,6 +137,17 @@ def estimate_memory(
         "optimizer_state": trainable * 8,
         "autocast_weight_copies": trainable * 2 if gpu else 0,
     }
+    if fp8_student and gpu:
+        # The block linears are quantised from the fp32 masters at each call, never cast by autocast:
+        # no bf16 copies of them. The stacked q/k/v and gate/up weights keep their fp8 W^T for backward
+        # (1 byte per weight, every layer); one GEMM's operands exist at a time on top: the fp32
+        # concatenation being quantised and its fp8 copy.
+        block_linears = student.num_layers * sum(a * b for a, b in student.linear_shapes().values())
+        fixed["autocast_weight_copies"] -= block_linears * 2
+        h, i = student.hidden_size, student.intermediate_size
+        stacked = (student.q_size + 2 * student.kv_size) * h + 2 * i * h  # per layer
+        widest = max((student.q_size + 2 * student.kv_size) * h, 2 * i * h, student.q_size * h)
+        fixed["fp8_weight_copies"] = student.num_layers * stacked + widest * (4 + 1)
     w = layout.world
     if w > 1:  # FSDP2: sharded states plus the gathered units in use (see the docstring)
         fixed = {

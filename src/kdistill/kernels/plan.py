@@ -8,7 +8,9 @@ It calls the same key functions as the dispatcher (each kernel's registered plan
 sequence with the dtypes the training loop uses (`precision`): the teacher in the compute dtype
 without grad; the student with fp32 master weights under autocast (bf16 on a GPU), forward with and
 without grad (training and eval) and backward; the KD loss head for training and held-out eval
-(kd.cross_tokenizer: the student's CE head and the ULD term's lm_head GEMMs, `cross_tokenizer_kernels`).
+(kd.cross_tokenizer: the student's CE head and the ULD term's lm_head GEMMs, `cross_tokenizer_kernels`);
+FP8 linears: the teacher's quantisation and GEMMs (`fp8_kernels`, teacher.precision=fp8), the student's
+forward and backward ones (`fp8_student_kernels`, runtime.precision=fp8).
 The property test in tests/test_contract.py proves plan ⊇ launched keys for random specs and runs.
 """
 
@@ -123,14 +125,21 @@ def model_kernels(
     return out
 
 
-def gemm_kernels(
-    spec: ModelSpec, arch: str, dtype: str, *, grad: bool, tokens: int, chunk: int
-) -> set[keys.KernelKey]:
-    """Library keys for the decoder's linears at the run's token count and the lm_head chunk GEMMs."""
+def linear_shapes(spec: ModelSpec) -> set[tuple[int, int]]:
+    """(N, K) of the decoder's block GEMMs: q/k/v as one GEMM against [Wq; Wk; Wv] (models/decoder.py
+    Attention.project_qkv), o_proj, gate/up as one against [W_gate; W_up] (MLP.forward), down_proj."""
     h, i = spec.hidden_size, spec.intermediate_size
-    # q/k/v as one GEMM against [Wq; Wk; Wv] (models/decoder.py Attention.project_qkv), gate/up as one
-    # against [W_gate; W_up] (MLP.forward; separate where adapters wrap them)
-    shapes = {(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (2 * i, h), (i, h), (h, i)}
+    return {(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (2 * i, h), (h, i)}
+
+
+def gemm_kernels(
+    spec: ModelSpec, arch: str, dtype: str, *, grad: bool, tokens: int, chunk: int, linears: bool = True
+) -> set[keys.KernelKey]:
+    """Library keys for the decoder's linears at the run's token count and the lm_head chunk GEMMs.
+    linears=False: the lm_head's alone (an FP8 student's block linears are `fp8_student_kernels`)."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    # gate and up separate where adapters wrap them
+    shapes = linear_shapes(spec) | {(i, h)} if linears else set()
     out = {library.gemm_key(arch, m=tokens, n=n, k=k, dtype=dtype, grad=grad) for n, k in shapes}
     out.add(library.gemm_key(arch, m=min(chunk, tokens), n=spec.vocab_size, k=h, dtype=dtype, grad=grad))
     return out
@@ -150,13 +159,36 @@ def fp8_kernels(spec: ModelSpec, arch: str, dtype: str, *, tokens: int) -> set[k
     return out
 
 
-def check_fp8(arch: str) -> None:
-    """teacher.precision=fp8 compiles FP8 conversions: Ada (sm_89), Hopper (sm_90) or newer, or the
-    CPU's dequantised reference."""
+def fp8_student_kernels(spec: ModelSpec, arch: str, prec: Precision, *, tokens: int) -> set[keys.KernelKey]:
+    """An FP8 student (runtime.precision=fp8, kdistill.models.fp8_train), for every block GEMM (N, K):
+    forward: x (tokens, K) per row in the compute dtype, W (N, K) per row in the weights' dtype;
+    backward: x^T and W^T (width K) per column, gy (tokens, N) per row and gy^T (width N) per column,
+    gy in the linear's output dtype; and the three scaled FP8 GEMMs of each shape (y, grad_x, grad_W).
+    The quantisation keys depend on widths and dtypes only, so eval and generation at other token
+    counts launch the same ones."""
+    rows, cols = registry.by_name("fp8_quant"), registry.by_name("fp8_quant_cols")
+    # fp8_train_linear casts x to the dtype nn.Linear computes in: the autocast dtype, else the
+    # weights' (fp32 student, no autocast); its output and gradient are in that dtype too
+    x = prec.compute if prec.autocast else keys.promote(prec.compute, prec.student_weights)
+    w = prec.student_weights
+    out: set[keys.KernelKey] = set()
+    for n, k in linear_shapes(spec):
+        out |= rows.plan(arch, grad=True, k=k, dtype=x) | rows.plan(arch, grad=True, k=k, dtype=w)
+        out |= cols.plan(arch, grad=True, c=k, dtype=x) | cols.plan(arch, grad=True, c=k, dtype=w)
+        out |= rows.plan(arch, grad=True, k=n, dtype=x) | cols.plan(arch, grad=True, c=n, dtype=x)
+        out.add(library.fp8_gemm_key(arch, m=tokens, n=n, k=k, dtype="bf16"))  # y
+        out.add(library.fp8_gemm_key(arch, m=tokens, n=k, k=n, dtype="bf16"))  # grad_x
+        out.add(library.fp8_gemm_key(arch, m=n, n=k, k=tokens, dtype="bf16"))  # grad_W
+    return out
+
+
+def check_fp8(arch: str, field: str = "teacher.precision") -> None:
+    """{teacher,runtime}.precision=fp8 compiles FP8 conversions: Ada (sm_89), Hopper (sm_90) or
+    newer, or the CPU's emulation."""
     if arch != "cpu" and keys.arch_capability(arch) < 89:
         raise UserError(
-            f"teacher.precision=fp8 needs FP8 matrix units (compute capability 8.9 or newer); the plan "
-            f"is for {arch}: use teacher.precision=auto"
+            f"{field}=fp8 needs FP8 matrix units (compute capability 8.9 or newer); the plan "
+            f"is for {arch}: use {field}=auto"
         )
 
 
@@ -271,7 +303,19 @@ def required_kernels(
         out |= gemm_kernels(
             teacher_spec, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size
         )
-    out |= gemm_kernels(student_spec, arch, prec.compute, grad=True, tokens=b * t, chunk=run.kd.chunk_size)
+    fp8_student = getattr(run.runtime, "precision", "auto") == "fp8"
+    if fp8_student:
+        check_fp8(arch, "runtime.precision")
+        out |= fp8_student_kernels(student_spec, arch, prec, tokens=b * t)
+    out |= gemm_kernels(
+        student_spec,
+        arch,
+        prec.compute,
+        grad=True,
+        tokens=b * t,
+        chunk=run.kd.chunk_size,
+        linears=not fp8_student,
+    )
     out |= lora_gemm_kernels(student_spec, run, arch, prec.compute, tokens=b * t)
     out |= kd_kernels(teacher_spec, student_spec, run, arch, prec)
     if getattr(run.kd, "cross_tokenizer", False):

@@ -7,7 +7,16 @@ build and the contract check find a key's kernel here by its op name.
 
 from __future__ import annotations
 
-from kdistill.kernels import decode_attention, fp8_quant, kd_loss, library, rmsnorm, rope, swiglu
+from kdistill.kernels import (
+    decode_attention,
+    fp8_quant,
+    fp8_quant_cols,
+    kd_loss,
+    library,
+    rmsnorm,
+    rope,
+    swiglu,
+)
 from kdistill.kernels.keys import KernelKey
 from kdistill.kernels.spec import Kernel, KernelSpec, LibraryOp
 
@@ -17,6 +26,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     swiglu.SPEC,
     kd_loss.SPEC,
     fp8_quant.SPEC,
+    fp8_quant_cols.SPEC,
     decode_attention.SPEC,
 )
 LIBRARY: tuple[LibraryOp, ...] = (library.SDPA, library.GEMM, library.FP8_GEMM)

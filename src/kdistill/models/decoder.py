@@ -51,6 +51,7 @@ from kdistill.dispatch import (
     swiglu_down,
 )
 from kdistill.models.fp8 import FP8Linear, fp8_linear, fused
+from kdistill.models.fp8_train import FP8TrainLinear, fp8_train_linear
 from kdistill.models.spec import ModelSpec, rope_inv_freq
 from kdistill.ops.attention import document_mask
 
@@ -146,10 +147,12 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if all(type(p) is FP8Linear for p in projs):  # an FP8 teacher: one FP8 GEMM
             qkv = fp8_linear(x, *fused(list(projs)))
-        elif all(type(p) is nn.Linear for p in projs):
+        elif all(type(p) is nn.Linear for p in projs) or all(type(p) is FP8TrainLinear for p in projs):
             w = torch.cat([p.weight for p in projs])  # (q_size + 2 kv_size, H)
             bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-            qkv = F.linear(x, w, bias)  # (B, T, q_size + 2 kv_size)
+            # (B, T, q_size + 2 kv_size); an FP8 student (runtime.precision=fp8): one FP8 GEMM
+            linear = fp8_train_linear if type(self.q_proj) is FP8TrainLinear else F.linear
+            qkv = linear(x, w, bias)
         else:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = qkv.split([self.spec.q_size, self.spec.kv_size, self.spec.kv_size], dim=-1)
@@ -230,6 +233,11 @@ class MLP(nn.Module):
         plain = all(type(p) is nn.Linear and p.bias is None for p in (self.gate_proj, self.up_proj))
         if all(type(p) is FP8Linear for p in (self.gate_proj, self.up_proj)):  # an FP8 teacher
             gate, up = fp8_linear(x, *fused([self.gate_proj, self.up_proj])).chunk(2, dim=-1)
+        elif all(type(p) is FP8TrainLinear and p.bias is None for p in (self.gate_proj, self.up_proj)):
+            # an FP8 student: [gate, up] from one FP8 GEMM, SwiGLU on its halves; the down_proj
+            # module (FP8TrainLinear) keeps its fp8 input for backward
+            w = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # (2I, H)
+            gate, up = fp8_train_linear(x, w).chunk(2, dim=-1)  # (B, T, I) each
         elif plain:
             gu = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # (B, T, 2I)
             if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:

@@ -165,15 +165,16 @@ def convert_to_fp8(model: nn.Module) -> int:
     return n
 
 
-def check_device(device: torch.device) -> None:
-    """A one-line UserError for a GPU without FP8 GEMMs (compute capability below 8.9). The CPU runs
-    the dequantised reference (the values of an FP8 teacher, for tests), so it is let through."""
+def check_device(device: torch.device, field: str = "teacher.precision") -> None:
+    """A one-line UserError naming `field` (teacher.precision or runtime.precision) for a GPU without
+    FP8 GEMMs (compute capability below 8.9). The CPU runs the FP8 emulation (the values FP8 gives,
+    for tests), so it is let through."""
     if device.type != "cuda":
         return
     cc = torch.cuda.get_device_capability(device)
     if cc < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         raise UserError(
-            f"teacher.precision=fp8 needs FP8 matrix units (compute capability 8.9 or newer: Ada, Hopper, "
-            f"Blackwell); {name} is sm_{cc[0]}{cc[1]}: use teacher.precision=auto"
+            f"{field}=fp8 needs FP8 matrix units (compute capability 8.9 or newer: Ada, Hopper, "
+            f"Blackwell); {name} is sm_{cc[0]}{cc[1]}: use {field}=auto"
         )

@@ -7,7 +7,7 @@
 
 The teacher is frozen (eval, no gradients) in the compute dtype (FP8 linears with teacher.precision
 fp8); the student is fp32 in train mode, pretrained, random or from teacher layers, with LoRA
-adapters when student.lora asks for them.
+adapters when student.lora asks for them (FP8 GEMMs over fp32 masters with runtime.precision fp8).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.models import fp8
 from kdistill.models.decoder import Decoder, build_decoder
+from kdistill.models.fp8_train import convert_student_to_fp8
 from kdistill.models.hf_io import has_weights, load_model
 from kdistill.models.lora import apply_lora
 from kdistill.models.spec import ModelSpec
@@ -90,6 +91,14 @@ def teacher_precision(cfg: RunConfig, teacher: Decoder, device: torch.device) ->
     if cfg.teacher.precision == "fp8":
         fp8.check_device(device)
         fp8.convert_to_fp8(teacher)
+
+
+def student_precision(cfg: RunConfig, student: Decoder, device: torch.device) -> None:
+    """runtime.precision=fp8: the student's decoder linears train through FP8 GEMMs (fp32 master
+    weights kept; kdistill.models.fp8_train); refused on a GPU without FP8 matrix units."""
+    if cfg.runtime.precision == "fp8":
+        fp8.check_device(device, "runtime.precision")
+        convert_student_to_fp8(student)
 
 
 def load_mixture(
@@ -164,6 +173,7 @@ def load_models(
             seed=cfg.schedule.seed,
         )
         init = f"{init}, LoRA rank {lo.rank} on {','.join(lo.targets)}"
+    student_precision(cfg, student, device)
     student.train()
     return teacher, student, init
 
