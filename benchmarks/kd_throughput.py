@@ -407,13 +407,15 @@ def main() -> None:
                 "rows": rows,
             }
         )
-        print_table(name, a.pair, batch, a.seq_len, floor_s, rows)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+        print_table(name, a.pair, batch, a.seq_len, floor_s, rows, flush=True)
+        if a.json:  # after every batch size: a run cut short keeps what it measured
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=2)
 
 
-def print_table(name: str, pair: str, batch: int, seq: int, floor_s: float, rows: list[dict]) -> None:
+def print_table(
+    name: str, pair: str, batch: int, seq: int, floor_s: float, rows: list[dict], flush: bool = False
+) -> None:
     print(f"\n{name}, {pair}, batch {batch} x seq {seq}; FLOP floor {floor_s * 1e3:.1f} ms/step")
     print(
         f"{'provider':>18} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'resv GiB':>9} {'plan GiB':>9}"
@@ -430,6 +432,8 @@ def print_table(name: str, pair: str, batch: int, seq: int, floor_s: float, rows
             f"{r['peak_gib']:>9.2f} {r['peak_reserved_gib']:>9.2f} {plan:>9} {r['mfu']:>6.1%}"
             f" {r['final_loss']:>8.3f} {jit:>4} {r['host_median_s'] * 1e3:>8.1f}"
         )
+    if flush:
+        sys.stdout.flush()
 
 
 def _version(dist_name: str) -> str | None:
