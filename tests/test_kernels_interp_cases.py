@@ -460,6 +460,8 @@ CASES = {
     # fp32: the interpreter rounds float8 ties away from even, and bf16 inputs make exact ties common
     # (the GPU tests cover bf16); rows a multiple of 16 take the kernel's other store
     "fp8_quant_cols_blocks": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=1040, cols=72)),
+    # x^T's rows wider than the row-wise kernel's block: its two-pass path
+    "fp8_quant_cols_long": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=2100, cols=3)),
 }
 
 
