@@ -395,19 +395,21 @@ def case_decode_engine(device="cpu", dtype=torch.float32):
     assert got == want, (got, want)
 
 
-def case_fp8_quant_cols(device="cpu", dtype=torch.float32, rows=70, cols=45):
+def case_fp8_quant_cols(device="cpu", dtype=torch.float32, rows=1100, cols=45):
     """The transposed FP8 quantisation (an FP8 student's backward operands): scales equal to the
-    reference's, and the transposed tile holds the bytes the row-wise kernel writes for x^T. Rows past
-    one block, columns past one block and not a multiple of it, an all-zero column. On a GPU the bytes
-    are also compared with the reference; the interpreter's float8 conversion is not the GPU's (it
-    rounds some values that round up to a power of two differently), so here that is checked for
-    every other value."""
+    reference's, and the transposed tile holds the bytes the row-wise kernel writes for x^T. Several
+    spans of rows with a ragged last one (the column maxima combined across spans), columns past one
+    block and not a multiple of it, an all-zero column, and a column's largest value in the last
+    span. On a GPU the bytes are also compared with the reference; the interpreter's float8 conversion is not the GPU's (it
+    rounds some values that round up to a power of two differently, and e4m3 subnormals, below
+    2^-6), so here that is checked for every other value."""
     from kdistill import dispatch
     from kdistill.kernels import fp8_quant_cols
 
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, cols, generator=g) * torch.logspace(-2, 2, cols)).to(device=device, dtype=dtype)
     x[:, 1] = 0
+    x[rows - 1, 2] = 2 * x[:, 2].abs().max()  # column 2's maximum in the last span only
     with _kernel_mode():
         qt, s = dispatch.quantize_cols(x)  # (C, R), (C,)
         q_rows, s_rows = dispatch.quantize_rows(x.t().contiguous())
@@ -420,7 +422,8 @@ def case_fp8_quant_cols(device="cpu", dtype=torch.float32, rows=70, cols=45):
         assert not diff.any(), f"{int(diff.sum())} values differ from the reference"
     else:
         m = rq.float().abs()[diff]
-        assert bool((m == torch.exp2(torch.log2(m).round())).all()), "values differ from the reference"
+        ok = (m == torch.exp2(torch.log2(m).round())) | (m < 2.0**-6)
+        assert bool(ok.all()), "values differ from the reference"
 
 
 CASES = {
@@ -454,6 +457,11 @@ CASES = {
     "decode_engine_fp32": (case_decode_engine, {}),
     "fp8_quant_cols_fp32": (case_fp8_quant_cols, dict(dtype=torch.float32)),
     "fp8_quant_cols_narrow": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=5, cols=3)),
+    # fp32: the interpreter rounds float8 ties away from even, and bf16 inputs make exact ties common
+    # (the GPU tests cover bf16); rows a multiple of 16 take the kernel's other store
+    "fp8_quant_cols_blocks": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=1040, cols=72)),
+    # x^T's rows wider than the row-wise kernel's block: its two-pass path
+    "fp8_quant_cols_long": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=2100, cols=3)),
 }
 
 

@@ -476,17 +476,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(qt (K, rows) float8_e4m3fn, scale (K,) fp32) with x (..., K) ~ (qt * scale[:, None])^T column by
     column: x^T as the row-wise scaled input of an FP8 GEMM that reduces over x's rows (an FP8
-    student's backward, kdistill.models.fp8_train). No gradient."""
+    student's backward, kdistill.models.fp8_train). Two kernels: the column maxima of each span of
+    rows, then the scales and the transposed copy. No gradient."""
     rt = current()
     x2 = _rows(x)
-    key = fp8_cols_kernel.key(rt.arch, c=x2.shape[-1], dtype=x2.dtype, aligned=aligned(x2))
+    c, al = x2.shape[-1], aligned(x2)
+    akey = fp8_cols_kernel.amax_key(rt.arch, c=c, dtype=x2.dtype, aligned=al)
+    key = fp8_cols_kernel.key(rt.arch, c=c, dtype=x2.dtype, aligned=al)
     if rt.use_kernel(key, x2):
         try:
-            args = lambda: fp8_cols_kernel.launch(key, x2)  # noqa: E731
+            part = lambda: fp8_cols_kernel.amax_launch(akey, x2)  # noqa: E731
+            p = rt.launch(akey, lambda: fp8_cols_kernel.run(part()), part)
+            args = lambda: fp8_cols_kernel.launch(key, x2, p)  # noqa: E731
             return rt.launch(key, lambda: fp8_cols_kernel.run(args()), args)
         except Exception as e:
-            rt.kernel_failed(key, e)
-    rt.record(key, "fwd", lambda: fp8_cols_kernel.launch(key, x2))
+            rt.kernel_failed(key, e)  # the pair falls back together: use_kernel asks for `key`
+    rt.record(akey, "fwd", lambda: fp8_cols_kernel.amax_launch(akey, x2))
+    rt.record(key, "fwd", lambda: fp8_cols_kernel.launch(key, x2, fp8_cols_kernel.partials(key, x2)))
     return fp8_cols_kernel.reference(x2)
 
 

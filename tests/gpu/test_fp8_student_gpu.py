@@ -34,13 +34,19 @@ DEMO = str(ROOT / "src" / "kdistill" / "demo" / "demo.yaml")
 @pytest.mark.parametrize(
     "rows,cols,dtype",
     [
+        (32768, 896, torch.bfloat16),  # 16 x 2048 tokens: x^T of q/k/v, gate/up; gy^T of o_proj, down
+        (32768, 4864, torch.bfloat16),  # x^T of down_proj
+        (32768, 9728, torch.bfloat16),  # gy^T of gate/up
         (4096, 896, torch.bfloat16),
-        (4095, 9728, torch.bfloat16),
-        (4864, 896, torch.float32),
+        (4095, 9728, torch.bfloat16),  # rows not a multiple of 16: the padded copy
+        (4864, 896, torch.float32),  # fp32: a master weight's W^T
         (33, 200, torch.float32),
     ],
 )
 def test_transposed_quant_kernel_is_bit_identical_to_its_reference(rows, cols, dtype):
+    """Both kernels (the spans' column maxima, then the scales and the transposed copy) against the
+    reference at the student's real widths and token counts, the largest value of a column in the
+    last span of rows."""
     from kdistill import dispatch
     from kdistill.kernels import fp8_quant_cols, runtime
 
@@ -48,6 +54,7 @@ def test_transposed_quant_kernel_is_bit_identical_to_its_reference(rows, cols, d
     x = torch.randn((rows, cols), device="cuda", generator=g) * torch.logspace(-2, 2, cols, device="cuda")
     x = x.to(dtype)
     x[:, 5] = 0
+    x[rows - 1, 6] = 2 * x[:, 6].abs().max()
     with runtime.using(mode="triton", strict=True):
         qt, s = dispatch.quantize_cols(x)
     rq, rs = fp8_quant_cols.reference(x)
