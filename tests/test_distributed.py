@@ -1,18 +1,19 @@
 """Data-parallel runs under torchrun (2 processes, gloo on the CPU, FSDP2 student and teacher).
 
 One uninterrupted 2-process run and one 1-process run of the same config (same global batch of 4
-sequences) go in parallel, with a 2-process and a 1-process run killed after step 4 (checkpoint at
-step 3), a 2-process run whose rank 1 gets SIGTERM inside step 4, and the runs that need no other run:
-a batch that does not divide over the processes, a mixture of two teachers, a cross-tokenizer student
-and the clipping and AdamW helpers. Then, in parallel: the killed 2-process run resumed on two, the
-2-process checkpoint (sharded, torch.distributed.checkpoint) resumed in one process (2 -> 1) and on four
-(2 -> 4: one sequence per process, every tensor resharded from two shards to four), the 1-process
-checkpoint resumed on 2 (1 -> 2), the SIGTERM-stopped run resumed, a run under
-`torchrun --max-restarts=1` whose rank 1 is killed by PID at step 4 (restarted from step 3 on its own),
-and the same run as two one-process "nodes" meeting through a c10d rendezvous on 127.0.0.1. A resume
-on as many processes as the run had, and the restart, must end with the uninterrupted run's weights
-bit for bit; across process counts, within the tolerances below. Every launch of a batch starts at once
-(the two fixtures below), so the suite waits for two batches instead of a launch per test.
+sequences) go in parallel, with a 2-process and a 1-process run killed after step 4 (checkpoint at step
+3), a 2-process run whose rank 1 gets SIGTERM inside step 4, and the runs that need no other run: a
+batch that does not divide over the processes, a mixture of two teachers, a cross-tokenizer student and
+the FSDP2 helper checks (clipping, AdamW, all-gathers: tests/fsdp_checks.py, one launch). Then, in
+parallel: the killed 2-process run resumed on two, the 2-process checkpoint (sharded,
+torch.distributed.checkpoint) resumed in one process (2 -> 1) and on four (2 -> 4: one sequence per
+process, every tensor resharded from two shards to four), the 1-process checkpoint resumed on 2 (1 ->
+2), the SIGTERM-stopped run resumed, a run under `torchrun --max-restarts=1` whose rank 1 is killed by
+PID at step 4 (restarted from step 3 on its own), and the same run as two one-process "nodes" meeting
+through a c10d rendezvous on 127.0.0.1. A resume on as many processes as the run had, and the restart,
+must end with the uninterrupted run's weights bit for bit; across process counts, within the tolerances
+below. Every launch of a batch starts at once (the two fixtures below), so the suite waits for two
+batches instead of a launch per test.
 
 Why 2 processes match 1 process only closely, not exactly: the batch, the initial weights and every
 per-token loss are the same, but the gradient of the 4-row batch is the average of two 2-row gradients
@@ -110,6 +111,13 @@ def start_helper(script: str, out: Path) -> subprocess.Popen:
     )
 
 
+def _helper_result(runs, name: str) -> dict:
+    """The JSON that tests/fsdp_<name>.py's check wrote (all three checks: one launch of the first batch)."""
+    _, _, dirs, out, _ = runs
+    assert out["checks"].returncode == 0, out["checks"].stderr[-3000:]
+    return json.loads(dirs[name].read_text())
+
+
 def _other_configs(tmp: Path) -> dict[str, Path]:
     """A mixture of two teachers and a student with another tokenizer (4 steps, batch 4), as YAML."""
     import yaml
@@ -144,7 +152,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     cfg = write_config(tmp, **SCHED)
     dirs = {k: tmp / k for k in ("two", "one", "killed", "one_killed", "signalled", "odd")}
-    dirs["clip"], dirs["adamw"] = tmp / "clip.json", tmp / "adamw.json"
+    for name in ("clip", "adamw", "gathers"):  # tests/fsdp_checks.py: the three helpers in one launch
+        dirs[name] = tmp / "checks" / f"{name}.json"
     other = _other_configs(tmp)
     dirs["mix"], dirs["cross"] = tmp / "mix", tmp / "cross"
     procs = {
@@ -166,8 +175,7 @@ def runs(tmp_path_factory):
         ),
         "mix": start_torchrun(["run", str(other["mix"]), "--quiet"]),
         "cross": start_torchrun(["run", str(other["cross"]), "--quiet"]),
-        "clip": start_helper("fsdp_clip.py", dirs["clip"]),
-        "adamw": start_helper("fsdp_adamw.py", dirs["adamw"]),
+        "checks": start_helper("fsdp_checks.py", tmp / "checks"),
     }
     out = {k: finish(p, 420) for k, p in procs.items()}
     # What the interrupted runs left, seen before the second batch resumes them in place.
@@ -222,8 +230,6 @@ def more(runs):
         + ["runtime.teacher_placement=replicate", "runtime.activation_checkpointing=blocks"]
         + ["runtime.student_reshard=after_backward"]
     )
-    dirs["gathers"] = tmp / "gathers.json"
-    procs["gathers"] = start_helper("fsdp_gathers.py", dirs["gathers"])
     port = _free_port()
     for node in (0, 1):
         rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=kdistill-test"]
@@ -372,13 +378,11 @@ def test_two_nodes_through_a_c10d_rendezvous(runs, more):
     _close_to(dirs["nodes"], runs[2]["two"])
 
 
-def test_root_gathered_once_per_step_and_blocks_once_each_way(more):
-    dirs, out = more
-    assert out["gathers"].returncode == 0, out["gathers"].stderr[-3000:]
+def test_root_gathered_once_per_step_and_blocks_once_each_way(runs):
     # forward, 8 chunks of the KD head and the backward (checkpointed blocks recomputed): the root's
     # embeddings and lm_head once, each block once for forward and once for backward; kept gathered
     # from forward to backward, each block once.
-    assert json.loads(dirs["gathers"].read_text()) == {
+    assert _helper_result(runs, "gathers") == {
         "regathered": {"root": 1, "blocks": [2, 2, 2]},
         "kept": {"root": 1, "blocks": [1, 1, 1]},
     }
@@ -407,13 +411,6 @@ def test_layer_map_projections_are_sharded_and_left_out_of_the_export(runs, more
     assert {k for k in names if k.startswith("kd_")} == {"kd_layer_proj.0.weight", "kd_layer_proj.1.weight"}
     exported = student_weights(run / "student" / "model.safetensors")
     assert exported.keys() == student_weights(runs[2]["two"] / "student" / "model.safetensors").keys()
-
-
-def _helper_result(runs, name: str) -> dict:
-    """The JSON a helper of the first batch wrote (tests/fsdp_<name>.py under torchrun)."""
-    _, _, dirs, out, _ = runs
-    assert out[name].returncode == 0, out[name].stderr[-3000:]
-    return json.loads(dirs[name].read_text())
 
 
 def test_sharded_gradients_are_clipped_like_clip_grad_norm(runs):
