@@ -200,7 +200,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def more(runs):
-    """Resumes across process counts, a restart after a killed rank and two nodes, in parallel."""
+    """The second batch, every launch at once: the in-place resumes of the killed and the SIGTERM-stopped
+    2-process runs, resumes across process counts, a restart after a killed rank, two nodes, and the
+    layer-map and replicated-teacher runs."""
     tmp, cfg, dirs, _, _ = runs
     procs = {
         "resumed": start_torchrun(["run", "--resume", str(dirs["killed"]), "--quiet"]),
