@@ -17,6 +17,8 @@ rm -rf build/kernel-pack
 echo "== kernels build (no GPU): the FP8 teacher's plan for the archs with FP8"
 .venv/bin/kdistill kernels build --arch sm_89,sm_90,sm_100,sm_120 qwen2.5-1.5b:qwen2.5-0.5b teacher.precision=fp8
 echo "== pytest"
+# The preset pair's pack built above: tests/test_kernels.py checks it instead of compiling it again.
+export KDISTILL_TEST_PRESET_PACK="$PWD/build/kernel-pack"
 .venv/bin/python -m pytest -m "not gpu" -q --durations=15 "$@"
 echo "== wheel in a clean venv without Triton"
 exec bash scripts/ci_wheel.sh

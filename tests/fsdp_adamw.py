@@ -27,8 +27,8 @@ def _groups(model: torch.nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
-def main(out: str) -> None:
-    dist.init_from_env("cpu")
+def check() -> dict:
+    """The check, in a process group already joined (tests/fsdp_checks.py runs it beside the others)."""
     models = []
     for _ in range(2):
         m = build_decoder(make_spec(hidden=24, inter=40, layers=3), seed=1)
@@ -56,9 +56,15 @@ def main(out: str) -> None:
         same.append(bool(ok))
     steps = sorted({float(s["step"]) for s in ours.state.values()})
     moved = not torch.equal(next(models[0].parameters()).full_tensor(), next(iter(_fresh())).full_tensor())
+    return {"same": same, "steps": steps, "moved": moved}
+
+
+def main(out: str) -> None:
+    dist.init_from_env("cpu")
+    result = check()
     if dist.is_main():
         with open(out, "w") as f:
-            json.dump({"same": same, "steps": steps, "moved": moved}, f)
+            json.dump(result, f)
     dist.destroy()
 
 

@@ -21,8 +21,8 @@ from kdistill.train.step import clip_gradients
 from tests.test_contract import make_spec
 
 
-def main(out: str) -> None:
-    dist.init_from_env("cpu")
+def check() -> dict:
+    """The check, in a process group already joined (tests/fsdp_checks.py runs it beside the others)."""
     student = build_decoder(make_spec(hidden=24, inter=40, layers=3), seed=1)
     plain = copy.deepcopy(student)
     dist.shard_student(student)
@@ -38,9 +38,15 @@ def main(out: str) -> None:
     for p, q in zip(student.parameters(), plain.parameters(), strict=True):
         full = p.grad.full_tensor()
         diff = max(diff, float((full - q.grad).abs().max()))
+    return {"norm": [float(sharded_norm), float(plain_norm)], "max_abs_diff": diff}
+
+
+def main(out: str) -> None:
+    dist.init_from_env("cpu")
+    result = check()
     if dist.is_main():
         with open(out, "w") as f:
-            json.dump({"norm": [float(sharded_norm), float(plain_norm)], "max_abs_diff": diff}, f)
+            json.dump(result, f)
     dist.destroy()
 
 

@@ -8,12 +8,18 @@ Mutations: every field's value swapped for each other JSON type and for edge val
 negative, huge ints and floats, huge strings, deep nesting), fields removed, truncation of the text at
 many points, deep nesting of the whole document, duplicate keys, byte flips; YAML adds alias bombs,
 self-referencing anchors, tags and tabs. The same seed gives the same mutants.
+
+The config and data hypothesis properties (tests/test_fuzz_config.py, tests/test_fuzz_data.py) take their
+example count from `fuzz_examples`: a CI default that still finds the bugs they were written for, and the
+long run on demand, e.g.
+`KDISTILL_FUZZ_EXAMPLES=10000 pytest tests/test_fuzz_config.py tests/test_fuzz_data.py`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +27,18 @@ from typing import Any
 import yaml
 
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # the writer's speed only; parsing is ours
+
+
+def fuzz_examples(default: int) -> int:
+    """Examples per hypothesis property: KDISTILL_FUZZ_EXAMPLES when set (a positive integer), else
+    `default`. The properties are derandomized, so a count gives the same inputs on every run."""
+    raw = os.environ.get("KDISTILL_FUZZ_EXAMPLES", "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"KDISTILL_FUZZ_EXAMPLES is {raw!r}, expected a positive integer")
+    return int(raw)
+
 
 HUGE_STR = "x" * 200_000
 DEEP = 2_000

@@ -1,14 +1,19 @@
 """Data-parallel runs under torchrun (2 processes, gloo on the CPU, FSDP2 student and teacher).
 
 One uninterrupted 2-process run and one 1-process run of the same config (same global batch of 4
-sequences) go in parallel, with a 2-process and a 1-process run killed after step 4 (checkpoint at
-step 3). Then, in parallel: the 2-process checkpoint (sharded, torch.distributed.checkpoint) resumed in
-one process (2 -> 1) and on four (2 -> 4: one sequence per process, every tensor resharded from two
-shards to four), the 1-process checkpoint resumed on 2 (1 -> 2), a run under
-`torchrun --max-restarts=1` whose rank 1 is killed by PID at step 4 (restarted from step 3 on its own),
-and the same run as two one-process "nodes" meeting through a c10d rendezvous on 127.0.0.1. A resume
-on as many processes as the run had, and the restart, must end with the uninterrupted run's weights
-bit for bit; across process counts, within the tolerances below.
+sequences) go in parallel, with a 2-process and a 1-process run killed after step 4 (checkpoint at step
+3), a 2-process run whose rank 1 gets SIGTERM inside step 4, and the runs that need no other run: a
+batch that does not divide over the processes, a mixture of two teachers, a cross-tokenizer student and
+the FSDP2 helper checks (clipping, AdamW, all-gathers: tests/fsdp_checks.py, one launch). Then, in
+parallel: the killed 2-process run resumed on two, the 2-process checkpoint (sharded,
+torch.distributed.checkpoint) resumed in one process (2 -> 1) and on four (2 -> 4: one sequence per
+process, every tensor resharded from two shards to four), the 1-process checkpoint resumed on 2 (1 ->
+2), the SIGTERM-stopped run resumed, a run under `torchrun --max-restarts=1` whose rank 1 is killed by
+PID at step 4 (restarted from step 3 on its own), and the same run as two one-process "nodes" meeting
+through a c10d rendezvous on 127.0.0.1. A resume on as many processes as the run had, and the restart,
+must end with the uninterrupted run's weights bit for bit; across process counts, within the tolerances
+below. Every launch of a batch starts at once (the two fixtures below), so the suite waits for two
+batches instead of a launch per test.
 
 Why 2 processes match 1 process only closely, not exactly: the batch, the initial weights and every
 per-token loss are the same, but the gradient of the 4-row batch is the average of two 2-row gradients
@@ -29,7 +34,6 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,7 +44,6 @@ from tests.test_train_kit import (
     assert_same_weights,
     child_env,
     read_summary,
-    run_proc,
     start_proc,
     student_weights,
     write_config,
@@ -95,32 +98,98 @@ def _close_to(run_dir: Path, ref: Path) -> None:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4)
 
 
+def start_helper(script: str, out: Path) -> subprocess.Popen:
+    """tests/<script> under torchrun (2 gloo processes); it writes its JSON to `out`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+        + [str(REPO / "tests" / script), str(out)],
+        cwd=REPO,
+        env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _helper_result(runs, name: str) -> dict:
+    """The JSON that tests/fsdp_<name>.py's check wrote (all three checks: one launch of the first batch)."""
+    _, _, dirs, out, _ = runs
+    assert out["checks"].returncode == 0, out["checks"].stderr[-3000:]
+    return json.loads(dirs[name].read_text())
+
+
+def _other_configs(tmp: Path) -> dict[str, Path]:
+    """A mixture of two teachers and a student with another tokenizer (4 steps, batch 4), as YAML."""
+    import yaml
+
+    from tests.test_cross_tokenizer import other_student
+    from tests.test_multi_teacher import two_teachers
+    from tests.test_train_kit import base_config
+
+    mix = two_teachers(tmp / "mix", steps=4, batch_size=4)
+    cross = base_config(tmp / "cross", steps=4, batch_size=4)
+    cross["student"] = {"path": str(other_student())}
+    cross["kd"]["cross_tokenizer"] = True
+    paths = {}
+    for name, cfg in (("mix", mix), ("cross", cross)):
+        paths[name] = tmp / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return paths
+
+
+def _seen(read):
+    """What `read` returns, or why it could not (the test that asserts on it reports it)."""
+    try:
+        return read()
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable: {e.__class__.__name__}: {e}"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The first batch, every launch at once: (tmp, cfg, dirs, outputs, what the interrupted runs left
+    before the second batch resumes them)."""
     tmp = tmp_path_factory.mktemp("dist")
     cfg = write_config(tmp, **SCHED)
-    dirs = {k: tmp / k for k in ("two", "one", "killed", "one_killed")}
-    with ThreadPoolExecutor(4) as pool:
-        two = pool.submit(torchrun, ["run", str(cfg), f"output.dir={dirs['two']}", "--quiet"])
-        one = pool.submit(run_proc, ["run", str(cfg), f"output.dir={dirs['one']}", "--quiet"], 180)
-        killed = pool.submit(
-            torchrun, ["run", str(cfg), f"output.dir={dirs['killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
-        )
-        one_killed = pool.submit(
-            run_proc,
-            ["run", str(cfg), f"output.dir={dirs['one_killed']}", "--quiet"],
-            180,
-            KDISTILL_TEST_KILL_AT="4",
-        )
-        out = {
-            k: f.result()
-            for k, f in (("two", two), ("one", one), ("killed", killed), ("one_killed", one_killed))
-        }
+    dirs = {k: tmp / k for k in ("two", "one", "killed", "one_killed", "signalled", "odd")}
+    for name in ("clip", "adamw", "gathers"):  # tests/fsdp_checks.py: the three helpers in one launch
+        dirs[name] = tmp / "checks" / f"{name}.json"
+    other = _other_configs(tmp)
+    dirs["mix"], dirs["cross"] = tmp / "mix", tmp / "cross"
+    procs = {
+        "two": start_torchrun(["run", str(cfg), f"output.dir={dirs['two']}", "--quiet"]),
+        "one": start_proc(["run", str(cfg), f"output.dir={dirs['one']}", "--quiet"]),
+        "killed": start_torchrun(
+            ["run", str(cfg), f"output.dir={dirs['killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
+        ),
+        "one_killed": start_proc(
+            ["run", str(cfg), f"output.dir={dirs['one_killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
+        ),
+        "signalled": start_torchrun(  # SIGTERM to rank 1 alone, inside step 4
+            ["run", str(cfg), f"output.dir={dirs['signalled']}", "--quiet"],
+            KDISTILL_TEST_KILL_AT="SIGTERM@4.1",
+            KDISTILL_TEST_KILL_RANK="1",
+        ),
+        "odd": start_torchrun(
+            ["run", str(cfg), f"output.dir={dirs['odd']}", "schedule.batch_size=3", "--quiet"]
+        ),
+        "mix": start_torchrun(["run", str(other["mix"]), "--quiet"]),
+        "cross": start_torchrun(["run", str(other["cross"]), "--quiet"]),
+        "checks": start_helper("fsdp_checks.py", tmp / "checks"),
+    }
+    out = {k: finish(p, 420) for k, p in procs.items()}
+    # What the interrupted runs left, seen before the second batch resumes them in place.
+    before = {
+        "killed_ckpts": _seen(lambda: sorted(p.name for p in (dirs["killed"] / "checkpoints").iterdir())),
+        "signalled_status": _seen(lambda: read_summary(dirs["signalled"])["status"]),
+        "signalled_steps": _seen(lambda: [row["step"] for row in _losses(dirs["signalled"])]),
+        "signalled_ckpt": (dirs["signalled"] / "checkpoints" / "step-0000004").is_dir(),
+    }
     dirs["killed_copy"] = tmp / "killed_copy"  # resumed in one process (the original on two)
     dirs["killed_four"] = tmp / "killed_four"  # resumed on four processes
     for copy in ("killed_copy", "killed_four"):
         shutil.copytree(dirs["killed"], dirs[copy])
-    return tmp, cfg, dirs, out
+    return tmp, cfg, dirs, out, before
 
 
 def _free_port() -> int:
@@ -131,9 +200,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def more(runs):
-    """Resumes across process counts, a restart after a killed rank and two nodes, in parallel."""
-    tmp, cfg, dirs, _ = runs
+    """The second batch, every launch at once: the in-place resumes of the killed and the SIGTERM-stopped
+    2-process runs, resumes across process counts, a restart after a killed rank, two nodes, and the
+    layer-map and replicated-teacher runs."""
+    tmp, cfg, dirs, _, _ = runs
     procs = {
+        "resumed": start_torchrun(["run", "--resume", str(dirs["killed"]), "--quiet"]),
+        "signalled": start_torchrun(["run", "--resume", str(dirs["signalled"]), "--quiet"]),
         "two_to_one": start_proc(["run", "--resume", str(dirs["killed_copy"]), "--quiet"]),
         "one_to_two": start_torchrun(["run", "--resume", str(dirs["one_killed"]), "--quiet"]),
         "two_to_four": start_torchrun(
@@ -159,16 +232,6 @@ def more(runs):
         + ["runtime.teacher_placement=replicate", "runtime.activation_checkpointing=blocks"]
         + ["runtime.student_reshard=after_backward"]
     )
-    procs["gathers"] = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-        + [str(REPO / "tests" / "fsdp_gathers.py"), str(tmp / "gathers.json")],
-        cwd=REPO,
-        env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    dirs["gathers"] = tmp / "gathers.json"
     port = _free_port()
     for node in (0, 1):
         rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=kdistill-test"]
@@ -180,11 +243,11 @@ def more(runs):
     while not (holds / "rank1.pid").exists() and time.time() < deadline:
         time.sleep(0.2)
     os.kill(int((holds / "rank1.pid").read_text()), signal.SIGKILL)  # one gloo rank dies mid-run
-    return dirs, {k: finish(p, 240) for k, p in procs.items()}
+    return dirs, {k: finish(p, 420) for k, p in procs.items()}
 
 
 def test_two_processes_complete_and_write_once(runs):
-    _, _, dirs, out = runs
+    _, _, dirs, out, _ = runs
     r = out["two"]
     assert r.returncode == 0, r.stderr[-3000:]
     run = dirs["two"]
@@ -221,7 +284,7 @@ def test_two_processes_complete_and_write_once(runs):
 
 
 def test_two_processes_match_one_process(runs):
-    _, _, dirs, out = runs
+    _, _, dirs, out, _ = runs
     assert out["one"].returncode == 0, out["one"].stderr[-3000:]
     assert out["two"].returncode == 0, out["two"].stderr[-3000:]
     a, b = _losses(dirs["one"]), _losses(dirs["two"])
@@ -244,12 +307,12 @@ def test_two_processes_match_one_process(runs):
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4)
 
 
-def test_resume_under_torchrun_is_exact(runs):
-    _, _, dirs, out = runs
+def test_resume_under_torchrun_is_exact(runs, more):
+    _, _, dirs, out, before = runs
     assert out["killed"].returncode != 0
     run = dirs["killed"]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000003"]
-    r = torchrun(["run", "--resume", str(run), "--quiet"])
+    assert before["killed_ckpts"] == ["step-0000003"]  # before the resume
+    r = more[1]["resumed"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert read_summary(run)["status"] == "completed"
     assert [row["step"] for row in _losses(run)] == [1, 2, 3, 4, 5, 6]
@@ -260,14 +323,14 @@ def test_resume_under_torchrun_is_exact(runs):
 
 
 def test_batch_not_divisible_is_one_line_error(runs):
-    tmp, cfg, _, _ = runs
-    r = torchrun(["run", str(cfg), f"output.dir={tmp / 'odd'}", "schedule.batch_size=3", "--quiet"])
+    _, _, dirs, out, _ = runs
+    r = out["odd"]  # schedule.batch_size=3 on two processes
     assert r.returncode != 0
     errors = {ln for ln in r.stderr.splitlines() if ln.startswith("kdistill: error:")}
     assert len(errors) == 1, r.stderr[-3000:]
     assert "schedule.batch_size 3" in errors.pop()
     assert "src/kdistill" not in r.stderr  # no traceback from kdistill (torchrun reports the exit code)
-    assert not (tmp / "odd").exists()  # refused before the output folder was made
+    assert not dirs["odd"].exists()  # refused before the output folder was made
 
 
 def test_sharded_checkpoint_resumes_in_one_process(runs, more):
@@ -317,13 +380,11 @@ def test_two_nodes_through_a_c10d_rendezvous(runs, more):
     _close_to(dirs["nodes"], runs[2]["two"])
 
 
-def test_root_gathered_once_per_step_and_blocks_once_each_way(more):
-    dirs, out = more
-    assert out["gathers"].returncode == 0, out["gathers"].stderr[-3000:]
+def test_root_gathered_once_per_step_and_blocks_once_each_way(runs):
     # forward, 8 chunks of the KD head and the backward (checkpointed blocks recomputed): the root's
     # embeddings and lm_head once, each block once for forward and once for backward; kept gathered
     # from forward to backward, each block once.
-    assert json.loads(dirs["gathers"].read_text()) == {
+    assert _helper_result(runs, "gathers") == {
         "regathered": {"root": 1, "blocks": [2, 2, 2]},
         "kept": {"root": 1, "blocks": [1, 1, 1]},
     }
@@ -354,81 +415,49 @@ def test_layer_map_projections_are_sharded_and_left_out_of_the_export(runs, more
     assert exported.keys() == student_weights(runs[2]["two"] / "student" / "model.safetensors").keys()
 
 
-def _helper(script: str, out: Path) -> dict:
-    """Run tests/<script> under torchrun (2 gloo processes) and read the JSON it writes to `out`."""
-    p = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-        + [str(REPO / "tests" / script), str(out)],
-        cwd=REPO,
-        env=child_env(PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
-def test_sharded_gradients_are_clipped_like_clip_grad_norm(tmp_path):
+def test_sharded_gradients_are_clipped_like_clip_grad_norm(runs):
     """The step clips FSDP2 gradients through their local shards: the same norm and the same clipped
     gradients as torch's clip_grad_norm_ on an unsharded copy (a clip far below the norm)."""
-    result = _helper("fsdp_clip.py", tmp_path / "clip.json")
+    result = _helper_result(runs, "clip")
     sharded, plain = result["norm"]
     assert plain > 1e-2 and sharded == pytest.approx(plain, rel=1e-5)
     assert result["max_abs_diff"] < 1e-8
 
 
-def test_two_teachers_and_cross_tokenizer_runs_under_torchrun(tmp_path):
+def test_two_teachers_and_cross_tokenizer_runs_under_torchrun(runs):
     """The other loss paths under torchrun (a mixture of two teachers; a student with another
     tokenizer): each process weighs its loss by its share of the global batch's tokens and the run
     trains."""
-    import yaml
-
-    from tests.test_cross_tokenizer import other_student
-    from tests.test_multi_teacher import two_teachers
-    from tests.test_train_kit import base_config
-
-    mix = two_teachers(tmp_path / "mix", steps=4, batch_size=4)
-    cross = base_config(tmp_path / "cross", steps=4, batch_size=4)
-    cross["student"] = {"path": str(other_student())}
-    cross["kd"]["cross_tokenizer"] = True
-    paths = []
-    for name, cfg in (("mix", mix), ("cross", cross)):
-        paths.append(tmp_path / f"{name}.yaml")
-        paths[-1].write_text(yaml.safe_dump(cfg, sort_keys=False))
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda p: torchrun(["run", str(p), "--quiet"]), paths))
-    for name, r in zip(("mix", "cross"), results, strict=True):
+    _, _, dirs, out, _ = runs
+    for name in ("mix", "cross"):
+        r = out[name]
         assert r.returncode == 0, (name, r.stderr[-3000:])
-        s = read_summary(tmp_path / name)
+        s = read_summary(dirs[name])
         assert s["status"] == "completed" and s["world_size"] == 2, name
         assert s["final_loss"] < s["initial_loss"], name
 
 
-def test_fused_adamw_on_local_shards_matches_torch_on_dtensors(tmp_path):
+def test_fused_adamw_on_local_shards_matches_torch_on_dtensors(runs):
     """The sharded student's AdamW runs torch's fused kernel on the local shards: the same parameters,
     moments and step counts as torch's fused AdamW on the DTensors, a step skipped by found_inf
     included (its step count not advanced)."""
-    result = _helper("fsdp_adamw.py", tmp_path / "adamw.json")
+    result = _helper_result(runs, "adamw")
     assert result == {"same": [True, True, True], "steps": [2.0], "moved": True}
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(runs, tmp_path):
+def test_sigterm_to_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(runs, more):
     """SIGTERM to rank 1 alone, inside step 4: both processes finish that step, save it and write an
     interrupted summary (exit 0); resumed under torchrun, the run ends with the uninterrupted run's
     weights, bit for bit."""
-    _, cfg, dirs, _ = runs
-    run = tmp_path / "signalled"
-    r = torchrun(
-        ["run", str(cfg), f"output.dir={run}", "--quiet"],
-        KDISTILL_TEST_KILL_AT="SIGTERM@4.1",
-        KDISTILL_TEST_KILL_RANK="1",
-    )
+    _, _, dirs, out, before = runs
+    run = dirs["signalled"]
+    r = out["signalled"]
     assert r.returncode == 0, r.stderr[-3000:]
-    assert read_summary(run)["status"] == "interrupted"
-    assert [row["step"] for row in _losses(run)] == [1, 2, 3, 4]
-    assert (run / "checkpoints" / "step-0000004").is_dir()
-    r = torchrun(["run", "--resume", str(run), "--quiet"])
+    # what the stopped run left, before the second batch resumed it
+    assert before["signalled_status"] == "interrupted"
+    assert before["signalled_steps"] == [1, 2, 3, 4]
+    assert before["signalled_ckpt"] is True
+    r = more[1]["signalled"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert read_summary(run)["status"] == "completed"
     assert_same_weights(
