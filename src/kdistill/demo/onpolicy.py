@@ -262,6 +262,7 @@ def compare(
     )
     off_kd = dict(on_policy=0.0, seq_kd=0.0, divergence=settings.off_policy_divergence)
     summaries: dict[str, dict[str, Any]] = {}
+    phases = {"data": time.time() - t0}  # each phase's wall seconds
     start = base
     if settings.warmup_steps:
         say(f"warm-up: {settings.warmup_steps} off-policy steps")
@@ -277,10 +278,12 @@ def compare(
             base, run_dir, student=dict(path=str(run_dir / "warm_up" / "student"), init="pretrained")
         )
         per_step = _train_seconds(summaries["warm_up"]) / settings.warmup_steps
+        phases["warm_up"] = summaries["warm_up"]["wall_seconds"]
     say(f"on-policy arm: {cfg.schedule.steps} steps at lambda {cfg.kd.on_policy:g}")
     on_cfg = _with(start, run_dir / "on_policy")
     summaries["on_policy"] = _run(on_cfg, run_dir / "on_policy", "on-policy arm", quiet)
     budget = _train_seconds(summaries["on_policy"])
+    phases["on_policy"] = summaries["on_policy"]["wall_seconds"]
     if not settings.warmup_steps:  # no warm-up to time the off-policy step: a few probe steps do
         probe = _with(start, run_dir / "probe", kd=off_kd, schedule=dict(steps=5))
         per_step = _train_seconds(_run(probe, run_dir / "probe", "probe", True)) / 5
@@ -288,6 +291,8 @@ def compare(
     say(f"off-policy arm: {steps} steps (the on-policy arm's {budget:.1f} s at {per_step:.3f} s per step)")
     off_cfg = _with(start, run_dir / "off_policy", kd=off_kd, schedule=dict(steps=steps))
     summaries["off_policy"] = _run(off_cfg, run_dir / "off_policy", "off-policy arm", quiet)
+    phases["off_policy"] = summaries["off_policy"]["wall_seconds"]
+    t_grade = time.time()
 
     say("grading the greedy completions of the held-out prompts")
     seal.unseal()  # grading is a new phase with its own shapes: its compiles are not a run's misses
@@ -339,6 +344,7 @@ def compare(
         "lambda": cfg.kd.on_policy,
         "on_policy": summaries["on_policy"].get("on_policy"),
         "device": str(device),
+        "phase_seconds": {**phases, "grading": time.time() - t_grade},
         "wall_seconds": time.time() - t0,
     }
     atomic_write_json(run_dir / "summary.json", result)
