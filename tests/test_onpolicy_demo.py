@@ -81,11 +81,16 @@ def test_embedded_on_policy_comparison_runs(tmp_path, capsys):
         and table["off_policy"]["steps"] >= 1
     )
     assert summary["on_policy"]["on_policy_steps"] == 3  # lambda 1: every step of the arm generates
-    diff = summary["on_policy_minus_off_policy_reverse_kl"]
-    assert summary["on_policy_helps"] == (summary["on_policy_reverse_kl_is"] == "lower")
-    m, se = diff["mean"], diff["se"]
-    assert summary["on_policy_reverse_kl_is"] == (
-        "within noise" if abs(m) <= 2 * se else "lower" if m < 0 else "higher"
+    verdicts = {}
+    for key in ("reverse_kl", "teacher_nll"):
+        m, se = (
+            summary[f"on_policy_minus_off_policy_{key}"]["mean"],
+            summary[f"on_policy_minus_off_policy_{key}"]["se"],
+        )
+        verdicts[key] = summary[f"on_policy_{key}_is"]
+        assert verdicts[key] == ("within noise" if abs(m) <= 2 * se else "lower" if m < 0 else "higher")
+    assert summary["on_policy_helps"] == (
+        verdicts["reverse_kl"] == "lower" and verdicts["teacher_nll"] != "higher"
     )
     assert json.loads((out / "summary.json").read_text()) == summary
     assert (out / "comparison.png").stat().st_size > 0

@@ -27,7 +27,9 @@ greedily (kd.max_new_tokens tokens) and the teacher grades each completion: its 
 tokens and the reverse KL(student || teacher) per token over the full vocabulary at T = 1 (lower is
 better for both), with standard errors over the prompts, the fraction of repeated 4-grams (a degenerate
 loop lowers the teacher's NLL: this shows it), and each model's held-out CE on the data's completions.
-RUN_DIR/summary.json holds the table, RUN_DIR/comparison.png draws it.
+The arms are compared prompt by prompt (on minus off, mean and standard error); on-policy helps when
+its reverse KL is lower by more than two standard errors and its teacher NLL is not higher by as much.
+RUN_DIR/summary.json holds the table (and the phases' wall seconds), RUN_DIR/comparison.png draws it.
 """
 
 from __future__ import annotations
@@ -234,6 +236,7 @@ def grade(
         "repeated_4grams": sum(rep) / len(rep),
         "tokens": tokens,
         "per_prompt_reverse_kl": per_rkl,
+        "per_prompt_teacher_nll": per_nll,
     }
 
 
@@ -307,7 +310,7 @@ def compare(
     teacher = load_model(teacher_dir, device, torch.float32).eval()
     new = cfg.kd.max_new_tokens
     table: dict[str, dict[str, Any]] = {}
-    per_prompt: dict[str, list[float]] = {}
+    per_prompt: dict[str, dict[str, list[float]]] = {}
     for name in ROWS:
         if name == "teacher":
             model, summary = teacher, None
@@ -317,7 +320,7 @@ def compare(
         else:
             continue
         graded = grade(model, teacher, prompts, stops, new)
-        per_prompt[name] = graded.pop("per_prompt_reverse_kl")
+        per_prompt[name] = {k: graded.pop(f"per_prompt_{k}") for k in ("reverse_kl", "teacher_nll")}
         if summary is None:  # the teacher: its held-out CE from the on-policy arm's eval
             ce = summaries["on_policy"]["heldout"].get("teacher_loss")
         else:
@@ -328,15 +331,22 @@ def compare(
             "heldout_ce": ce,
             **graded,
         }
-    diffs = [a - b for a, b in zip(per_prompt["on_policy"], per_prompt["off_policy"])]
-    diff, diff_se = _mean_se(diffs)
-    # the verdict: outside two standard errors of the paired difference, or within the noise
-    verdict = "within noise" if abs(diff) <= 2 * diff_se else ("lower" if diff < 0 else "higher")
+    paired, verdicts = {}, {}
+    for key in ("reverse_kl", "teacher_nll"):  # on minus off, prompt by prompt
+        mean, se = _mean_se(
+            [a - b for a, b in zip(per_prompt["on_policy"][key], per_prompt["off_policy"][key])]
+        )
+        paired[key] = {"mean": mean, "se": se}
+        # outside two standard errors of the paired difference, or within the noise
+        verdicts[key] = "within noise" if abs(mean) <= 2 * se else ("lower" if mean < 0 else "higher")
     result = {
         "comparison": table,
-        "on_policy_minus_off_policy_reverse_kl": {"mean": diff, "se": diff_se, "per_prompt_mean": True},
-        "on_policy_reverse_kl_is": verdict,
-        "on_policy_helps": verdict == "lower",
+        "on_policy_minus_off_policy_reverse_kl": paired["reverse_kl"],
+        "on_policy_minus_off_policy_teacher_nll": paired["teacher_nll"],
+        "on_policy_reverse_kl_is": verdicts["reverse_kl"],
+        "on_policy_teacher_nll_is": verdicts["teacher_nll"],
+        # helps: a lower reverse KL on its own completions without a higher teacher NLL of them
+        "on_policy_helps": verdicts["reverse_kl"] == "lower" and verdicts["teacher_nll"] != "higher",
         "equal_time_ratio": table["off_policy"]["train_seconds"]
         / max(table["on_policy"]["train_seconds"], 1e-9),
         "heldout_prompts": len(prompts),
@@ -399,10 +409,14 @@ def print_table(result: dict[str, Any]) -> None:
             f"{row['teacher_nll']:9.4f} ±{row['teacher_nll_se']:.3f}{row['reverse_kl']:9.4f} ±{row['reverse_kl_se']:.3f}"
             f"{row['repeated_4grams']:9.2f}{ce:>12s}"
         )
-    d = result["on_policy_minus_off_policy_reverse_kl"]
+    for key, label in (("reverse_kl", "reverse KL"), ("teacher_nll", "teacher NLL")):
+        d = result[f"on_policy_minus_off_policy_{key}"]
+        print(
+            f"on-policy minus off-policy {label}, per prompt: {d['mean']:+.4f} ± {d['se']:.4f} "
+            f"(one standard error): on-policy's is {VERDICTS[result[f'on_policy_{key}_is']]}"
+        )
     print(
-        f"on-policy minus off-policy reverse KL, per prompt: {d['mean']:+.4f} ± {d['se']:.4f} "
-        f"(one standard error): on-policy's is {VERDICTS[result['on_policy_reverse_kl_is']]}"
+        f"on-policy helps (lower reverse KL, teacher NLL not higher): {'yes' if result['on_policy_helps'] else 'no'}"
     )
 
 
