@@ -97,7 +97,7 @@ def main() -> int:
 
         result = compare(cfg, settings, run_dir, quiet=True, log=say)
     print_table(result)
-    cuda = a.device.startswith("cuda")
+    cuda = a.device != "cpu" and torch.cuda.is_available()
     report = {
         "benchmark": "on-policy distillation quality: the demo teacher on the stdlib, equal training time",
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -109,7 +109,8 @@ def main() -> int:
         "command": "PYTHONPATH=src:. python3 benchmarks/onpolicy_quality.py " + _argv_for_record(),
         "budget": {**b, "lambda": a.lam, "lr": a.lr, "warmup_lr": a.warmup_lr, "seed": a.seed},
         "config": {k: v for k, v in cfg.to_dict().items() if k in ("kd", "optim", "schedule", "data")},
-        **result,  # the table, the comparison's settings and its phases' wall time
+        **{k: v for k, v in result.items() if k != "device"},  # the table, settings, phases' wall time
+        "torch_device": result.get("device"),
         "wall_seconds": time.time() - t0,
     }
     text = json.dumps(report, indent=2)
