@@ -109,6 +109,20 @@ def provider_cfg(provider: str, cfg):
     return cfg
 
 
+def build_pair(cfg, t_spec, s_spec, dev: torch.device):
+    """Seal the provider's kernels, then (session, bf16 teacher, fp32 student, AdamW, autocast); the
+    teacher's and student's linears as FP8 GEMMs where the config says so."""
+    sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
+    teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
+    if cfg.teacher.precision == "fp8":
+        convert_to_fp8(teacher)
+    student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
+    if cfg.runtime.precision == "fp8":
+        convert_student_to_fp8(student)
+    opt = make_optimizer(student, cfg.optim)
+    return sess, teacher, student, opt, torch.autocast("cuda", dtype=torch.bfloat16)
+
+
 def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callable[[], int]]:
     """(step(ids, labels) -> loss, jit_after_prewarm) for one of kdistill's providers."""
     if provider.endswith(("-step", "-graph")):
@@ -116,16 +130,7 @@ def kdistill_step(provider: str, cfg, t_spec, s_spec) -> tuple[Callable, Callabl
         return run_step(base, provider.endswith("-graph"), cfg, t_spec, s_spec)
     dev = torch.device("cuda")
     cfg = provider_cfg(provider, cfg)
-    fp8_teacher, fp8_student = cfg.teacher.precision == "fp8", cfg.runtime.precision == "fp8"
-    sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
-    teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
-    if fp8_teacher:
-        convert_to_fp8(teacher)
-    student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
-    if fp8_student:
-        convert_student_to_fp8(student)
-    opt = make_optimizer(student, cfg.optim)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16)
+    sess, teacher, student, opt, amp = build_pair(cfg, t_spec, s_spec, dev)
 
     counts: dict[int, int] = {}
     source = target_source(teacher)
@@ -168,16 +173,7 @@ def run_step(base: str, graphs: bool, cfg, t_spec, s_spec) -> tuple[Callable, Ca
 
     dev = torch.device("cuda")
     cfg = provider_cfg(f"{base}-{'graph' if graphs else 'step'}", cfg)
-    fp8_teacher, fp8_student = cfg.teacher.precision == "fp8", cfg.runtime.precision == "fp8"
-    sess = seal.start(cfg, t_spec, s_spec, dev, torch.bfloat16, quiet=True)
-    teacher = build_decoder(t_spec, device=dev, dtype=torch.bfloat16, seed=1).eval().requires_grad_(False)
-    if fp8_teacher:
-        convert_to_fp8(teacher)
-    student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
-    if fp8_student:
-        convert_student_to_fp8(student)
-    opt = make_optimizer(student, cfg.optim)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16)
+    sess, teacher, student, opt, amp = build_pair(cfg, t_spec, s_spec, dev)
     ctx = StepContext(cfg, student, teacher, opt, dev, amp, None)
     graph = StepGraph(dev)
     if not graphs:

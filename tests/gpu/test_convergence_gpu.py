@@ -66,20 +66,25 @@ def _train(mode: str, teacher_spec, student_spec, batches, divergence: str, dtyp
     return losses
 
 
+def _learnable_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """30 batches of 4 x 64 learnable sequences (each token a fixed function of the previous one, from
+    random starts), so both paths must actually train, not just agree on noise."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    steps = torch.arange(65, device="cuda")
+    batches = []
+    for _ in range(30):
+        start = torch.randint(0, 1000, (4, 1), device="cuda", generator=g)
+        x = (start * 7 + steps * 13) % 1000
+        batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return batches
+
+
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 3e-2)])
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
 def test_kernels_track_reference_every_step(dtype: str, tol: float, divergence: str) -> None:
     teacher = _spec("qwen2", 128, 3, 4, 2, 256)
     student = _spec("qwen2", 64, 2, 4, 2, 160)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    batches = []
-    # Learnable sequences (each token a fixed function of the previous one, from random starts), so
-    # both paths must actually train, not just agree on noise.
-    steps = torch.arange(65, device="cuda")
-    for _ in range(30):
-        start = torch.randint(0, 1000, (4, 1), device="cuda", generator=g)
-        x = (start * 7 + steps * 13) % 1000
-        batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    batches = _learnable_batches()
     ref = _train("reference", teacher, student, batches, divergence, dtype)
     ker = _train("triton", teacher, student, batches, divergence, dtype)
     rel = [abs(a - b) / abs(b) for a, b in zip(ker, ref)]
@@ -149,13 +154,7 @@ def test_kernels_track_reference_in_each_step_mode(precision: str, graphs: str) 
     every step within the bf16 tolerance, and both train."""
     teacher = _spec("qwen2", 128, 3, 4, 2, 256)
     student = _spec("qwen2", 64, 2, 4, 2, 160)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    steps = torch.arange(65, device="cuda")
-    batches = []
-    for _ in range(30):
-        start = torch.randint(0, 1000, (4, 1), device="cuda", generator=g)
-        x = (start * 7 + steps * 13) % 1000
-        batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    batches = _learnable_batches()
     ref = _train_run_step("reference", teacher, student, batches, precision, graphs)
     ker = _train_run_step("triton", teacher, student, batches, precision, graphs)
     rel = [abs(a - b) / abs(b) for a, b in zip(ker, ref)]
