@@ -15,6 +15,8 @@ Each step: teacher forward (no grad), student forward, loss, backward, AdamW ste
               loss of each micro-batch, gradient clipping, the non-finite test, fused AdamW), eager
   PROVIDER-graph  the same step captured as a CUDA graph after two eager steps and replayed
               (runtime.cuda_graphs); e.g. triton-graph, triton-fp8-student-graph
+  ...-bf16logits-...  a triton provider with kd.logits_dtype=compute: the KD head's lm_head GEMMs write
+              bf16 logits (as Liger-Kernel's do); e.g. triton-bf16logits-graph, triton-fp8-bf16logits
   reference   kdistill's PyTorch reference ops, chunked KD loss head
   dense       kdistill's decoder with reference ops and the KD loss written the obvious way (full
               [tokens x vocab] logits, log-softmax, KL)
@@ -59,8 +61,12 @@ except ImportError:  # pragma: no cover
     from benchmarks.hf_providers import HF_PROVIDERS, make_provider
 
 KDISTILL_BASE = ("triton", "triton-fp8", "triton-fp8-student", "reference", "dense")
-KDISTILL_PROVIDERS = KDISTILL_BASE + tuple(
-    f"{p}-{mode}" for p in ("triton", "triton-fp8", "triton-fp8-student") for mode in ("step", "graph")
+_TRITON = ("triton", "triton-fp8", "triton-fp8-student")
+_TRITON_ALL = _TRITON + tuple(f"{p}-bf16logits" for p in _TRITON)
+KDISTILL_PROVIDERS = (
+    KDISTILL_BASE
+    + _TRITON_ALL[len(_TRITON) :]
+    + tuple(f"{p}-{mode}" for p in _TRITON_ALL for mode in ("step", "graph"))
 )
 
 
@@ -102,6 +108,9 @@ def provider_cfg(provider: str, cfg):
     cfg = dataclasses.replace(
         cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels, cuda_graphs=graphs)
     )
+    if base.endswith("-bf16logits"):  # kd.logits_dtype=compute
+        base = base.removesuffix("-bf16logits")
+        cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, logits_dtype="compute"))
     if base in ("triton-fp8", "triton-fp8-student"):  # teacher.precision=fp8
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
     if base == "triton-fp8-student":  # runtime.precision=fp8: the student's linears as FP8 GEMMs too

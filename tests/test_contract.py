@@ -72,10 +72,11 @@ def make_spec(
     return spec_from_hf_config(cfg)
 
 
-def make_run(dtype="float32", batch=2, seq=5, divergence="forward_kl", alpha=0.5, chunk=4):
+def make_run(dtype="float32", batch=2, seq=5, divergence="forward_kl", alpha=0.5, chunk=4, logits="float32"):
     run = RunConfig()
     run.runtime.dtype, run.schedule.batch_size, run.data.seq_len = dtype, batch, seq
     run.kd.divergence, run.kd.alpha, run.kd.chunk_size = divergence, alpha, chunk
+    run.kd.logits_dtype = logits
     return run
 
 
@@ -155,6 +156,7 @@ def setups(draw):
         divergence=draw(st.sampled_from(DIVERGENCES)),
         alpha=draw(st.sampled_from([0.0, 0.5, 1.0])),
         chunk=draw(st.sampled_from([3, 8, 1024])),
+        logits=draw(st.sampled_from(["float32", "compute"])),
     )
     return teacher, student, run, draw(st.sampled_from(["sm_80", "sm_90", "sm_120"]))
 
@@ -342,3 +344,15 @@ def test_a_key_that_misses_the_backward_of_an_op_is_detected():
     rec = run_step(teacher, student, run)
     problems = contract.check(rec.launches, {k for k in plan if k.op != "rope_bwd"})
     assert problems and all("rope_bwd" in p for p in problems)
+
+
+def test_compute_dtype_logits_are_planned_and_a_float32_plan_misses_them():
+    """kd.logits_dtype=compute under bf16 autocast launches the KD head on bf16 logits: the plan for the
+    run holds that key, and the plan of the same run with float32 logits does not cover the launch."""
+    teacher, student = make_spec(vocab=40), make_spec(hidden=24, vocab=40)
+    run = make_run(dtype="bfloat16", logits="compute")
+    rec = run_step(teacher, student, run)
+    heads = [k for k in rec.keys() if k.op == "kd_loss" and k["NEED_GRAD"]]
+    assert [k["logits_dtype"] for k in heads] == ["bfloat16"]
+    assert contract_problems(teacher, student, run, rec=rec) == []
+    assert contract_problems(teacher, student, make_run(dtype="bfloat16"), rec=rec) != []

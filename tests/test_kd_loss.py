@@ -59,9 +59,9 @@ def oracle(sh, sw, th, tw, labels, grad_out=1.0, **kw):
     return r, gh, gw
 
 
-def check(dtype, grad_out=2.5, chunk_size=CHUNK, inputs=None, **kw):
+def check(dtype, grad_out=2.5, chunk_size=CHUNK, inputs=None, logits_dtype="float32", **kw):
     sh, sw, th, tw, labels = inputs or make_inputs(dtype)
-    r = kd_loss(sh, sw, th, tw, labels, chunk_size=chunk_size, **kw)
+    r = kd_loss(sh, sw, th, tw, labels, chunk_size=chunk_size, logits_dtype=logits_dtype, **kw)
     gh, gw = torch.autograd.grad(r.loss, (sh, sw), grad_outputs=torch.tensor(grad_out, dtype=r.loss.dtype))
     ro, gho, gwo = oracle(sh, sw, th, tw, labels, grad_out=grad_out, **kw)
     tol = TOL[dtype]
@@ -93,6 +93,56 @@ def test_matches_dense_fp32(divergence, temperature):
 def test_matches_dense_bf16(divergence):
     # bf16 weights and hidden states; on the CPU the GEMM rounds logits to bf16, hence the tolerance.
     check(torch.bfloat16, alpha=0.5, temperature=2.0, divergence=divergence)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_compute_dtype_logits_reach_the_chunk_function_and_match(divergence):
+    """logits_dtype="compute": bf16 operands give the chunk function bf16 student and teacher logits
+    (float32: fp32 ones); the loss and gradients stay within bf16's tolerance of the dense oracle,
+    and fp32 operands give the same bits either way."""
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def spy(s, t, labels, **kw):
+        seen.append((s.dtype, t.dtype))
+        return chunk_divergence_reference(s, t, labels, **kw)
+
+    kw = dict(alpha=0.5, temperature=2.0, divergence=divergence)
+    inputs = make_inputs(torch.bfloat16)
+    check(torch.bfloat16, inputs=inputs, logits_dtype="compute", **kw)
+    sh, sw, th, tw, labels = inputs
+    kd_loss(sh, sw, th, tw, labels, chunk_size=CHUNK, chunk_fn=spy, logits_dtype="compute", **kw)
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    seen.clear()
+    kd_loss(sh, sw, th, tw, labels, chunk_size=CHUNK, chunk_fn=spy, **kw)
+    assert set(seen) == {(torch.float32, torch.float32)}
+
+    sh, sw, th, tw, labels = make_inputs(torch.float32)
+    a = kd_loss(sh, sw, th, tw, labels, chunk_size=CHUNK, logits_dtype="compute", **kw)
+    b = kd_loss(sh, sw, th, tw, labels, chunk_size=CHUNK, **kw)
+    ga = torch.autograd.grad(a.loss, (sh, sw))
+    gb = torch.autograd.grad(b.loss, (sh, sw))
+    assert torch.equal(a.loss, b.loss) and all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
+
+
+def test_compute_dtype_logits_cast_a_teacher_cache_and_a_mixture():
+    """The teacher cache's log-prob rows and a mixture's target reach the chunk function in the
+    student logits' dtype path: cached rows as bf16, the mixture's fp32 target as it is."""
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def spy(s, t, labels, **kw):
+        seen.append((s.dtype, t.dtype))
+        return chunk_divergence_reference(s, t, labels, **kw)
+
+    sh, sw, th, tw, labels = make_inputs(torch.bfloat16)
+    logprobs = torch.log_softmax((th @ tw.T).float(), dim=-1)  # (N, Vt) fp32, as a cache holds them
+    kw = dict(alpha=0.5, temperature=2.0, divergence="forward_kl", chunk_size=CHUNK, chunk_fn=spy)
+    kd_loss(sh, sw, None, None, labels, teacher_logprobs=logprobs, logits_dtype="compute", **kw)
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    seen.clear()
+    kd_loss(sh, sw, None, None, labels, teacher_mixture=[(th, tw, 1.0)], logits_dtype="compute", **kw)
+    assert set(seen) == {(torch.bfloat16, torch.float32)}
+    with pytest.raises(UserError, match="kd.logits_dtype"):
+        kd_loss(sh, sw, th, tw, labels, logits_dtype="bf16", **kw)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 4.0])

@@ -141,3 +141,15 @@ def test_student_reshard_must_be_one_of_the_choices(capsys):
     assert err.strip().splitlines()[-1] == (
         "kdistill: error: runtime.student_reshard is 'never', expected one of: auto, after_forward, after_backward"
     )
+
+
+def test_compute_dtype_logits_halve_the_head_buffers_on_a_gpu_only():
+    """kd.logits_dtype=compute: the two [chunk x vocab] buffers in bf16 on a GPU, fp32 on a CPU."""
+    t, s = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
+    cfg = RunConfig()
+    fp32 = estimate_memory(t, s, cfg, device="cuda")["loss_chunk_logits"]
+    cfg.kd.logits_dtype = "compute"
+    assert estimate_memory(t, s, cfg, device="cuda")["loss_chunk_logits"] * 2 == fp32
+    assert estimate_memory(t, s, cfg, device="cpu")["loss_chunk_logits"] == fp32
+    chunk = min(cfg.kd.chunk_size, cfg.schedule.batch_size * cfg.data.seq_len)
+    assert fp32 == 2 * chunk * s.vocab_size * 4

@@ -87,6 +87,7 @@ def test_bad_config_file(tmp_path, capsys, change, message):
         ("optim.lr=0", "optim.lr is 0.0, expected a positive number"),
         ("optim.lr=-3e-4", "optim.lr is -0.0003, expected a positive number"),
         ("foo", "override 'foo' is not of the form key=value (e.g. kd.temperature=2)"),
+        ("kd.logits_dtype=bf16", "kd.logits_dtype is 'bf16', expected one of: float32, compute"),
     ],
 )
 def test_bad_override(tmp_path, capsys, override, message):

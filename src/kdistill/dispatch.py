@@ -559,6 +559,7 @@ def kd_loss(
     teacher_logprobs: torch.Tensor | None = None,
     teacher_mixture: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None,
     n_tokens: int | None = None,
+    logits_dtype: str = "float32",
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads (see
     kdistill.ops.kd_loss), each chunk on the KD head kernel or its reference. With teacher_logprobs
@@ -566,7 +567,8 @@ def kd_loss(
     the KD head kernel takes teacher logits either way, so the kernel and its key are the same; so
     with teacher_mixture [(t_hidden_i, t_weight_i, weight_i), ...] (several teachers: each chunk's
     teacher logits are T log of their mixture in probability space). n_tokens: the labels' count
-    from their host copy (kdistill.ops.kd_loss.label_count), so that nothing here waits for the GPU."""
+    from their host copy (kdistill.ops.kd_loss.label_count), so that nothing here waits for the GPU.
+    logits_dtype: "float32" or "compute" (kd.logits_dtype: the chunk logits in the operands' dtype)."""
     return kd_ops.kd_loss(
         s_hidden,
         s_weight,
@@ -583,4 +585,5 @@ def kd_loss(
         teacher_logprobs=teacher_logprobs,
         teacher_mixture=teacher_mixture,
         n_tokens=n_tokens,
+        logits_dtype=logits_dtype,
     )

@@ -91,7 +91,8 @@ def estimate_memory(
     The peak is at the end of the student's forward pass, when everything below is live at once:
     weights, AdamW state and autocast's bf16 weight copies; the student's saved activations; the
     teacher's final hidden states; the KD head's gradient buffers for the hidden states and the
-    lm_head; and two [chunk x vocab] fp32 logits buffers of the chunk being computed. (The teacher's
+    lm_head; and two [chunk x vocab] logits buffers of the chunk being computed (fp32, or bf16 with
+    kd.logits_dtype=compute). (The teacher's
     own forward runs before the student's activations exist, and the student's gradients replace its
     activations during the backward pass, so neither adds to this peak unless it is larger:
     `optimizer_phase` covers the end of the backward pass.)
@@ -178,7 +179,10 @@ def estimate_memory(
         # largest mode) and no teacher at all
         "teacher_hidden": n * vocab * 2 if cached else n * teacher.hidden_size * act_bytes,
         "loss_gradients": n * student.hidden_size * 4 + head_grad,
-        "loss_chunk_logits": (4 if extra_teachers else 2) * chunk * vocab * 4,
+        # fp32 logits, or the compute dtype's with kd.logits_dtype=compute on a GPU (a mixture's own
+        # running buffers stay fp32)
+        "loss_chunk_logits": (2 * chunk * vocab * (act_bytes if cfg.kd.logits_dtype == "compute" else 4))
+        + (2 * chunk * vocab * 4 if extra_teachers else 0),
     }
     if extra_teachers:
         forward_peak["teacher_hidden"] += sum(n * t.hidden_size * act_bytes for t in extra_teachers)

@@ -214,15 +214,17 @@ def kd_kernels(
     head = registry.by_name("kd_loss")
     kd = run.kd
     # The step casts the head's operands to the autocast dtype, so the logits gradient is written in
-    # the compute dtype; fp32 when there is no autocast. Logits are fp32 (GEMMs accumulate in fp32).
+    # the compute dtype; fp32 when there is no autocast. Training logits are fp32 (GEMMs accumulate in
+    # fp32), or with kd.logits_dtype=compute in the operands' dtype, which the gradient then overwrites.
     grad_dtype = prec.compute if prec.autocast else prec.student_weights
+    logits_dtype = grad_dtype if kd.logits_dtype == "compute" else "fp32"
     v_s = student.vocab_size
     out = head.plan(
         arch,
         grad=True,
         vocab_size=v_s,
         divergence=kd.divergence,
-        logits_dtype="fp32",
+        logits_dtype=logits_dtype,
         has_kd=kd.alpha > 0,
         grad_dtype=grad_dtype,
     )

@@ -303,7 +303,7 @@ def batch_loss(
         )
     r = dispatch.kd_loss(
         s_hidden, s_weight, t_hidden, t_weight, labels, teacher_logprobs=targets.logprobs,
-        teacher_mixture=targets.mixture, n_tokens=batch.n_tokens, **common,
+        teacher_mixture=targets.mixture, n_tokens=batch.n_tokens, logits_dtype=kd.logits_dtype, **common,
     )  # fmt: skip
     if extras is not None:
         extra = extras.loss(student, s_states, s_qk, targets.states, targets.qk, batch.labels, batch.doc_ids)
