@@ -155,6 +155,51 @@ def test_lora_run_trains_adapters_exports_peft_layout_and_merges(tmp_path, capsy
     assert (tmp_path / "copy" / "adapter_model.safetensors").is_file()
 
 
+def test_merged_export_carries_the_chat_template_the_run_trained_with(tmp_path, capsys):
+    """A LoRA run on conversations rendered with data.chat_template: the merged model holds that
+    template (not the base student's own), and transformers renders with it as the run did."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kdistill.data.chat_template import load_chat_template
+    from tests.test_chat_train import TEMPLATE, write_chat_files
+
+    student = tmp_path / "student"
+    shutil.copytree(assets().student, student)
+    (student / "chat_template.jinja").write_text("base: " + TEMPLATE, encoding="utf-8")
+    data, template = write_chat_files(tmp_path / "data", n=24)
+    run_dir = tmp_path / "run"
+    cfg = _lora_config(run_dir, steps=2, batch_size=2)
+    cfg["student"]["path"] = str(student)
+    cfg["data"] = {
+        "train": [str(data)],
+        "heldout_fraction": 0.2,
+        "seq_len": 48,
+        "chat_template": str(template),
+        "cache_dir": str(assets().cache),
+    }
+    rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg)), "--quiet")
+    assert rc == 0, err
+    merged = tmp_path / "merged"
+    rc, _, err = run_cli(capsys, "export", "--run", str(run_dir), "--merge", "--out", str(merged))
+    assert rc == 0, err
+    assert (merged / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick fox"}]
+    want = load_chat_template(assets().teacher, template).render(conv, add_generation_prompt=True)
+    got = AutoTokenizer.from_pretrained(merged).apply_chat_template(
+        conv, tokenize=False, add_generation_prompt=True
+    )
+    assert got == want and got.startswith("system: be brief")
+    # The base student keeps its own template.
+    assert (student / "chat_template.jinja").read_text(encoding="utf-8") == "base: " + TEMPLATE
+    # A run stopped before its summary.json: its data.train files say it trained on conversations.
+    (run_dir / "summary.json").unlink()
+    rc, _, err = run_cli(capsys, "export", "--run", str(run_dir), "--merge", "--out", str(tmp_path / "m2"))
+    assert rc == 0, err
+    assert (tmp_path / "m2" / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
+
+
 def test_lora_resume_is_bit_identical(tmp_path):
     cfg = _write(tmp_path, _lora_config(tmp_path / "unused", steps=6, checkpoint_every=2))
     full, cut = tmp_path / "full", tmp_path / "cut"

@@ -4,7 +4,8 @@
     kdistill export --run runs/a --merge --out models/a      # a Hugging Face directory: W + (alpha/r) B A
 
 The base is the run's student.path (its config.yaml); the adapters are the run's export in
-RUN_DIR/adapter. The merged directory loads in transformers with the logits of base + adapters.
+RUN_DIR/adapter. The merged directory loads in transformers with the logits of base + adapters, and
+carries the chat template the run trained with (data.chat_template, as a full run's student/ does).
 Either is written to a temp folder and renamed (kdistill.outputs): an existing --out is replaced only
 when it holds an earlier export of the same kind (its `.kdistill-output` marker), never a folder of the
 user's, and --out may not be, or contain, the run's inputs (its folder, student.path, the teachers).
@@ -18,12 +19,15 @@ from pathlib import Path
 
 import torch
 
-from kdistill.config import load_config
+from kdistill.commands.report import read_summary
+from kdistill.config import RunConfig, load_config
+from kdistill.data.chat_data import is_conversation_data
 from kdistill.errors import UserError
 from kdistill.fileio import fault_point
 from kdistill.models.hf_io import load_model, save_model
 from kdistill.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, merge_lora, read_adapter
 from kdistill.outputs import check_target, staged_output
+from kdistill.train.loading import exported_chat_template
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -61,11 +65,33 @@ def export_command(args: argparse.Namespace) -> int:
         print(f"adapter (PEFT layout) written to {out}")
         return 0
     check_target(out, "export-merged", inputs=inputs)  # before the base is loaded
+    template = exported_chat_template(cfg, _trained_on_conversations(run_dir, cfg))
     model = load_model(cfg.student.path, device="cpu", dtype=torch.float32)
     merge_lora(load_adapter(model, adapter_dir))
     source = Path(cfg.student.path)
     if not (source / "tokenizer.json").is_file():
         source = Path(cfg.teacher.path)
-    save_model(model, out, source_dir=source, kind="export-merged", intact=intact, inputs=inputs)
+    save_model(
+        model,
+        out,
+        source_dir=source,
+        chat_template=template,
+        kind="export-merged",
+        intact=intact,
+        inputs=inputs,
+    )
     print(f"merged student (base + adapters) written to {out}")
     return 0
+
+
+def _trained_on_conversations(run_dir: Path, cfg: RunConfig) -> bool:
+    """Whether the run rendered conversations (so data.chat_template shaped what it learned): its
+    summary.json says so (data.format); a run stopped before writing one is judged by its data.train
+    files, as the run judged them."""
+    if not cfg.data.chat_template:
+        return False  # nothing to carry: the source directory's own template stays
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        data = read_summary(summary).get("data")
+        return isinstance(data, dict) and data.get("format") == "conversations"
+    return is_conversation_data(cfg.data.train)

@@ -85,6 +85,19 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
     return template
 
 
+def exported_chat_template(cfg: RunConfig, conversations: bool) -> str | None:
+    """The chat template a run's exported student carries in place of its source directory's own:
+    data.chat_template's text when the run rendered conversations with it (the student answers in the
+    format it learned), else None. The run's student/ and `kdistill export --merge` both take it from here.
+
+    Raises:
+        UserError: data.chat_template cannot be read or does not compile (naming the field and file).
+    """
+    if not (cfg.data.chat_template and conversations):
+        return None
+    return load_chat_template(cfg.teacher.path, cfg.data.chat_template).source
+
+
 def teacher_precision(cfg: RunConfig, teacher: Decoder, device: torch.device) -> None:
     """teacher.precision=fp8: the frozen teacher's decoder linears become FP8 GEMMs (weights quantised
     here, once); refused on a GPU without FP8 matrix units."""

@@ -58,6 +58,7 @@ from kdistill.train.graph import wanted as graph_wanted
 from kdistill.train.layers import attach_projections, check_layer_map
 from kdistill.train.loading import (
     chat_template,
+    exported_chat_template,
     load_data,
     load_mixture,
     load_models,
@@ -551,11 +552,7 @@ def export_student(run: Run) -> None:
     student's adapters in PEFT's layout in run_dir/adapter (`kdistill export --merge` folds them in),
     under torchrun gathered whole (collective) and written by rank 0."""
     out, source = run.run_dir / "student", Path(run.cfg.teacher.path)
-    # A run that rendered its conversations with data.chat_template exports that template: the
-    # student answers in the format it learned.
-    template = None
-    if run.cfg.data.chat_template and run.data_stats.get("format") == "conversations":
-        template = load_chat_template(run.cfg.teacher.path, run.cfg.data.chat_template).source
+    template = exported_chat_template(run.cfg, run.data_stats.get("format") == "conversations")
     if has_lora(run.ctx.student):
         student, adapter = run.ctx.student, run.run_dir / "adapter"
         base = str(Path(run.cfg.student.path).resolve())
