@@ -318,3 +318,131 @@ def test_messages_keep_every_field_and_their_tools(tmp_path):
 def test_a_prompt_that_is_not_unicode_is_one_line(chat_dir, capsys):
     rc, _, err = cli(capsys, "--model", str(chat_dir), "--prompt", "a\udcff", "--device", "cpu")
     assert rc == 2 and err.count("\n") == 1 and "prompt 1 holds a lone surrogate" in err, err
+
+
+# -- --kernel-pack: checked before the model is loaded, handed to the decode prewarm --------------------
+def _pack(folder, **fields):
+    """A pack folder whose manifest is this process's Triton's, with `fields` changed (kernels: none)."""
+    from kdistill.kernels import pack
+
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "format": 1,
+        "triton": pack.triton_version(),
+        "triton_build": pack.triton_build(),
+        "kernels": {},
+    }
+    (folder / "manifest.json").write_text(json.dumps({**manifest, **fields}), encoding="utf-8")
+    return folder
+
+
+def _no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before --kernel-pack was checked")
+
+    monkeypatch.setattr("kdistill.generate.load_model", refuse)
+
+
+@pytest.mark.parametrize("to_file", [False, True])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (None, ": not a folder (expected the --out folder of kdistill kernels build)"),
+        (lambda p: p.mkdir(), ": no manifest.json"),
+        (
+            lambda p: (p.mkdir(), (p / "manifest.json").write_text('{"format": 1, "tri')),
+            "not a readable JSON",
+        ),
+        (lambda p: (p.mkdir(), (p / "manifest.json").write_text('{"format": 7}')), "with format 1, got"),
+    ],
+)
+def test_a_bad_kernel_pack_is_one_line_before_the_model_is_loaded(
+    chat_dir, tmp_path, capsys, monkeypatch, damage, message, to_file
+):
+    folder = tmp_path / "pack"
+    if damage is not None:
+        damage(folder)
+    _no_model_load(monkeypatch)
+    out = tmp_path / "answers.jsonl"
+    where = ["--out", str(out)] if to_file else ["--json"]
+    rc, _, err = cli(
+        capsys,
+        "--model",
+        str(chat_dir),
+        "--prompt",
+        "a",
+        "--device",
+        "cpu",
+        "--kernel-pack",
+        str(folder),
+        *where,
+    )
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"kdistill: error: --kernel-pack {folder}") and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["pack"] if damage else [])  # nothing written
+
+
+def test_a_kernel_pack_of_another_triton_or_gpu_is_refused_before_the_model_is_loaded(
+    chat_dir, tmp_path, capsys, monkeypatch
+):
+    """Where the decode kernels are Triton's (a GPU; stood in for by the arch it would report), the
+    pack's Triton version and build and its archs are checked against this process, naming both."""
+    from kdistill.kernels import pack
+
+    pytest.importorskip("triton")
+    monkeypatch.setattr("kdistill.generate.decode_kernel_arch", lambda device: "sm_90")
+    _no_model_load(monkeypatch)
+    entry = {"arch": "sm_80", "triton": pack.triton_version(), "cuda": "12.8", "dir": "sm_80/k", "name": "k"}
+    entry.update(triton_hash="00", files={"k.cubin": "00"})
+    cases = [
+        (
+            _pack(tmp_path / "old", triton="3.0.0"),
+            f"built with Triton 3.0.0, this is Triton {pack.triton_version()}",
+        ),
+        (
+            _pack(tmp_path / "build", triton_build="0123456789abcdef"),
+            "build 0123456789abcdef, this is Triton",
+        ),
+        (_pack(tmp_path / "a100", kernels={"k[sm_80]": entry}), "built for sm_80, this GPU is sm_90"),
+    ]
+    for folder, message in cases:
+        argv = ["--model", str(chat_dir), "--prompt", "a", "--device", "cpu", "--kernel-pack", str(folder)]
+        rc, _, err = cli(capsys, *argv)
+        assert rc == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"kdistill: error: --kernel-pack {folder}: ") and message in err, err
+
+
+@pytest.mark.parametrize("to_file", [False, True])
+def test_the_kernel_pack_reaches_the_decode_prewarm(chat_dir, tmp_path, capsys, monkeypatch, to_file):
+    """The decode engine's prewarm gets the pack with the plan and arch it warms; on the CPU the Triton
+    mode is stood in for (the kernels still run on the reference path) and the prewarm recorded."""
+    import dataclasses
+
+    import kdistill.generate as gen
+    from kdistill.kernels.seal import PrewarmReport
+
+    folder = _pack(tmp_path / "pack")
+    calls = []
+    real_configure = gen.configure
+
+    def configure(**kwargs):
+        return dataclasses.replace(real_configure(**kwargs), mode="triton", arch="sm_90")
+
+    def prewarm(plan, device, *, pack=None, arch=None):
+        calls.append(("prewarm", len(plan), str(device), pack, arch))
+        return PrewarmReport(pack=str(pack))
+
+    monkeypatch.setattr(gen, "configure", configure)
+    monkeypatch.setattr(gen, "prewarm", prewarm)
+    monkeypatch.setattr(gen, "unseal", lambda: calls.append(("unseal",)))
+    monkeypatch.setattr(gen, "seal", lambda strict=None: calls.append(("seal",)))
+    out = tmp_path / "answers.jsonl"
+    where = ["--out", str(out), "--quiet"] if to_file else ["--json"]
+    argv = ["--model", str(chat_dir), "--prompt", "the fox", "--max-new-tokens", "3", "--device", "cpu"]
+    rc, stdout, err = cli(capsys, *argv, "--kernel-pack", str(folder), *where)
+    assert rc == 0, err
+    (kind, planned, device, pack, arch), *rest = calls
+    assert (kind, device, pack, arch) == ("prewarm", "cpu", str(folder), "sm_90") and planned > 0
+    assert rest == [("unseal",), ("seal",)]  # sealed after the pack's prewarm, before decoding
+    rows = [json.loads(line) for line in (out.read_text() if to_file else stdout).splitlines()]
+    assert len(rows) == 1 and len(rows[0]["token_ids"]) >= 1

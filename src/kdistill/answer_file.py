@@ -33,7 +33,7 @@ from tqdm import tqdm
 from kdistill import __version__
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
-from kdistill.generate import Job, build_engine, prepare_job, run_job
+from kdistill.generate import Job, build_engine, check_kernel_pack, prepare_job, resolve_device, run_job
 from kdistill.kernels.seal import jit_after_prewarm
 from kdistill.outputs import output_lock
 from kdistill.train import faults
@@ -122,8 +122,11 @@ def generate_to_file(
     max_length: int | None = None,
     progress: bool = True,
     on_row: Any = None,
+    kernel_pack: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Answer every prompt into `out` (resuming an earlier start); returns the final manifest."""
+    """Answer every prompt into `out` (resuming an earlier start); returns the final manifest.
+    kernel_pack: a kernel pack folder the decode kernels are loaded from on a GPU (checked before
+    anything is read or written)."""
     out = Path(out)
     if (
         isinstance(samples_per_prompt, bool)
@@ -135,6 +138,7 @@ def generate_to_file(
         raise UserError(f"--out '{out}' is a directory, expected a .jsonl file path")
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': its directory does not exist")
+    pack = check_kernel_pack(kernel_pack, resolve_device(device))
     job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
     settings = _settings(job, sampling, samples_per_prompt, max_length, chat)
     with output_lock(out):  # one process per output file
@@ -144,7 +148,7 @@ def generate_to_file(
         ]:
             stale.unlink(missing_ok=True)  # a killed start's rewrite or manifest, never renamed
         return _generate_locked(job, out, settings, sampling, samples_per_prompt, device, batch_size,
-                                max_length, progress, on_row)  # fmt: skip
+                                max_length, progress, on_row, pack)  # fmt: skip
 
 
 def _generate_locked(
@@ -158,6 +162,7 @@ def _generate_locked(
     max_length: int | None,
     progress: bool,
     on_row: Any,
+    pack: str | None,
 ) -> dict[str, Any]:
     mpath = manifest_path(out)
     manifest: dict[str, Any] | None = None
@@ -188,7 +193,9 @@ def _generate_locked(
     manifest.update(written=len(done), status="running" if work else "complete")
     _write_json_atomic(mpath, manifest)
     if work:
-        manifest.update(_answer(job, out, work, sampling, device, batch_size, max_length, progress, on_row))
+        manifest.update(
+            _answer(job, out, work, sampling, device, batch_size, max_length, progress, on_row, pack)
+        )
         rows, _ = read_rows(out)
         _rewrite_in_order(out, rows)
         manifest.update(written=len(rows), status="complete")
@@ -206,8 +213,11 @@ def _answer(
     max_length: int | None,
     show: bool,
     on_row: Any,
+    pack: str | None,
 ) -> dict[str, Any]:
-    engine, info = build_engine(job, sampling, device=device, batch_size=batch_size, max_length=max_length)
+    engine, info = build_engine(
+        job, sampling, device=device, batch_size=batch_size, max_length=max_length, kernel_pack=pack
+    )
     pending: list[str] = []
     chunk_rows = int(os.environ.get(faults.GENERATE_CHUNK_ENV) or CHUNK_ROWS)
     chunks = [0]

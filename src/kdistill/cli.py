@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-length", type=int, default=None, help="cache slots per row: prompt + new tokens (default: fit)"
     )
+    p.add_argument(
+        "--kernel-pack",
+        metavar="DIR",
+        default=None,
+        help="load the decode kernels from this kernel pack (kdistill kernels build --out) on a GPU",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("data", help="data tools")

@@ -35,7 +35,9 @@ from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import CHAT_TEMPLATE_OVERRIDE, ChatTemplate, load_chat_template
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.errors import UserError
+from kdistill.kernels import pack as packs
 from kdistill.kernels.plan import generation_kernels
+from kdistill.kernels.runtime import resolve_arch, resolve_mode
 from kdistill.kernels.seal import configure, prewarm, seal, unseal
 from kdistill.models.decoder import Decoder, KVCache
 from kdistill.models.hf_io import load_model
@@ -262,18 +264,49 @@ def encode_prompts(
     return ids
 
 
-def prepare_kernels(model: Decoder, batch: int, prompt_len: int, max_len: int) -> dict[str, Any]:
+def decode_kernel_arch(device: torch.device) -> str | None:
+    """The GPU arch the decode engine's Triton kernels are built for on `device` (e.g. 'sm_90'); None
+    where it runs without them (the CPU, or no Triton: the PyTorch reference path)."""
+    if resolve_mode("auto", device) != "triton":
+        return None
+    return resolve_arch("auto", device)
+
+
+def check_kernel_pack(pack: str | Path | None, device: torch.device) -> str | None:
+    """--kernel-pack: the folder's manifest (`kdistill kernels build --out`), and where the Triton
+    kernels run, its Triton version and build, arch and CUDA against this process and GPU: read before
+    any weight is loaded, each fault one line naming --kernel-pack. Returns the folder (None: no pack).
+    Where no Triton kernel runs (the CPU) the pack is read, then left unused."""
+    if pack is None or str(pack) == "":
+        return None
+    folder = Path(pack)
+    try:
+        manifest = packs.read_manifest(folder, what="--kernel-pack")
+        arch = decode_kernel_arch(device)
+        if arch is not None:
+            packs.check(manifest, folder, arch, what="--kernel-pack")
+    except UserError as e:
+        msg = str(e)
+        raise UserError(msg if msg.startswith("--kernel-pack") else f"--kernel-pack {msg}") from None
+    return str(folder)
+
+
+def prepare_kernels(
+    model: Decoder, batch: int, prompt_len: int, max_len: int, *, pack: str | Path | None = None
+) -> dict[str, Any]:
     """Configure the dispatcher; on a GPU in triton mode prewarm the decode engine's plan (prefill and
-    one-token step in bf16: kernels.plan.generation_kernels) and seal."""
+    one-token step in bf16: kernels.plan.generation_kernels) and seal. pack: a kernel pack folder
+    (--kernel-pack, checked by check_kernel_pack) whose binaries the prewarm loads instead of compiling
+    (keys it lacks are compiled, or refused under strict kernels)."""
     device = model.lm_head_weight.device
     rt = configure(kernels="auto", device=device)
     info: dict[str, Any] = {"mode": rt.mode, "arch": rt.arch}
-    if rt.mode == "triton" and device.type == "cuda":
+    if rt.mode == "triton":  # kernels=auto: Triton only for a CUDA device
         dtype = "bf16"
         plan = generation_kernels(
             model.spec, rt.arch, dtype, batch=batch, prompt_len=prompt_len, max_len=max_len
         )
-        report = prewarm(plan, device)
+        report = prewarm(plan, device, pack=pack or None, arch=rt.arch)
         unseal()
         seal(strict=rt.strict)
         info.update(planned=len(plan), prewarm=report.line())
@@ -409,18 +442,21 @@ def build_engine(
     batch_size: int = 32,
     max_length: int | None = None,
     cuda_graphs: str = "auto",
+    kernel_pack: str | Path | None = None,
 ) -> tuple[DecodeEngine, dict[str, Any]]:
-    """Check sizes and memory, load the model, prewarm and seal the generation plan, and build the
-    decode engine (the loaded module is dropped: the engine keeps its own weights)."""
+    """Check sizes, memory and the kernel pack, load the model, prewarm and seal the generation plan
+    (kernel_pack: loaded from that pack), and build the decode engine (the loaded module is dropped:
+    the engine keeps its own weights)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size is {batch_size!r}, expected an integer >= 1")
     max_len = cache_length(job, sampling, max_length)
     dev = resolve_device(device)
+    pack = check_kernel_pack(kernel_pack, dev)
     batch = min(batch_size, 1 << max(0, len(job.ids) - 1).bit_length())
     prefill_tokens = 16384
     check_memory(job.spec, dev, batch, max_len, prefill_tokens)
     model = load_model(job.model_dir, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
-    info = prepare_kernels(model, batch, max(len(r) for r in job.ids), max_len)
+    info = prepare_kernels(model, batch, max(len(r) for r in job.ids), max_len, pack=pack)
     pad = job.tokenizer.eos_id if job.tokenizer.eos_id is not None else 0
     engine = DecodeEngine(
         model,
@@ -469,20 +505,29 @@ def generate_texts(
     samples_per_prompt: int = 1,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     cuda_graphs: str = "auto",
+    kernel_pack: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """Load a model directory and answer every prompt (and conversation of messages_file) with the
     decode engine: one row per prompt and sample, in order (see answer_row). on_text: the new text of
-    a single prompt as it grows (streaming); on_row(row): each row as it is complete."""
+    a single prompt as it grows (streaming); on_row(row): each row as it is complete. kernel_pack: a
+    kernel pack folder (`kdistill kernels build --out`) the decode kernels are loaded from on a GPU."""
     if (
         isinstance(samples_per_prompt, bool)
         or not isinstance(samples_per_prompt, int)
         or samples_per_prompt < 1
     ):
         raise UserError(f"--samples-per-prompt is {samples_per_prompt!r}, expected an integer >= 1")
+    check_kernel_pack(kernel_pack, resolve_device(device))  # before the model directory is read
     job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
     work = [(i, j) for i in range(len(job.ids)) for j in range(samples_per_prompt)]
     engine, _info = build_engine(
-        job, sampling, device=device, batch_size=batch_size, max_length=max_length, cuda_graphs=cuda_graphs
+        job,
+        sampling,
+        device=device,
+        batch_size=batch_size,
+        max_length=max_length,
+        cuda_graphs=cuda_graphs,
+        kernel_pack=kernel_pack,
     )
     return run_job(job, engine, work, on_row=on_row, on_text=on_text)
 

@@ -1,7 +1,8 @@
 """GPU tests of kernel packs (run on a GPU with `-m gpu`): a pack built by `kdistill kernels build --out`
 on this machine's CPU, with no GPU visible (the same Triton install as the runs below), is loaded in
 fresh processes with empty Triton caches: `kdistill prewarm --pack` compiles nothing, and a strict
-Qwen2.5-shaped train/eval step and a strict demo run compile nothing in prewarm and nothing after it.
+Qwen2.5-shaped train/eval step and a strict demo run compile nothing in prewarm and nothing after it;
+the decode engine of `kdistill generate --kernel-pack`, from a pack of an on-policy plan, neither.
 
     pytest -m gpu tests/gpu/test_kernel_pack_gpu.py -q
 """
@@ -127,3 +128,33 @@ def test_strict_demo_run_from_a_cpu_built_pack_compiles_nothing(cpu_pack, tmp_pa
     prewarm = summary["kernels"]["prewarm"]
     assert prewarm["compiled"] == 0 and prewarm["from_pack"] > 0 and prewarm["pack_missing"] == 0, prewarm
     assert summary["jit_after_prewarm"] == 0 and summary["kernels"]["fallbacks"] == [], summary["kernels"]
+
+
+GENERATE = """
+import json, sys
+from kdistill.decode import Sampling
+from kdistill.generate import build_engine, prepare_job, run_job
+from kdistill.kernels.seal import jit_after_prewarm
+
+job = prepare_job(sys.argv[1], prompts=["def main(", "import"])
+engine, info = build_engine(job, Sampling(max_new_tokens=8), device="cuda", batch_size=2, kernel_pack=sys.argv[2])
+rows = run_job(job, engine, [(0, 0), (1, 0)])
+print(json.dumps({"prewarm": info["prewarm"], "jit_after_prewarm": jit_after_prewarm(), "rows": len(rows)}))
+"""
+
+
+def test_generate_from_a_pack_of_an_on_policy_plan_compiles_nothing(tmp_path):
+    """An on-policy run's plan holds the decode engine's kernels (its rollouts run it): a pack built
+    from it on the CPU serves `generate --kernel-pack` with the run's student, nothing compiled."""
+    model = str(ROOT / "src" / "kdistill" / "demo" / "assets" / "teacher")
+    plan = [DEMO, f"student.path={model}", "runtime.device=cuda", "kd.on_policy=0.5", "kd.max_new_tokens=32"]
+    build = [sys.executable, "-m", "kdistill", "kernels", "build", "--arch", _arch(), *plan]
+    _run([*build, "--out", str(tmp_path / "pack")], _env(tmp_path / "build-cache", CUDA_VISIBLE_DEVICES=""))
+    out = _run([sys.executable, "-c", GENERATE, model, str(tmp_path / "pack")], _env(tmp_path / "fresh"))
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    line = r["prewarm"]
+    assert ", compiled 0, 0 from cache)" in line and "(0 missing)" in line and "(from pack 0," not in line, (
+        line
+    )
+    assert r["jit_after_prewarm"] == 0 and r["rows"] == 2, r
+    assert "compiled anyway" not in out.stderr

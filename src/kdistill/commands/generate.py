@@ -6,6 +6,7 @@ CUDA-graph steps on a GPU, slots refilled as rows finish).
     kdistill generate --model DIR --prompt "Hi" --temperature 0.8 --top-p 0.9 --seed 1
     kdistill generate --model TEACHER --messages prompts.jsonl --out answers.jsonl --samples-per-prompt 4
     kdistill generate --model DIR --prompt "Hi" --chat --chat-template chat.jinja   # another template
+    kdistill generate --model DIR --prompt "Hi" --kernel-pack pack/    # decode kernels from a kernel pack
 
 Greedy by default (temperature 0). A single prompt streams to the terminal as tokens come; --json
 prints each answer as a JSON line as soon as it is complete (its "index" says which prompt); --out
@@ -50,6 +51,7 @@ def _generate(args: Any) -> int:
         batch_size=args.batch_size,
         max_length=args.max_length,
         samples_per_prompt=args.samples_per_prompt,
+        kernel_pack=getattr(args, "kernel_pack", None),
     )
     if args.out:
 

@@ -359,30 +359,31 @@ class Installed:
     missing: list[KernelKey] = dataclasses.field(default_factory=list)
 
 
-def check(manifest: Manifest, folder: Path, arch: str) -> None:
-    """Refuse a pack made with another Triton, for other archs, or by another CUDA's ptxas."""
+def check(manifest: Manifest, folder: Path, arch: str, *, what: str = "kernel pack") -> None:
+    """Refuse a pack made with another Triton, for other archs, or by another CUDA's ptxas. what: how
+    the messages name the pack (a command's flag, e.g. '--kernel-pack')."""
     here, build = triton_version(), triton_build()
     if manifest.triton != here:
         raise UserError(
-            f"kernel pack {folder}: built with Triton {manifest.triton}, this is Triton {here}; rebuild it "
+            f"{what} {folder}: built with Triton {manifest.triton}, this is Triton {here}; rebuild it "
             f"with this Triton (kdistill kernels build --arch {arch} CONFIG --out {folder})"
         )
     if manifest.build != build:  # same version, another build (another Python's libtriton, say)
         raise UserError(
-            f"kernel pack {folder}: built with Triton {manifest.triton} build {manifest.build}, this is "
+            f"{what} {folder}: built with Triton {manifest.triton} build {manifest.build}, this is "
             f"Triton {here} build {build} (their cache keys differ); rebuild the pack with this install"
         )
     archs = manifest.archs()
     if arch not in archs:
         raise UserError(
-            f"kernel pack {folder}: built for {', '.join(archs) or 'no arch'}, this GPU is {arch}; add it with "
+            f"{what} {folder}: built for {', '.join(archs) or 'no arch'}, this GPU is {arch}; add it with "
             f"kdistill kernels build --arch {arch} CONFIG --out {folder}"
         )
     cudas = sorted({e.cuda for e in manifest.kernels.values() if e.arch == arch})
     local = cuda_version(arch)
     if cudas != [local]:
         raise UserError(
-            f"kernel pack {folder}: its {arch} binaries were made by CUDA {', '.join(cudas)} (ptxas), this "
+            f"{what} {folder}: its {arch} binaries were made by CUDA {', '.join(cudas)} (ptxas), this "
             f"Triton uses CUDA {local} for {arch}; rebuild the pack here"
         )
 
