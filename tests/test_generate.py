@@ -6,6 +6,8 @@
 - Sampling with a seed is reproducible, another seed differs; top-k 1 is greedy.
 - `kdistill generate` (the decode engine): --json equals the reference path's tokens, a single prompt streams the same text, --chat and
   --messages render with the model's template, and every bad flag or messages line is a one-line error.
+- `--kernel-pack`: a folder that is not a pack, or a pack of another Triton or GPU, is one line naming the
+  flag before the model is loaded (nothing written for --out); a pack reaches the decode engine's prewarm.
 """
 
 from __future__ import annotations

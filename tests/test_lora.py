@@ -1,7 +1,8 @@
 """LoRA students: the adapter math, PEFT's layout (peft loads our adapters onto transformers' model with
-the same logits), a run that trains only the adapters and exports them, `kdistill export --merge`,
-bit-identical resume (with kd.layer_map too: its projections are checkpointed beside the adapters), config
-errors, and the memory plan and kernel plan of a LoRA run.
+the same logits), a run that trains only the adapters and exports them, `kdistill export --merge` (with
+the chat template a conversation run trained with), bit-identical resume (with kd.layer_map too: its
+projections are checkpointed beside the adapters), config errors, and the memory plan and kernel plan of a
+LoRA run.
 """
 
 from __future__ import annotations
