@@ -206,6 +206,38 @@ def case_swiglu_down_fused(device="cpu", dtype=torch.float32, rows=(2, 5), inter
         _close(name, a, b, dtype, scale=4.0)
 
 
+def case_swiglu_halves(device="cpu", dtype=torch.float32, rows=(2, 5), inter=40):
+    """SwiGLU on the halves of gu = [gate, up] (..., 2I) (an FP8 student's MLP): the values and the
+    gradient of silu(gate) * up, and that gradient written as one (..., 2I) tensor whose halves the
+    kernel wrote (no concatenation: it is not a fresh copy of two separate gradients)."""
+    from kdistill import dispatch
+    from kdistill.ops import swiglu as op
+
+    g = torch.Generator().manual_seed(inter + 1)
+    gu = _leaf((*rows, 2 * inter), dtype, device, g, 2.0)
+    dy = torch.randn((*rows, inter), generator=g).to(device=device, dtype=dtype) * 0.6
+    want_o, want_g = _grads(lambda x: op.swiglu_reference(*x.chunk(2, dim=-1)), [gu], [dy])
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with _kernel_mode():
+        y = dispatch.swiglu_halves(gu)
+        with Ops() as ops:
+            (dgu,) = torch.autograd.grad(y, gu, dy)
+    _close("y", y, want_o[0], dtype, scale=4.0)
+    _close("dgu", dgu, want_g[0], dtype, scale=4.0)
+    if dgu.shape != gu.shape or "cat" in ops.names:
+        raise AssertionError(f"the SwiGLU backward concatenated its gradient: {ops.names}")
+
+
 def case_norm_to_gemm_autocast(device="cpu", rows=(3, 5), hidden=48):
     """A hidden-size norm under autocast (bf16) with an fp32 residual stream and weight: to_gemm writes
     y in bf16, the values autocast's cast of the fp32 output would give; its gradient comes in bf16."""
@@ -448,6 +480,7 @@ CASES = {
     "rope_qkv_views_bf16": (case_rope_qkv_views, dict(dtype=torch.bfloat16)),
     "swiglu_down_fused_fp32": (case_swiglu_down_fused, dict(dtype=torch.float32)),
     "swiglu_down_fused_bf16": (case_swiglu_down_fused, dict(dtype=torch.bfloat16, inter=24)),
+    "swiglu_halves_fp32": (case_swiglu_halves, dict(dtype=torch.float32)),
     "norm_to_gemm_autocast": (case_norm_to_gemm_autocast, {}),
     "decoder_qwen3_fp32": (case_decoder, dict(dtype=torch.float32, arch="qwen3")),
     "decoder_qwen2_fp32": (case_decoder, dict(dtype=torch.float32, arch="qwen2")),

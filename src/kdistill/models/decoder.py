@@ -49,6 +49,7 @@ from kdistill.dispatch import (
     rmsnorm,
     swiglu,
     swiglu_down,
+    swiglu_halves,
 )
 from kdistill.models.fp8 import FP8Linear, fp8_linear, fused
 from kdistill.models.fp8_train import FP8TrainLinear, fp8_train_linear
@@ -234,10 +235,11 @@ class MLP(nn.Module):
         if all(type(p) is FP8Linear for p in (self.gate_proj, self.up_proj)):  # an FP8 teacher
             gate, up = fp8_linear(x, *fused([self.gate_proj, self.up_proj])).chunk(2, dim=-1)
         elif all(type(p) is FP8TrainLinear and p.bias is None for p in (self.gate_proj, self.up_proj)):
-            # an FP8 student: [gate, up] from one FP8 GEMM, SwiGLU on its halves; the down_proj
-            # module (FP8TrainLinear) keeps its fp8 input for backward
+            # an FP8 student: [gate, up] from one FP8 GEMM, SwiGLU on its halves (their gradient
+            # written as one (B, T, 2I) tensor); the down_proj module (FP8TrainLinear) keeps its
+            # fp8 input for backward, so the SwiGLU output is not recomputed
             w = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # (2I, H)
-            gate, up = fp8_train_linear(x, w).chunk(2, dim=-1)  # (B, T, I) each
+            return self.down_proj(swiglu_halves(fp8_train_linear(x, w)))
         elif plain:
             gu = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # (B, T, 2I)
             if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:
