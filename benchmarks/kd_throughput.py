@@ -17,6 +17,9 @@ Each step: teacher forward (no grad), student forward, loss, backward, AdamW ste
               (runtime.cuda_graphs); e.g. triton-graph, triton-fp8-student-graph
   ...-bf16logits-...  a triton provider with kd.logits_dtype=compute: the KD head's lm_head GEMMs write
               bf16 logits (as Liger-Kernel's do); e.g. triton-bf16logits-graph, triton-fp8-bf16logits
+  ...-recompute-...   runtime.activation_checkpointing=swiglu: the student's SwiGLU outputs recomputed in
+              backward; without it the providers resolve `auto` against the free memory as a run does
+              (e.g. triton-bf16logits-recompute-graph)
   reference   kdistill's PyTorch reference ops, chunked KD loss head
   dense       kdistill's decoder with reference ops and the KD loss written the obvious way (full
               [tokens x vocab] logits, log-softmax, KL)
@@ -46,7 +49,7 @@ import torch.nn.functional as F
 from kdistill.commands.plan import make_plan
 from kdistill.config import load_config
 from kdistill.kernels import seal
-from kdistill.memory import estimate_memory
+from kdistill.memory import Layout, choose_layout, estimate_memory
 from kdistill.models.decoder import build_decoder
 from kdistill.models.fp8 import convert_to_fp8
 from kdistill.models.fp8_train import convert_student_to_fp8
@@ -62,7 +65,8 @@ except ImportError:  # pragma: no cover
 
 KDISTILL_BASE = ("triton", "triton-fp8", "triton-fp8-student", "reference", "dense")
 _TRITON = ("triton", "triton-fp8", "triton-fp8-student")
-_TRITON_ALL = _TRITON + tuple(f"{p}-bf16logits" for p in _TRITON)
+_MODIFIERS = ("-bf16logits", "-recompute", "-bf16logits-recompute")
+_TRITON_ALL = _TRITON + tuple(f"{p}{m}" for p in _TRITON for m in _MODIFIERS)
 KDISTILL_PROVIDERS = (
     KDISTILL_BASE
     + _TRITON_ALL[len(_TRITON) :]
@@ -108,6 +112,11 @@ def provider_cfg(provider: str, cfg):
     cfg = dataclasses.replace(
         cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels, cuda_graphs=graphs)
     )
+    if base.endswith("-recompute"):  # runtime.activation_checkpointing=swiglu
+        base = base.removesuffix("-recompute")
+        cfg = dataclasses.replace(
+            cfg, runtime=dataclasses.replace(cfg.runtime, activation_checkpointing="swiglu")
+        )
     if base.endswith("-bf16logits"):  # kd.logits_dtype=compute
         base = base.removesuffix("-bf16logits")
         cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, logits_dtype="compute"))
@@ -115,6 +124,15 @@ def provider_cfg(provider: str, cfg):
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, precision="fp8"))
     if base == "triton-fp8-student":  # runtime.precision=fp8: the student's linears as FP8 GEMMs too
         cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, precision="fp8"))
+    if cfg.runtime.activation_checkpointing == "auto":  # resolved against the free memory, as a run does
+        free, _ = torch.cuda.mem_get_info()
+        layout = choose_layout(
+            load_spec(cfg.teacher.path), load_spec(cfg.student.path), cfg, int(free * 0.95)
+        )
+        choice = "blocks" if layout.checkpointing else ("none" if layout.swiglu_kept else "swiglu")
+        cfg = dataclasses.replace(
+            cfg, runtime=dataclasses.replace(cfg.runtime, activation_checkpointing=choice)
+        )
     return cfg
 
 
@@ -128,6 +146,9 @@ def build_pair(cfg, t_spec, s_spec, dev: torch.device):
     student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
     if cfg.runtime.precision == "fp8":
         convert_student_to_fp8(student)
+    layout = Layout.of(cfg.runtime.activation_checkpointing)  # resolved by provider_cfg, as a run does
+    student.checkpoint_blocks(layout.checkpointing)
+    student.keep_swiglu(layout.swiglu_kept)
     opt = make_optimizer(student, cfg.optim)
     return sess, teacher, student, opt, torch.autocast("cuda", dtype=torch.bfloat16)
 
@@ -297,9 +318,12 @@ def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a)
     t0 = time.perf_counter()
     jit: Callable[[], int | None] = lambda: None  # noqa: E731
     planned = None
+    choice = None
     if provider in KDISTILL_PROVIDERS:
-        step, jit = kdistill_step(provider, cfg, t_spec, s_spec)
-        planned = estimate_memory(t_spec, s_spec, provider_cfg(provider, cfg))["total"] / 2**30
+        pcfg = provider_cfg(provider, cfg)  # auto choices resolved once, for the step and the plan
+        choice = pcfg.runtime.activation_checkpointing
+        step, jit = kdistill_step(provider, pcfg, t_spec, s_spec)
+        planned = estimate_memory(t_spec, s_spec, pcfg)["total"] / 2**30
     else:
         seal.unseal()  # the seal guards kdistill's kernels; the baselines JIT-compile their own
         step = make_provider(
@@ -318,6 +342,7 @@ def bench(provider: str, cfg, t_spec, s_spec, pair: tuple[str, str], batches, a)
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,  # CUDA-graph pools included
         "planned_gib": planned,  # kdistill's memory plan for this provider's config
+        "activation_checkpointing": choice,  # what the run's auto choice gave (none: nothing recomputed)
         "final_loss": loss,
         "setup_s": setup_s,
         "jit_after_prewarm": jit(),

@@ -15,11 +15,12 @@ from kdistill.train.step import compute_loss
 from tests.test_contract import TORCH, contract_problems, make_run, make_spec, run_step
 
 
-def _loss_and_grads(checkpointed: bool, divergence: str = "forward_kl"):
+def _loss_and_grads(checkpointed: bool, divergence: str = "forward_kl", keep_swiglu: bool = False):
     teacher_spec, student_spec = make_spec(hidden=32, layers=3), make_spec(hidden=24, layers=3, inter=40)
     teacher = build_decoder(teacher_spec, seed=0).eval().requires_grad_(False)
     student = build_decoder(student_spec, seed=1)
     student.checkpoint_blocks(checkpointed)
+    student.keep_swiglu(keep_swiglu)
     run = make_run(batch=2, seq=7, divergence=divergence, chunk=5)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, student_spec.vocab_size, (2, 7), generator=g)
@@ -65,3 +66,27 @@ def test_sharded_student_weights_in_the_compute_dtype_are_planned():
     assert contract.check(rec.launches, sharded, warm.specializations) == []
     assert contract.check(rec.launches, plan_mod.required_kernels(teacher, student, run, "sm_90")) != []
     assert runtime.current().mode  # the recorder left the dispatcher configured as it found it
+
+
+def test_kept_swiglu_outputs_give_the_same_losses_and_gradients():
+    plain, g_plain = _loss_and_grads(False)
+    kept, g_kept = _loss_and_grads(False, keep_swiglu=True)
+    assert torch.equal(kept.loss, plain.loss)
+    for name in g_plain:
+        torch.testing.assert_close(g_kept[name], g_plain[name], rtol=0, atol=1e-7, msg=name)
+
+
+def test_kept_swiglu_outputs_are_not_recomputed_and_launch_planned_keys():
+    """Keeping the SwiGLU output (activation_checkpointing=none): the same keys as recomputing it,
+    one SwiGLU forward a student layer fewer (none in backward), and the plan covers the launches."""
+    teacher, student = make_spec(hidden=32), make_spec(hidden=24, inter=40, layers=3)
+    run = make_run(dtype="bfloat16", batch=2, seq=4)
+    plain = run_step(teacher, student, run)
+    kept = run_step(teacher, student, run, keep_swiglu=True)
+    assert kept.keys() == plain.keys()
+
+    def swiglu_fwd(rec, phase):
+        return len([x for x in rec.launches if x.key.op == "swiglu_fwd" and x.phase == phase])
+
+    assert swiglu_fwd(plain, "bwd") + swiglu_fwd(plain, "fwd") == swiglu_fwd(kept, "fwd") + 3
+    assert contract_problems(teacher, student, run, rec=kept) == []

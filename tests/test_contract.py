@@ -81,12 +81,20 @@ def make_run(dtype="float32", batch=2, seq=5, divergence="forward_kl", alpha=0.5
 
 
 def run_step(
-    teacher_spec, student_spec, run, arch="sm_90", deep=True, seed=0, checkpointing=False, student_dtype=None
+    teacher_spec,
+    student_spec,
+    run,
+    arch="sm_90",
+    deep=True,
+    seed=0,
+    checkpointing=False,
+    student_dtype=None,
+    keep_swiglu=False,
 ) -> runtime.Recorder:
     """A training step and a held-out eval step as train/loop.py does them, on the reference path,
     with the loop's dtypes (teacher in the compute dtype, fp32 student, autocast), recording keys.
     checkpointing: the student's blocks recomputed in backward; student_dtype: its weights' dtype
-    (default the plan's: fp32 masters)."""
+    (default the plan's: fp32 masters); keep_swiglu: its MLPs keep their SwiGLU output."""
     prec = plan_mod.precision(run, arch)
     teacher = (
         build_decoder(teacher_spec, dtype=TORCH[prec.teacher_weights], seed=seed).eval().requires_grad_(False)
@@ -97,6 +105,7 @@ def run_step(
     if run.runtime.precision == "fp8":  # as the loop loads it (train/loading.py student_precision)
         convert_student_to_fp8(student)
     student.checkpoint_blocks(checkpointing)
+    student.keep_swiglu(keep_swiglu)
     g = torch.Generator().manual_seed(seed)
     b, t = run.schedule.batch_size, run.data.seq_len
     ids = torch.randint(0, student_spec.vocab_size, (b, t), generator=g)

@@ -394,7 +394,13 @@ def test_replicated_teacher_checkpointed_blocks_and_kept_student_match(runs, mor
     dirs, out = more
     assert out["replicated"].returncode == 0, out["replicated"].stderr[-3000:]
     layout = read_summary(dirs["replicated"])["layout"]
-    assert layout == {"world": 2, "teacher_sharded": False, "checkpointing": True, "student_kept": True}
+    assert layout == {
+        "world": 2,
+        "teacher_sharded": False,
+        "checkpointing": True,
+        "student_kept": True,
+        "swiglu_kept": False,
+    }
     assert read_summary(runs[2]["two"])["layout"]["teacher_sharded"]  # auto on the CPU: sharded
     _close_to(dirs["replicated"], runs[2]["two"])
 

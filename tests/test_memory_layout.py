@@ -53,18 +53,43 @@ def test_checkpointing_makes_the_7b_pair_at_4096_fit_one_80gb_gpu():
     assert with_["student_activations"] < without["student_activations"] / 5
     auto = choose_layout(t, s, _cfg(seq=4096), budget)
     assert auto == Layout(world=1, teacher_sharded=False, checkpointing=True)
-    assert choose_layout(t, s, _cfg(seq=512), budget) == Layout()  # fits: nothing traded
+    assert choose_layout(t, s, _cfg(seq=512), budget) == Layout(swiglu_kept=True)  # fits: nothing recomputed
+
+
+def test_auto_keeps_the_swiglu_output_where_it_fits_then_recomputes_it_then_blocks():
+    """activation_checkpointing=auto: nothing recomputed when that fits, then only the SwiGLU output
+    (I elements a token and layer less), then whole blocks; explicit choices hold."""
+    t, s = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
+    cfg = _cfg(batch=16)
+    kept = estimate_memory(t, s, _cfg(batch=16, activation_checkpointing="none"))
+    swiglu = estimate_memory(t, s, _cfg(batch=16, activation_checkpointing="swiglu"))
+    blocks = estimate_memory(t, s, _cfg(batch=16, activation_checkpointing="blocks"))
+    n = 16 * 2048
+    assert (
+        kept["student_activations"] - swiglu["student_activations"]
+        == n * s.num_layers * s.intermediate_size * 2
+    )
+    assert estimate_memory(t, s, cfg) == swiglu  # auto without a budget: the middle choice
+    assert choose_layout(t, s, cfg, kept["total"]) == Layout(swiglu_kept=True)
+    assert choose_layout(t, s, cfg, kept["total"] - 1) == Layout()
+    assert choose_layout(t, s, cfg, swiglu["total"] - 1) == Layout(checkpointing=True)
+    assert blocks["total"] < swiglu["total"] < kept["total"]
+    none = _cfg(batch=16, activation_checkpointing="none")
+    assert choose_layout(t, s, none, 1) == Layout(swiglu_kept=True)  # held even when it does not fit
+    fp8 = _cfg(batch=16, precision="fp8")
+    a, b = (estimate_memory(t, s, fp8, layout=Layout(swiglu_kept=k)) for k in (True, False))
+    assert a == b  # an FP8 student keeps its fp8 copy either way: nothing to trade
 
 
 def test_auto_placement_replicates_when_it_fits_and_explicit_choices_hold():
     t, s = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
     budget = int(80 * GIB * 0.95)
     # it fits: the teacher whole, and the student's blocks kept gathered from forward to backward
-    assert choose_layout(t, s, _cfg(), budget, world=2, batch=4) == Layout(2, False, False, True)
+    assert choose_layout(t, s, _cfg(), budget, world=2, batch=4) == Layout(2, False, False, True, True)
     shard = choose_layout(t, s, _cfg(teacher_placement="shard"), budget, world=2, batch=4)
-    assert shard == Layout(2, True, False, True)
+    assert shard == Layout(2, True, False, True, True)
     regather = choose_layout(t, s, _cfg(student_reshard="after_forward"), budget, world=2, batch=4)
-    assert regather == Layout(2, False, False, False)
+    assert regather == Layout(2, False, False, False, True)
     big = load_spec("qwen2.5-72b")  # 135 GiB in bf16: never whole on one GPU
     assert choose_layout(big, s, _cfg(), budget, world=2, batch=4).teacher_sharded
     pinned = choose_layout(big, s, _cfg(teacher_placement="replicate"), budget, world=2, batch=4)
@@ -74,7 +99,7 @@ def test_auto_placement_replicates_when_it_fits_and_explicit_choices_hold():
 def test_gpus_needed_for_big_teachers():
     s = load_spec("qwen2.5-1.5b")
     gpu = 80 * GIB
-    assert gpus_needed(load_spec("qwen2.5-7b"), s, _cfg(), gpu) == (1, Layout())
+    assert gpus_needed(load_spec("qwen2.5-7b"), s, _cfg(), gpu) == (1, Layout(swiglu_kept=True))
     world, layout = gpus_needed(load_spec("qwen2.5-32b"), s, _cfg(), gpu)
     assert world == 2 and layout.teacher_sharded
     world72, _ = gpus_needed(load_spec("qwen2.5-72b"), s, _cfg(), gpu)
@@ -132,7 +157,9 @@ def test_student_kept_gathered_plans_every_block_in_bf16_and_is_dropped_when_it_
     assert choose_layout(t, s, cfg, budget, world=2, batch=4) == Layout(2, False, False, False)
     pinned = choose_layout(t, s, _cfg(student_reshard="after_backward"), budget, world=2, batch=4)
     assert pinned.student_kept
-    assert choose_layout(t, s, cfg, 10**15, world=1, batch=8) == Layout()  # one process: no FSDP
+    assert choose_layout(t, s, cfg, 10**15, world=1, batch=8) == Layout(
+        swiglu_kept=True
+    )  # one process: no FSDP
 
 
 def test_student_reshard_must_be_one_of_the_choices(capsys):

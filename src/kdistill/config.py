@@ -331,9 +331,11 @@ class RuntimeConfig:
     # Under torchrun: the frozen teacher sharded with FSDP2 like the student, or a whole copy on every
     # process (no gathers at all); auto: replicate when the memory plan says a whole teacher fits.
     teacher_placement: str = "auto"  # auto | shard | replicate
-    # Recompute each student decoder block in backward instead of keeping its activations; auto: only
-    # when the memory plan would not fit the GPU otherwise (never on the CPU).
-    activation_checkpointing: str = "auto"  # auto | none | blocks
+    # What the student recomputes in backward instead of keeping: none (keep every activation), swiglu
+    # (the MLP's SwiGLU output only: I elements a token and layer less, one elementwise pass more),
+    # blocks (each decoder block: keeps only its inputs); auto: the first of none, swiglu, blocks whose
+    # memory plan fits the GPU (swiglu on the CPU, never blocks there).
+    activation_checkpointing: str = "auto"  # auto | none | swiglu | blocks
     # Under torchrun: when the student's decoder blocks free their gathered parameters: after each
     # block's forward (FSDP2's default: gathered again in backward) or after its backward (kept from
     # forward to backward: half the all-gathers, the whole student in bf16 at the peak); auto: after
@@ -357,7 +359,11 @@ class RuntimeConfig:
         _choice("runtime.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _positive("runtime.max_nonfinite", self.max_nonfinite)
         _choice("runtime.teacher_placement", self.teacher_placement, ("auto", "shard", "replicate"))
-        _choice("runtime.activation_checkpointing", self.activation_checkpointing, ("auto", "none", "blocks"))
+        _choice(
+            "runtime.activation_checkpointing",
+            self.activation_checkpointing,
+            ("auto", "none", "swiglu", "blocks"),
+        )
         _choice("runtime.student_reshard", self.student_reshard, ("auto", "after_forward", "after_backward"))
         _choice("runtime.cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
         if self.profile_steps < 0:

@@ -54,6 +54,9 @@ class Layout:
     # it: no all-gathers in backward, the whole student in the compute dtype at the peak), instead of
     # being freed after each block's forward and gathered again in backward.
     student_kept: bool = False
+    # The student's MLPs keep their SwiGLU output for backward instead of recomputing it there
+    # (runtime.activation_checkpointing=none; decoder.MLP.keep_swiglu): I more elements a token and layer.
+    swiglu_kept: bool = False
 
     def describe(self) -> str:
         parts = [f"{self.world} process{'es' if self.world > 1 else ''}"]
@@ -64,8 +67,18 @@ class Layout:
                 if self.student_kept
                 else "student regathered in backward"
             )
-        parts.append("activation checkpointing" if self.checkpointing else "no activation checkpointing")
+        if self.checkpointing:
+            parts.append("activation checkpointing")
+        else:
+            parts.append("no recompute" if self.swiglu_kept else "SwiGLU outputs recomputed")
         return ", ".join(parts)
+
+    @classmethod
+    def of(
+        cls, choice: str, world: int = 1, teacher_sharded: bool = False, student_kept: bool = False
+    ) -> Layout:
+        """The layout runtime.activation_checkpointing names (auto: as swiglu, its frugal middle)."""
+        return cls(world, teacher_sharded, choice == "blocks", student_kept, choice == "none")
 
 
 def estimate_memory(
@@ -103,7 +116,7 @@ def estimate_memory(
     """
     gpu = device != "cpu"
     if layout is None:
-        layout = Layout(checkpointing=cfg.runtime.activation_checkpointing == "blocks")
+        layout = Layout.of(cfg.runtime.activation_checkpointing)
     rows = cfg.schedule.batch_size if batch is None else batch
     n = rows * cfg.data.seq_len  # tokens per micro-batch on this device
     ps = student.param_counts()["total"]
@@ -173,6 +186,8 @@ def estimate_memory(
         activations = n * student.num_layers * inputs + n * per_tok_layer
     else:
         activations = n * student.num_layers * per_tok_layer
+        if layout.swiglu_kept and swiglu_recomputed(cfg):  # the SwiGLU output kept for down_proj's backward
+            activations += n * student.num_layers * student.intermediate_size * act_bytes
     forward_peak = {
         "student_activations": int(activations) + n * student.hidden_size * 4,
         # teacher.cache: the batch's cached targets instead (bf16 log-probs of an exact cache, the
@@ -315,6 +330,15 @@ def _gathered_adapters(spec: ModelSpec, lora, every_block: bool = False) -> int:
     return (spec.num_layers if every_block else 2) * per_layer * 4
 
 
+def swiglu_recomputed(cfg: RunConfig) -> bool:
+    """Whether the student's MLP recomputes its SwiGLU output in backward unless told to keep it
+    (decoder.MLP: the fused gate/up GEMM and a plain down_proj, `dispatch.swiglu_down`). An FP8 student
+    keeps an fp8 copy of it (its down_proj's saved input) and adapters on gate, up or down keep it."""
+    lora = cfg.student.lora
+    wrapped = lora.enabled and any(t in ("gate_proj", "up_proj", "down_proj") for t in lora.targets)
+    return cfg.runtime.precision != "fp8" and not wrapped
+
+
 def choose_layout(
     teacher: ModelSpec,
     student: ModelSpec,
@@ -334,11 +358,25 @@ def choose_layout(
     placements = [False, True] if world > 1 else [False]
     if world > 1 and rt.teacher_placement != "auto":
         placements = [rt.teacher_placement == "shard"]
-    ckpts = {"none": [False], "blocks": [True], "auto": [False, True]}[rt.activation_checkpointing]
+    # (checkpointing, SwiGLU output kept), fastest first; keeping the SwiGLU output is the first thing
+    # given up, before the teacher's placement and the student's gathering
+    allowed = {
+        "none": [(False, True)],
+        "swiglu": [(False, False)],
+        "blocks": [(True, False)],
+        "auto": [(False, True), (False, False), (True, False)],
+    }[rt.activation_checkpointing]
     kept = {"auto": [True, False], "after_backward": [True], "after_forward": [False]}[rt.student_reshard]
     if world == 1:
         kept = [False]
-    candidates = [Layout(world, sharded, ck, keep) for ck in ckpts for sharded in placements for keep in kept]
+    candidates = [
+        Layout(world, sharded, ck, keep, sk)
+        for ck in sorted({ck for ck, _ in allowed})
+        for sharded in placements
+        for keep in kept
+        for sk in (True, False)
+        if (ck, sk) in allowed
+    ]
     for layout in candidates:
         if estimate_memory(teacher, student, cfg, device, batch, layout)["total"] <= budget:
             return layout

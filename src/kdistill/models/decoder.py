@@ -29,7 +29,8 @@ its MLP output unadded, so the next block (or the final norm) fuses that add int
 
 Activation checkpointing (`model.checkpoint_blocks(True)`): each block keeps only its inputs for
 backward and is recomputed there (torch.utils.checkpoint, non-reentrant), through the same dispatch
-calls, so the kernels it launches are the same keys as without it.
+calls, so the kernels it launches are the same keys as without it. Without it, the MLP recomputes its
+SwiGLU output in backward (`dispatch.swiglu_down`) unless `model.keep_swiglu(True)` keeps it.
 """
 
 from __future__ import annotations
@@ -220,6 +221,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
+        # keep the SwiGLU output for backward instead of recomputing it (Decoder.keep_swiglu)
+        self.keep_swiglu = False
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
@@ -243,6 +246,8 @@ class MLP(nn.Module):
         elif plain:
             gu = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # (B, T, 2I)
             if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:
+                if self.keep_swiglu:  # the SwiGLU output kept for down_proj's weight gradient
+                    return F.linear(swiglu_halves(gu), self.down_proj.weight)
                 return swiglu_down(gu, self.down_proj.weight)  # SwiGLU output recomputed in backward
             gate, up = gu.chunk(2, dim=-1)
         else:
@@ -349,6 +354,13 @@ class Decoder(nn.Module):
         backward. Off by default; forward values and gradients are the same either way."""
         for block in self.model.layers:
             block.checkpointed = on
+
+    def keep_swiglu(self, on: bool = True) -> None:
+        """The MLPs keep their SwiGLU output (N, I) for down_proj's backward instead of recomputing it
+        there from [gate, up] (one elementwise pass a layer less, I elements a token and layer more).
+        Off by default; values and gradients are the same either way."""
+        for block in self.model.layers:
+            block.mlp.keep_swiglu = on
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq_len, str(device))

@@ -181,15 +181,15 @@ def check_memory(
     schedule.batch_size until it fits (seq_len is never changed: the error names the largest seq_len
     that fits, for the user to choose). Under torchrun the plan is of one process's batch
     (batch_size / world), and the batch it fits to is a multiple of world. On a CPU `auto` means a
-    sharded teacher (several processes) and no checkpointing."""
+    sharded teacher (several processes), no block checkpointing and the SwiGLU outputs recomputed."""
     world = dist.info().world
     per_process = cfg.schedule.batch_size // world
     gpu = device.type == "cuda"
     rt = cfg.runtime
-    layout = Layout(
+    layout = Layout.of(
+        rt.activation_checkpointing,
         world,
         world > 1 and rt.teacher_placement != "replicate",
-        rt.activation_checkpointing == "blocks",
         world > 1 and rt.student_reshard == "after_backward",
     )
     if rt.gpu_memory_gib > 0:

@@ -210,6 +210,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         who = f"{len(mixture)} teachers ({', '.join(f'{w:.3g}' for _, w in mixture)})"
     stage(t_start, quiet, f"loaded {who} and student ({init}) on {device}")
     student.checkpoint_blocks(layout.checkpointing)
+    student.keep_swiglu(layout.swiglu_kept)
     if multi:
         dist.shard_student(
             student, dtype, keep_gathered=layout.student_kept
