@@ -51,6 +51,9 @@ def test_which_runs_capture():
     assert not wanted(_cfg(), CPU, 1)  # auto: not on a CPU
     assert not wanted(_cfg(), CUDA, 2)  # auto: not under torchrun
     assert not wanted(_cfg(cuda_graphs="off"), CUDA, 1)
+    lora = _cfg()
+    lora.student.lora.rank = 4
+    assert lora.student.lora.enabled and wanted(lora, CUDA, 1)  # adapters are captured too
     cached = dataclasses.replace(_cfg(), teacher=TeacherConfig(cache="some/cache"))
     assert not wanted(cached, CUDA, 1)
     for cfg, why in [(cached, "teacher.cache"), (_cfg(), "torchrun")]:

@@ -288,8 +288,6 @@ def capture_blocker(cfg: RunConfig, device_type: str, world: int) -> str | None:
         return "the teacher has another tokenizer (kd.cross_tokenizer)"
     if cfg.kd.layers_on:
         return "a layer map adds terms (kd.layer_map)"
-    if cfg.student.lora.enabled:
-        return "the student trains LoRA adapters (student.lora)"
     if cfg.kd.generates:
         return "steps train on generated text of varying length (kd.on_policy / kd.seq_kd)"
     return None

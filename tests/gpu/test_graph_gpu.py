@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from kdistill.train.checkpoint import load_checkpoint
-from tests.test_train_kit import base_config, read_summary, run_cli
+from tests.test_train_kit import assets, base_config, read_summary, run_cli
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,8 +23,21 @@ pytestmark = [
 ]
 
 
-def _run(tmp_path: Path, capsys, name: str, graphs: str, **schedule) -> tuple[list[dict], dict, dict]:
+def _run(
+    tmp_path: Path, capsys, name: str, graphs: str, lora: bool = False, **schedule
+) -> tuple[list[dict], dict, dict]:
     cfg = base_config(tmp_path / name, **schedule)
+    if lora:  # adapters with dropout: the mask is drawn inside the captured step
+        cfg["student"] = {
+            "path": str(assets().student),
+            "init": "pretrained",
+            "lora": {
+                "rank": 4,
+                "alpha": 8,
+                "dropout": 0.1,
+                "targets": ["q_proj", "v_proj", "gate_proj", "down_proj"],
+            },
+        }
     cfg["runtime"] = {"device": "cuda", "kernels": "triton", "strict_kernels": True, "cuda_graphs": graphs}
     cfg["optim"]["grad_clip"] = 0.5  # clipping happens inside the captured step
     path = tmp_path / f"{name}.yaml"
@@ -38,10 +51,11 @@ def _run(tmp_path: Path, capsys, name: str, graphs: str, **schedule) -> tuple[li
     return rows, read_summary(run), weights
 
 
-@pytest.mark.parametrize("grad_accum,steps", [(1, 20), (2, 10)])
-def test_captured_steps_equal_eager_steps_bit_for_bit(tmp_path, capsys, grad_accum, steps):
-    eager, s_eager, w_eager = _run(tmp_path, capsys, "eager", "off", steps=steps, grad_accum=grad_accum)
-    graph, s_graph, w_graph = _run(tmp_path, capsys, "graph", "on", steps=steps, grad_accum=grad_accum)
+@pytest.mark.parametrize("grad_accum,steps,lora", [(1, 20, False), (2, 10, False), (1, 12, True)])
+def test_captured_steps_equal_eager_steps_bit_for_bit(tmp_path, capsys, grad_accum, steps, lora):
+    kw = dict(steps=steps, grad_accum=grad_accum, lora=lora)
+    eager, s_eager, w_eager = _run(tmp_path, capsys, "eager", "off", **kw)
+    graph, s_graph, w_graph = _run(tmp_path, capsys, "graph", "on", **kw)
     assert s_eager["cuda_graphs"] == "off"
     counts = s_graph["cuda_graphs"]
     assert counts["captures"] == 1 and counts["eager_steps"] == 2, counts

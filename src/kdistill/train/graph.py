@@ -22,7 +22,8 @@ decides on the device: the non-finite test feeds AdamW's `found_inf`, which skip
 kernel, and clipping scales the gradients by a device scalar.
 
 `auto` (runtime.cuda_graphs) captures on a CUDA device, in one process, with live teachers and no layer
-map, teacher cache, cross-tokenizer teacher, LoRA adapter or generated (on-policy) batches; `on` asks
+map, teacher cache, cross-tokenizer teacher or generated (on-policy) batches; LoRA adapters are captured
+too (their dropout draws from the CUDA generator, which a replay advances as the eager step would); `on` asks
 for it and is refused in one line where it cannot be done; `off` never captures. The replayed step's
 losses equal the eager step's bit for bit (tests/gpu: twenty steps).
 """
