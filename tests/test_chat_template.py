@@ -390,3 +390,19 @@ def test_a_raising_template_is_one_line_through_the_cli(tmp_path, capsys):
         capsys, "data", "preview", "--model", str(folder), "--data", str(data), "--chat-template", str(bad)
     )
     assert rc == 2 and err.count("\n") == 1 and "recurse.jinja: chat template recursion too deep" in err
+
+
+def test_chat_template_file_is_relative_to_the_config_file(tmp_path):
+    """data.chat_template names a file beside the config as the model and data paths do; a template
+    given inline (not a path that exists) is left as written."""
+    from kdistill.config import load_config
+
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "chat.jinja").write_text("{{ messages }}")
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(
+        "teacher: {path: t}\nstudent: {path: s}\ndata: {chat_template: templates/chat.jinja}\n"
+    )
+    assert load_config(str(cfg_path)).data.chat_template == str(tmp_path / "templates" / "chat.jinja")
+    cfg_path.write_text("teacher: {path: t}\nstudent: {path: s}\ndata: {chat_template: nowhere.jinja}\n")
+    assert load_config(str(cfg_path)).data.chat_template == "nowhere.jinja"

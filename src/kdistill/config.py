@@ -647,3 +647,4 @@ def _rebase_paths(cfg: RunConfig, folder: Path) -> None:
     cfg.student.path = rebase(cfg.student.path)
     cfg.data.train = [rebase(p) for p in cfg.data.train]
     cfg.data.heldout = [rebase(p) for p in cfg.data.heldout]
+    cfg.data.chat_template = rebase(cfg.data.chat_template)  # a file or model folder (not a literal)
