@@ -194,7 +194,20 @@ def test_merged_export_carries_the_chat_template_the_run_trained_with(tmp_path, 
     assert got == want and got.startswith("system: be brief")
     # The base student keeps its own template.
     assert (student / "chat_template.jinja").read_text(encoding="utf-8") == "base: " + TEMPLATE
-    # A run stopped before its summary.json: its data.train files say it trained on conversations.
+    # The run kept the template as it trained with it: an edited template file changes nothing, and the
+    # adapter export carries it too.
+    assert (run_dir / "adapter" / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
+    template.write_text("edited: " + TEMPLATE, encoding="utf-8")
+    rc, _, err = run_cli(capsys, "export", "--run", str(run_dir), "--merge", "--out", str(tmp_path / "m1"))
+    assert rc == 0, err
+    assert (tmp_path / "m1" / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
+    rc, _, err = run_cli(capsys, "export", "--run", str(run_dir), "--out", str(tmp_path / "a1"))
+    assert rc == 0, err
+    assert (tmp_path / "a1" / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
+    # An adapter without it (written before runs kept it) resolves data.chat_template again; a run
+    # stopped before its summary.json is judged by its data.train files.
+    template.write_text(TEMPLATE, encoding="utf-8")
+    (run_dir / "adapter" / "chat_template.jinja").unlink()
     (run_dir / "summary.json").unlink()
     rc, _, err = run_cli(capsys, "export", "--run", str(run_dir), "--merge", "--out", str(tmp_path / "m2"))
     assert rc == 0, err

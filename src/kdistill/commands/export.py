@@ -25,7 +25,14 @@ from kdistill.data.chat_data import is_conversation_data
 from kdistill.errors import UserError
 from kdistill.fileio import fault_point
 from kdistill.models.hf_io import load_model, save_model
-from kdistill.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, merge_lora, read_adapter
+from kdistill.models.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_TEMPLATE,
+    ADAPTER_WEIGHTS,
+    load_adapter,
+    merge_lora,
+    read_adapter,
+)
 from kdistill.outputs import check_target, staged_output
 from kdistill.train.loading import exported_chat_template
 
@@ -59,13 +66,24 @@ def export_command(args: argparse.Namespace) -> int:
         with staged_output(
             out, "export-adapter", what="export the adapter", intact=intact, inputs=inputs
         ) as tmp:
-            for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_TEMPLATE):
+                if name == ADAPTER_TEMPLATE and not (adapter_dir / name).is_file():
+                    continue  # the run rendered no conversations with a template of its own
                 fault_point(tmp / name)
                 shutil.copyfile(adapter_dir / name, tmp / name)
         print(f"adapter (PEFT layout) written to {out}")
         return 0
     check_target(out, "export-merged", inputs=inputs)  # before the base is loaded
-    template = exported_chat_template(cfg, _trained_on_conversations(run_dir, cfg))
+    saved = adapter_dir / ADAPTER_TEMPLATE  # the template as the run trained with it
+    template: str | None
+    if saved.is_file():
+        try:
+            template = saved.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+            raise UserError(f"{saved}: cannot read the chat template the run trained with ({why})") from None
+    else:  # an adapter written before runs kept their template: resolved again from the config
+        template = exported_chat_template(cfg, _trained_on_conversations(run_dir, cfg))
     model = load_model(cfg.student.path, device="cpu", dtype=torch.float32)
     merge_lora(load_adapter(model, adapter_dir))
     source = Path(cfg.student.path)

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kdistill.errors import UserError
-from kdistill.fileio import fault_point, write_json_durable
+from kdistill.fileio import atomic_write_text, fault_point, write_json_durable
 from kdistill.jsonio import read_json
 from kdistill.models.decoder import KD_ONLY_PREFIX
 from kdistill.outputs import staged_output
@@ -40,6 +40,9 @@ from kdistill.rundir import has_marker
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The chat template the run rendered its conversations with (data.chat_template), as trained: what
+# `kdistill export --merge` gives the merged model, whatever happens to the template file later.
+ADAPTER_TEMPLATE = "chat_template.jinja"
 PEFT_PREFIX = "base_model.model."
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -205,6 +208,7 @@ def save_adapter(
     tensors: dict[str, torch.Tensor] | None = None,
     kind: str = "adapter",
     intact: str | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Write adapter_config.json and adapter_model.safetensors (PEFT's key names), atomically
     (kdistill.outputs): into a temporary sibling marked as kdistill's output of `kind`, then renamed over
@@ -219,6 +223,8 @@ def save_adapter(
             default is the model's own. Other names (e.g. other trainable parameters) are not written.
         kind: the marker's kind ("adapter"; `kdistill export`: "export-adapter").
         intact: what a write fault leaves intact, for its one-line error.
+        chat_template: the template text the run trained with, written beside them as
+            chat_template.jinja (None: none written).
     """
     out_dir = Path(out_dir)
     own = adapter_state(model)
@@ -234,6 +240,9 @@ def save_adapter(
 
     with staged_output(out_dir, kind, name="", what="write the adapter", intact=intact, legacy=legacy) as tmp:
         write_json_durable(tmp / ADAPTER_CONFIG, peft_config(model, base_model))
+        if chat_template is not None:
+            fault_point(tmp / ADAPTER_TEMPLATE)
+            atomic_write_text(tmp / ADAPTER_TEMPLATE, chat_template)
         fault_point(tmp / ADAPTER_WEIGHTS, "safetensors")
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(tmp / ADAPTER_WEIGHTS, "rb+") as f:

@@ -558,7 +558,9 @@ def export_student(run: Run) -> None:
         student, adapter = run.ctx.student, run.run_dir / "adapter"
         base = str(Path(run.cfg.student.path).resolve())
         full = dist.full_model_state(student, trainable_only=True) if dist.active() else None
-        dist.run_on_main(lambda: save_adapter(student, adapter, base_model=base, tensors=full))
+        dist.run_on_main(
+            lambda: save_adapter(student, adapter, base_model=base, tensors=full, chat_template=template)
+        )
         return
     if dist.active():
         plain = dist.unsharded_copy(run.ctx.student)  # collective; rank 0 gets the full student
