@@ -106,6 +106,19 @@ def test_gpus_needed_for_big_teachers():
     assert world72 >= 4
 
 
+def test_plan_command_says_what_the_layout_recomputes(capsys):
+    rc, out, _ = run_cli(capsys, "plan", "qwen2.5-1.5b:qwen2.5-0.5b", "schedule.batch_size=16")
+    assert rc == 0 and "recompute: nothing)" in out  # an 80 GiB GPU keeps the SwiGLU outputs
+    rc, out, _ = run_cli(
+        capsys, "plan", "qwen2.5-1.5b:qwen2.5-0.5b", "runtime.activation_checkpointing=swiglu"
+    )
+    assert rc == 0 and "recompute: SwiGLU outputs)" in out
+    rc, out, _ = run_cli(
+        capsys, "plan", "qwen2.5-7b:qwen2.5-1.5b", "data.seq_len=4096", "schedule.batch_size=8"
+    )
+    assert rc == 0 and "recompute: blocks (activation checkpointing))" in out
+
+
 def test_plan_command_prints_the_gpus_a_pair_needs(capsys):
     rc, out, _ = run_cli(capsys, "plan", "qwen2.5-32b:qwen2.5-1.5b", "schedule.batch_size=8", "--nproc", "2")
     assert rc == 0

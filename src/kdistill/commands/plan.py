@@ -89,6 +89,13 @@ def gpus_line(needed: Any, gpu_gib: float) -> str:
     return f"needs {gpus} of {gpu_gib:g} GiB" + (f" with {' and '.join(how)}" if how else "")
 
 
+def _recompute(layout: dict) -> str:
+    """What the layout recomputes in backward (runtime.activation_checkpointing, resolved)."""
+    if layout["checkpointing"]:
+        return "blocks (activation checkpointing)"
+    return "nothing" if layout.get("swiglu_kept") else "SwiGLU outputs"
+
+
 def _short(name: str, width: int = 17) -> str:
     """A model name for the table: a preset as is, a path by its folder name."""
     p = Path(name)
@@ -112,7 +119,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         "",
         f"peak memory per device (estimate, {plan['layout']['world']} process(es) of batch "
         f"{plan['batch_per_process']}, teacher {'sharded' if plan['layout']['teacher_sharded'] else 'whole'}, "
-        f"activation checkpointing {'on' if plan['layout']['checkpointing'] else 'off'}):",
+        f"recompute: {_recompute(plan['layout'])}):",
     ]
     for k, v in plan["memory_gib"].items():
         if k != "total":
