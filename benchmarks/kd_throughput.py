@@ -17,6 +17,7 @@ Each step: teacher forward (no grad), student forward, loss, backward, AdamW ste
               (runtime.cuda_graphs); e.g. triton-graph, triton-fp8-student-graph
   ...-bf16logits-...  a triton provider with kd.logits_dtype=compute: the KD head's lm_head GEMMs write
               bf16 logits (as Liger-Kernel's do); e.g. triton-bf16logits-graph, triton-fp8-bf16logits
+  triton-lora[-step|-graph]   student.lora: rank-16 adapters on q/k/v/o (dropout 0.05), base frozen
   ...-recompute-...   runtime.activation_checkpointing=swiglu: the student's SwiGLU outputs recomputed in
               backward; without it the providers resolve `auto` against the free memory as a run does
               (e.g. triton-bf16logits-recompute-graph)
@@ -53,6 +54,7 @@ from kdistill.memory import Layout, choose_layout, estimate_memory
 from kdistill.models.decoder import build_decoder
 from kdistill.models.fp8 import convert_to_fp8
 from kdistill.models.fp8_train import convert_student_to_fp8
+from kdistill.models.lora import apply_lora
 from kdistill.models.spec import load_spec
 from kdistill.ops.kd_loss import label_count
 from kdistill.train.optim import make_optimizer
@@ -65,7 +67,7 @@ except ImportError:  # pragma: no cover
 
 KDISTILL_BASE = ("triton", "triton-fp8", "triton-fp8-student", "reference", "dense")
 _TRITON = ("triton", "triton-fp8", "triton-fp8-student")
-_MODIFIERS = ("-bf16logits", "-recompute", "-bf16logits-recompute")
+_MODIFIERS = ("-bf16logits", "-recompute", "-bf16logits-recompute", "-lora")
 _TRITON_ALL = _TRITON + tuple(f"{p}{m}" for p in _TRITON for m in _MODIFIERS)
 KDISTILL_PROVIDERS = (
     KDISTILL_BASE
@@ -112,6 +114,10 @@ def provider_cfg(provider: str, cfg):
     cfg = dataclasses.replace(
         cfg, runtime=dataclasses.replace(cfg.runtime, kernels=kernels, cuda_graphs=graphs)
     )
+    if base.endswith("-lora"):  # student.lora: rank-16 adapters (dropout 0.05) on q/k/v/o, the base frozen
+        base = base.removesuffix("-lora")
+        lora = dataclasses.replace(cfg.student.lora, rank=16, alpha=32, dropout=0.05)
+        cfg = dataclasses.replace(cfg, student=dataclasses.replace(cfg.student, lora=lora))
     if base.endswith("-recompute"):  # runtime.activation_checkpointing=swiglu
         base = base.removesuffix("-recompute")
         cfg = dataclasses.replace(
@@ -146,6 +152,9 @@ def build_pair(cfg, t_spec, s_spec, dev: torch.device):
     student = build_decoder(s_spec, device=dev, dtype=torch.float32, seed=2)
     if cfg.runtime.precision == "fp8":
         convert_student_to_fp8(student)
+    lo = cfg.student.lora
+    if lo.enabled:
+        apply_lora(student, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets, seed=2)
     layout = Layout.of(cfg.runtime.activation_checkpointing)  # resolved by provider_cfg, as a run does
     student.checkpoint_blocks(layout.checkpointing)
     student.keep_swiglu(layout.swiglu_kept)
