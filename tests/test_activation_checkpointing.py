@@ -90,3 +90,26 @@ def test_kept_swiglu_outputs_are_not_recomputed_and_launch_planned_keys():
 
     assert swiglu_fwd(plain, "bwd") + swiglu_fwd(plain, "fwd") == swiglu_fwd(kept, "fwd") + 3
     assert contract_problems(teacher, student, run, rec=kept) == []
+
+
+def test_a_run_that_keeps_the_swiglu_outputs_trains_as_one_that_recomputes_them(tmp_path, capsys):
+    """runtime.activation_checkpointing=none reaches the student (summary.json's layout) and trains the
+    same losses as swiglu, bit for bit."""
+    import json
+
+    import yaml
+
+    from tests.test_train_kit import base_config, read_summary, run_cli
+
+    losses = {}
+    for choice in ("none", "swiglu"):
+        cfg = base_config(tmp_path / choice, steps=3)
+        cfg["runtime"]["activation_checkpointing"] = choice
+        path = tmp_path / f"{choice}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+        assert rc == 0, err
+        assert read_summary(tmp_path / choice)["layout"]["swiglu_kept"] is (choice == "none")
+        rows = (tmp_path / choice / "metrics.jsonl").read_text().splitlines()
+        losses[choice] = [json.loads(r)["loss"] for r in rows]
+    assert len(losses["none"]) == 3 and losses["none"] == losses["swiglu"]
