@@ -13,25 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
+try:  # run as a script (benchmarks/ on sys.path) or as a module
+    from cuda_timing import median_seconds
+except ImportError:  # pragma: no cover
+    from benchmarks.cuda_timing import median_seconds
 from kdistill.kernels import kd_loss as kd_kernel
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -61,8 +51,8 @@ def main() -> None:
                     s.copy_(s0)  # the kernel writes over the student's logits
                     kernel[grid](*args, **kwargs)
 
-                copy = timed(lambda s=s, s0=s0: s.copy_(s0), a.reps)
-                sec = timed(run, a.reps) - copy
+                copy = median_seconds(lambda s=s, s0=s0: s.copy_(s0), a.reps)
+                sec = median_seconds(run, a.reps) - copy
                 gbs = a.rows * a.vocab * per_logit / sec / 1e9
                 chosen = kd_kernel.tiles(a.vocab, "forward_kl", True, True)
                 mark = " (tiles)" if (bv, warps) == (chosen["BLOCK_V"], chosen["num_warps"]) else ""

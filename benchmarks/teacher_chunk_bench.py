@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
+try:  # run as a script (benchmarks/ on sys.path) or as a module
+    from cuda_timing import median_seconds
+except ImportError:  # pragma: no cover
+    from benchmarks.cuda_timing import median_seconds
 from kdistill.kernels import runtime
 from kdistill.models.decoder import build_decoder
 from kdistill.models.fp8 import convert_to_fp8
@@ -33,21 +36,6 @@ def forward_rows(teacher, ids: torch.Tensor, rows: int, out: torch.Tensor) -> to
     for i in range(0, ids.shape[0], rows):
         out[i : i + rows] = teacher(ids[i : i + rows])
     return out
-
-
-def timed(fn, reps: int, warmup: int) -> float:
-    """Median seconds of fn() over reps after warmup calls (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -77,7 +65,7 @@ def main() -> None:
             ref = teacher(ids).float()
             for rows in [int(r) for r in a.rows.split(",")]:
                 t0 = time.perf_counter()
-                sec = timed(lambda r=rows, m=teacher: forward_rows(m, ids, r, out), a.reps, a.warmup)
+                sec = median_seconds(lambda r=rows, m=teacher: forward_rows(m, ids, r, out), a.reps, a.warmup)
                 err = float((out.float() - ref).abs().max() / ref.abs().max())
                 row = dict(precision=precision, rows=rows, ms=sec * 1e3, max_rel_diff=err)
                 row["wall_s"] = time.perf_counter() - t0

@@ -444,19 +444,19 @@ def build_engine(
     cuda_graphs: str = "auto",
     kernel_pack: str | Path | None = None,
 ) -> tuple[DecodeEngine, dict[str, Any]]:
-    """Check sizes, memory and the kernel pack, load the model, prewarm and seal the generation plan
-    (kernel_pack: loaded from that pack), and build the decode engine (the loaded module is dropped:
-    the engine keeps its own weights)."""
+    """Check sizes and memory, load the model, prewarm and seal the generation plan (kernel_pack: a
+    pack folder its callers checked with check_kernel_pack before reading anything, whose binaries the
+    prewarm loads), and build the decode engine (the loaded module is dropped: the engine keeps its
+    own weights)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size is {batch_size!r}, expected an integer >= 1")
     max_len = cache_length(job, sampling, max_length)
     dev = resolve_device(device)
-    pack = check_kernel_pack(kernel_pack, dev)
     batch = min(batch_size, 1 << max(0, len(job.ids) - 1).bit_length())
     prefill_tokens = 16384
     check_memory(job.spec, dev, batch, max_len, prefill_tokens)
     model = load_model(job.model_dir, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
-    info = prepare_kernels(model, batch, max(len(r) for r in job.ids), max_len, pack=pack)
+    info = prepare_kernels(model, batch, max(len(r) for r in job.ids), max_len, pack=kernel_pack)
     pad = job.tokenizer.eos_id if job.tokenizer.eos_id is not None else 0
     engine = DecodeEngine(
         model,
@@ -517,7 +517,7 @@ def generate_texts(
         or samples_per_prompt < 1
     ):
         raise UserError(f"--samples-per-prompt is {samples_per_prompt!r}, expected an integer >= 1")
-    check_kernel_pack(kernel_pack, resolve_device(device))  # before the model directory is read
+    pack = check_kernel_pack(kernel_pack, resolve_device(device))  # before the model directory is read
     job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
     work = [(i, j) for i in range(len(job.ids)) for j in range(samples_per_prompt)]
     engine, _info = build_engine(
@@ -527,7 +527,7 @@ def generate_texts(
         batch_size=batch_size,
         max_length=max_length,
         cuda_graphs=cuda_graphs,
-        kernel_pack=kernel_pack,
+        kernel_pack=pack,
     )
     return run_job(job, engine, work, on_row=on_row, on_text=on_text)
 

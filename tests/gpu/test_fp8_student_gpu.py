@@ -175,12 +175,18 @@ def _demo(run_dir: Path, cache: Path, *overrides: str) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def assert_heldout_within_one_percent(run: dict, base: dict) -> None:
+    """A demo run's summary against a baseline's: nothing compiled after the seal, no kernel fell back,
+    held-out KL to the teacher and CE within 1%."""
+    assert run["jit_after_prewarm"] == 0 and run["kernels"]["fallbacks"] == [], run["kernels"]
+    for key in ("kl_to_teacher", "student_loss"):
+        a, b = run["heldout"][key], base["heldout"][key]
+        assert abs(a - b) <= 0.01 * abs(b), (key, a, b)
+
+
 def test_fp8_student_on_the_demo_within_one_percent_of_bf16(tmp_path):
     """The demo pair on its real text (the stdlib corpus), 250 steps each, same seed and batches: the
     FP8 student's held-out KL to the teacher and CE within 1% of the bf16 student's."""
     bf16 = _demo(tmp_path / "bf16", tmp_path / "cache")
     fp8 = _demo(tmp_path / "fp8", tmp_path / "cache", "runtime.precision=fp8")
-    assert fp8["jit_after_prewarm"] == 0 and fp8["kernels"]["fallbacks"] == [], fp8["kernels"]
-    for key in ("kl_to_teacher", "student_loss"):
-        a, b = fp8["heldout"][key], bf16["heldout"][key]
-        assert abs(a - b) <= 0.01 * abs(b), (key, a, b)
+    assert_heldout_within_one_percent(fp8, bf16)

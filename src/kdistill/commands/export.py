@@ -22,6 +22,7 @@ import torch
 from kdistill.commands.report import read_summary
 from kdistill.config import RunConfig, load_config
 from kdistill.data.chat_data import is_conversation_data
+from kdistill.data.chat_template import load_chat_template
 from kdistill.errors import UserError
 from kdistill.fileio import fault_point
 from kdistill.models.hf_io import load_model, save_model
@@ -76,12 +77,8 @@ def export_command(args: argparse.Namespace) -> int:
     check_target(out, "export-merged", inputs=inputs)  # before the base is loaded
     saved = adapter_dir / ADAPTER_TEMPLATE  # the template as the run trained with it
     template: str | None
-    if saved.is_file():
-        try:
-            template = saved.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
-            raise UserError(f"{saved}: cannot read the chat template the run trained with ({why})") from None
+    if saved.is_file():  # read and checked as data.chat_template is
+        template = load_chat_template(cfg.teacher.path, str(saved), field=f"--run {run_dir}").source
     else:  # an adapter written before runs kept their template: resolved again from the config
         template = exported_chat_template(cfg, _trained_on_conversations(run_dir, cfg))
     model = load_model(cfg.student.path, device="cpu", dtype=torch.float32)
