@@ -142,8 +142,12 @@ def main() -> None:
         results.append(summary)
         for f in sorted((run_dir / "profile").glob("rank*.*")):  # runtime.profile_steps: kept beside the logs
             (out / f"run{i}_profile_{f.name}").write_bytes(f.read_bytes())
-        prewarm = [ln for ln in text.splitlines() if ln.startswith("prewarm:")]
-        print("  " + (prewarm[0] if prewarm else "no prewarm line"))
+        pw = summary.get("kernels", {}).get("prewarm", {})
+        pw.pop("cache_dir", None)  # a path of the machine that ran it, not a result
+        print(
+            f"  prewarm: {pw.get('compiled', 0)} compiled, {pw.get('from_cache', 0)} cached, "
+            f"{pw.get('from_pack', 0)} from a pack, {pw.get('library', 0)} library, {pw.get('seconds', 0)} s"
+        )
     (out / "results.json").write_text(
         json.dumps(
             {
