@@ -374,3 +374,26 @@ def test_bf16_base_under_fsdp2_of_torch_before_2_8_is_refused(monkeypatch):
     )
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.8.0"))
     dist.check_lora_sharding(torch.bfloat16)
+
+
+def test_a_frozen_down_proj_recomputes_nothing_in_backward(monkeypatch):
+    """The MLP's recomputing down_proj (`dispatch.swiglu_down`) under a frozen weight (a LoRA base):
+    the same gradient for [gate, up] as with a trainable weight, no weight gradient, and the SwiGLU
+    output computed once (forward), not again in backward, since only the weight gradient needs it."""
+    from kdistill import dispatch
+
+    calls = []
+    real = dispatch.swiglu
+    monkeypatch.setattr(dispatch, "swiglu", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    gu0, w0 = torch.randn(3, 5, 16, generator=g), torch.randn(6, 8, generator=g)
+    dy = torch.randn(3, 5, 6, generator=g)
+    grads = {}
+    for frozen in (False, True):
+        gu, w = gu0.clone().requires_grad_(), w0.clone().requires_grad_(not frozen)
+        calls.clear()
+        dispatch.swiglu_down(gu, w).backward(dy)
+        grads[frozen] = gu.grad
+        assert len(calls) == (1 if frozen else 2)
+        assert (w.grad is None) == frozen
+    torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)

@@ -193,3 +193,28 @@ def test_compute_dtype_logits_halve_the_head_buffers_on_a_gpu_only():
     assert estimate_memory(t, s, cfg, device="cpu")["loss_chunk_logits"] == fp32
     chunk = min(cfg.kd.chunk_size, cfg.schedule.batch_size * cfg.data.seq_len)
     assert fp32 == 2 * chunk * s.vocab_size * 4
+
+
+def test_a_lora_student_plans_no_inputs_for_its_frozen_linears():
+    """A frozen base keeps no GEMM input for a weight gradient; adapters without dropout keep the input
+    they read, once per input their targets share (q/k/v one, gate/up another), and keeping the SwiGLU
+    output costs a LoRA student nothing (its frozen down_proj saves no input)."""
+    t, s = load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b")
+    n, layers, h = 8 * 2048, s.num_layers, s.hidden_size
+
+    def acts(targets, dropout=0.0, **runtime):
+        cfg = _cfg(**runtime)
+        cfg.student.lora.rank, cfg.student.lora.dropout, cfg.student.lora.targets = 16, dropout, targets
+        return estimate_memory(t, s, cfg, layout=Layout.of(cfg.runtime.activation_checkpointing))
+
+    full = estimate_memory(t, s, _cfg(activation_checkpointing="swiglu"), layout=Layout.of("swiglu"))
+    qkv = acts(["q_proj", "k_proj", "v_proj"], activation_checkpointing="swiglu")
+    assert full["student_activations"] - qkv["student_activations"] == n * layers * 4 * h
+    gate = acts(["q_proj", "k_proj", "v_proj", "gate_proj"], activation_checkpointing="swiglu")
+    assert gate["student_activations"] - qkv["student_activations"] == n * layers * 2 * h
+    both = acts(["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], activation_checkpointing="swiglu")
+    assert both["student_activations"] == gate["student_activations"]
+    kept = acts(["q_proj", "k_proj", "v_proj"], activation_checkpointing="none")
+    assert kept["student_activations"] == qkv["student_activations"]
+    with_dropout = acts(["q_proj", "k_proj", "v_proj"], dropout=0.1, activation_checkpointing="swiglu")
+    assert qkv["student_activations"] - with_dropout["student_activations"] == n * layers * 2 * h

@@ -390,12 +390,14 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         gu, weight = ctx.saved_tensors
+        w = weight.to(gu.dtype)
+        dy = dy.to(gu.dtype)
+        dh = dy @ w  # (..., I)
+        if not ctx.needs_input_grad[1]:  # a frozen down_proj (LoRA): no weight gradient, nothing recomputed
+            return _swiglu_grad(dh, gu), None
         with torch.no_grad():
             h = swiglu(*swiglu_kernel.halves(gu))  # recomputed: (..., I)
-        w = weight.to(h.dtype)
-        dy = dy.to(h.dtype)
         dw = dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])  # (H, I)
-        dh = dy @ w  # (..., I)
         return _swiglu_grad(dh, gu), dw.to(weight.dtype)
 
 

@@ -133,6 +133,18 @@ def estimate_memory(
     vocab = student.vocab_size
     chunk = min(cfg.kd.chunk_size, n)
     lora = cfg.student.lora
+    if lora.enabled and gpu:
+        # A frozen base keeps no GEMM input for a weight gradient: the normed-input copies (6H of
+        # coef["hidden"]) go. An adapter keeps its own input: with dropout, its dropout output and mask
+        # (lora_activations below); without, the norm's output itself, once for the targets that share it
+        # (q/k/v read one normed input, gate/up another; o_proj's input is SDPA's output, kept anyway).
+        per_tok_layer -= 6 * student.hidden_size
+        if lora.dropout == 0:
+            groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
+            shared = sum(any(t in lora.targets for t in g) for g in groups)
+            per_tok_layer += shared * student.hidden_size * 2
+            if "down_proj" in lora.targets:  # its input, the SwiGLU output, kept for the adapter
+                per_tok_layer += student.intermediate_size * 2
     cached = bool(cfg.teacher.cache)
     # A LoRA student: a frozen base (in lora.base_dtype, no gradient, no optimizer state, no cached
     # autocast copy: autocast caches casts of trainable leaves only) and fp32 adapters that train.
@@ -186,7 +198,8 @@ def estimate_memory(
         activations = n * student.num_layers * inputs + n * per_tok_layer
     else:
         activations = n * student.num_layers * per_tok_layer
-        if layout.swiglu_kept and swiglu_recomputed(cfg):  # the SwiGLU output kept for down_proj's backward
+        if layout.swiglu_kept and swiglu_recomputed(cfg) and not lora.enabled:
+            # the SwiGLU output kept for down_proj's weight gradient (a frozen down_proj has none)
             activations += n * student.num_layers * student.intermediate_size * act_bytes
     forward_peak = {
         "student_activations": int(activations) + n * student.hidden_size * 4,
