@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {name:26s} {bname:9s} {row['kv']:8s} refused: {row['refused']}")
                 else:
                     row |= {"ms": s * 1e3, "tflops": flops / s / 1e12}
-                    print(f"  {name:26s} {bname:9s} {row['kv']:8s} {s * 1e3:8.3f} ms  {flops / s / 1e12:6.1f} TFLOP/s")
+                    print(
+                        f"  {name:26s} {bname:9s} {row['kv']:8s} {s * 1e3:8.3f} ms  {flops / s / 1e12:6.1f} TFLOP/s"
+                    )
                 rows.append(row)
                 del q, k, v
                 torch.cuda.empty_cache()
