@@ -2,7 +2,7 @@
 
 Most of the suite runs in the pytest process, on one core at a time. The torchrun modules' fixtures
 start batches of processes that keep every core busy (each process spends most of its few seconds
-importing torch), and until now the suite waited for them with nothing else to do. tests/conftest.py
+importing torch); waited for in turn, with nothing else to do, they would add up. tests/conftest.py
 moves the modules that have a `prelaunch(fixturenames)` function to the end of the run and calls it once
 the tests are collected; `prelaunch` prepares the batches of the fixtures the selected tests use (in the
 pytest process) and starts them here, so that they use the cores the in-process tests leave idle. The
@@ -14,9 +14,11 @@ the same checks, only earlier.
     out = background.wait("distributed.first")      # in the fixture: the job's result, or its exception
 
 The jobs run one after another in one thread (the launches of a batch already run at once, so at most
-one batch's processes are alive, as before). Their processes run at a lower CPU priority (nice 10), so
-the tests in the foreground keep their speed; and with the environment the suite started with
-(`environ()`), so a variable that a foreground test sets for its own children does not reach them.
+one batch's processes are alive). Their processes run at the lowest CPU priority (nice 19), so the tests
+in the foreground keep their speed (a batch's hang guards allow for the wait: 900 s a launch); and with
+the environment the suite started with (`environ()`), so a variable that a foreground test sets for its
+own children does not reach them. KDISTILL_TEST_BACKGROUND=0 keeps the file order: each fixture then
+starts its batch when it needs it and waits for it, as a plain fixture would.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-NICE = 10  # the background processes' niceness (Linux: per thread, inherited by the processes it starts)
+# The background processes' niceness (Linux: per thread, inherited by the processes it starts). The
+# lowest priority: a foreground process keeps ~80% of a core beside a whole batch (weights 1024 against
+# 15 per process), so the tests that bound a duration measure what they did before.
+NICE = 19
 
 _JOBS: dict[str, Future] = {}
 _QUEUE: queue.Queue[tuple[Future, Callable[[], Any]] | None] = queue.Queue()

@@ -27,9 +27,9 @@ def _fresh_dispatcher_state():
 def pytest_collection_modifyitems(session, config, items):
     """Modules with a `prelaunch(fixturenames)` function start their fixtures' subprocess batches now, in
     the background, and run last, so the batches use the cores the other tests leave idle
-    (tests/background.py)."""
-    if config.option.collectonly:
-        return
+    (tests/background.py). KDISTILL_TEST_BACKGROUND=0 turns that off."""
+    if config.option.collectonly or os.environ.get("KDISTILL_TEST_BACKGROUND") == "0":
+        return  # KDISTILL_TEST_BACKGROUND=0: file order, each batch started by its fixture
     late: dict = {}  # module -> the fixture names its selected tests use, in the order of the run
     for item in items:
         module = getattr(item, "module", None)

@@ -217,7 +217,7 @@ def _first_batch(tmp: Path, cfg: Path, other: dict[str, Path]) -> tuple:
         "cross": start_torchrun(["run", str(other["cross"]), "--quiet"]),
         "checks": start_helper("fsdp_checks.py", tmp / "checks"),
     }
-    out = {k: finish(p, 420) for k, p in procs.items()}
+    out = {k: finish(p, 900) for k, p in procs.items()}
     # What the interrupted runs left, seen before the second batch resumes them in place.
     before = {
         "killed_ckpts": _seen(lambda: sorted(p.name for p in (dirs["killed"] / "checkpoints").iterdir())),
@@ -279,11 +279,11 @@ def _second_batch(runs: tuple) -> tuple:
             ["run", str(cfg), f"output.dir={dirs['nodes']}", "--quiet", *REPLICATED],
             ["--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}", *rdzv],
         )
-    deadline = time.time() + 420
+    deadline = time.time() + 900
     while not (holds / "rank1.pid").exists() and time.time() < deadline:
         time.sleep(0.2)
     os.kill(int((holds / "rank1.pid").read_text()), signal.SIGKILL)  # one gloo rank dies mid-run
-    return dirs, {k: finish(p, 420) for k, p in procs.items()}
+    return dirs, {k: finish(p, 900) for k, p in procs.items()}
 
 
 def test_two_processes_complete_and_write_once(runs):

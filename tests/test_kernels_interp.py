@@ -35,7 +35,7 @@ def _interpret() -> dict:
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=900,
     )
     results = {}
     for line in proc.stdout.splitlines():

@@ -125,7 +125,7 @@ def _batches(tmp: Path, cfg: Path, mapped: Path) -> tuple:
         ),
     }
     with ThreadPoolExecutor(len(procs)) as pool:
-        out = dict(zip(procs, pool.map(lambda p: finish(p, 420), procs.values())))
+        out = dict(zip(procs, pool.map(lambda p: finish(p, 900), procs.values())))
     assert out["mapped_killed"].returncode != 0
     # The finished runs cut back to their checkpoints at step 3: each is its own interrupted run.
     for name in ("two", "one"):
@@ -138,7 +138,7 @@ def _batches(tmp: Path, cfg: Path, mapped: Path) -> tuple:
         "mapped_two_to_one": start_proc(["run", "--resume", str(dirs["mapped_killed"]), "--quiet"]),
     }
     with ThreadPoolExecutor(len(procs)) as pool:
-        out.update(zip(procs, pool.map(lambda p: finish(p, 420), procs.values())))
+        out.update(zip(procs, pool.map(lambda p: finish(p, 900), procs.values())))
     return tmp, dirs, out
 
 

@@ -55,12 +55,12 @@ def runs():
 
 def _launches(tmp: Path, path: Path) -> tuple:
     two = tmp / "two"
-    first = torchrun(["run", str(path), f"output.dir={two}", "--quiet"], timeout=420)
+    first = torchrun(["run", str(path), f"output.dir={two}", "--quiet"], timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     # What a run interrupted after step 3 leaves: its checkpoint at step 2, no export, no summary (the
     # metrics lines after step 2 are dropped by the resume).
     cut = interrupted_copy(two, tmp / "cut", 2)
-    resumed = torchrun(["run", "--resume", str(cut), "--quiet"], timeout=420)
+    resumed = torchrun(["run", "--resume", str(cut), "--quiet"], timeout=900)
     return two, cut, resumed
 
 
