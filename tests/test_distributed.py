@@ -1,19 +1,24 @@
 """Data-parallel runs under torchrun (2 processes, gloo on the CPU, FSDP2 student and teacher).
 
 One uninterrupted 2-process run and one 1-process run of the same config (same global batch of 4
-sequences) go in parallel, with a 2-process and a 1-process run killed after step 4 (checkpoint at step
-3), a 2-process run whose rank 1 gets SIGTERM inside step 4, and the runs that need no other run: a
-batch that does not divide over the processes, a mixture of two teachers, a cross-tokenizer student and
-the FSDP2 helper checks (clipping, AdamW, all-gathers: tests/fsdp_checks.py, one launch). Then, in
-parallel: the killed 2-process run resumed on two, the 2-process checkpoint (sharded,
-torch.distributed.checkpoint) resumed in one process (2 -> 1) and on four (2 -> 4: one sequence per
-process, every tensor resharded from two shards to four), the 1-process checkpoint resumed on 2 (1 ->
-2), the SIGTERM-stopped run resumed, a run under `torchrun --max-restarts=1` whose rank 1 is killed by
-PID at step 4 (restarted from step 3 on its own), and the same run as two one-process "nodes" meeting
-through a c10d rendezvous on 127.0.0.1. A resume on as many processes as the run had, and the restart,
-must end with the uninterrupted run's weights bit for bit; across process counts, within the tolerances
-below. Every launch of a batch starts at once (the two fixtures below), so the suite waits for two
-batches instead of a launch per test.
+sequences) go in parallel, with a 2-process run killed after step 4 (checkpoint at step 3), a 2-process
+run whose rank 1 gets SIGTERM inside step 4, and the runs that need no other run: a batch that does not
+divide over the processes, a mixture of two teachers, a cross-tokenizer student and the FSDP2 helper
+checks (clipping, AdamW, all-gathers: tests/fsdp_checks.py, one launch). Then, in parallel: the killed
+2-process run resumed on two, the 2-process checkpoint (sharded, torch.distributed.checkpoint) resumed
+in one process (2 -> 1) and on four (2 -> 4: one sequence per process, every tensor resharded from two
+shards to four), the 1-process run's checkpoint at step 3 resumed on 2 (1 -> 2: a copy of the finished
+run cut back to that checkpoint, so the reference is also the interrupted run), the SIGTERM-stopped run
+resumed, a run under `torchrun --max-restarts=1` whose rank 1 is killed by PID at step 4 (restarted from
+step 3 on its own), a run with kd.layer_map, and the same run as two one-process "nodes" meeting through
+a c10d rendezvous on 127.0.0.1, in the other layout (replicated teacher, checkpointed blocks, student
+kept gathered: one launch for both). A resume on as many processes as the run had, and the restart, must
+end with the uninterrupted run's weights bit for bit; across process counts and layouts, within the
+tolerances below. Every launch of a batch starts at once, so the suite waits for two batches instead of
+a launch per test; and both batches start in the background when the suite starts (tests/background.py),
+this module running last, so they use the cores that the in-process tests leave idle. Each process
+spends most of its few seconds importing torch, so a launch saved (a run that checks two things) is what
+shortens the batches on a machine of few cores.
 
 Why 2 processes match 1 process only closely, not exactly: the batch, the initial weights and every
 per-token loss are the same, but the gradient of the 4-row batch is the average of two 2-row gradients
@@ -26,6 +31,8 @@ still catching a wrong loss scaling (a factor of 2 on the gradient moves the fin
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import shutil
@@ -33,16 +40,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import background
 from tests.test_train_kit import (
     REPO,
     assert_same_weights,
     child_env,
+    interrupted_copy,
     read_summary,
     start_proc,
     student_weights,
@@ -52,6 +62,12 @@ from tests.test_train_kit import (
 pytestmark = pytest.mark.slow
 
 SCHED = dict(steps=6, batch_size=4, checkpoint_every=3, eval_every=3)
+# The other layout: a replicated teacher, checkpointed blocks, the student kept from forward to backward.
+REPLICATED = [
+    "runtime.teacher_placement=replicate",
+    "runtime.activation_checkpointing=blocks",
+    "runtime.student_reshard=after_backward",
+]
 
 
 def start_torchrun(argv: list[str], launcher: list[str] | None = None, **env: str) -> subprocess.Popen:
@@ -145,25 +161,49 @@ def _seen(read):
         return f"unreadable: {e.__class__.__name__}: {e}"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The first batch, every launch at once: (tmp, cfg, dirs, outputs, what the interrupted runs left
-    before the second batch resumes them)."""
-    tmp = tmp_path_factory.mktemp("dist")
+def prelaunch(fixturenames: set[str]) -> None:
+    """tests/conftest.py: start both batches in the background if a selected test uses them."""
+    if fixturenames & {"runs", "more"}:
+        _started()
+
+
+@functools.cache
+def _started() -> None:
+    """Write the configs here (the tiny models are built in this process), then queue the two batches
+    for the background thread (tests/background.py)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kdistill-dist-"))
+    atexit.register(shutil.rmtree, tmp, True)
     cfg = write_config(tmp, **SCHED)
-    dirs = {k: tmp / k for k in ("two", "one", "killed", "one_killed", "signalled", "odd")}
+    other = _other_configs(tmp)
+    first = background.start("distributed.first", lambda: _first_batch(tmp, cfg, other))
+    background.start("distributed.second", lambda: _second_batch(first.result()))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The first batch: (tmp, cfg, dirs, outputs, what the interrupted runs left before the second batch
+    resumes them)."""
+    _started()
+    return background.wait("distributed.first")
+
+
+@pytest.fixture(scope="module")
+def more(runs):
+    """The second batch: (dirs, outputs)."""
+    return background.wait("distributed.second")
+
+
+def _first_batch(tmp: Path, cfg: Path, other: dict[str, Path]) -> tuple:
+    """Every launch at once."""
+    dirs = {k: tmp / k for k in ("two", "one", "killed", "signalled", "odd")}
     for name in ("clip", "adamw", "gathers"):  # tests/fsdp_checks.py: the three helpers in one launch
         dirs[name] = tmp / "checks" / f"{name}.json"
-    other = _other_configs(tmp)
     dirs["mix"], dirs["cross"] = tmp / "mix", tmp / "cross"
     procs = {
         "two": start_torchrun(["run", str(cfg), f"output.dir={dirs['two']}", "--quiet"]),
         "one": start_proc(["run", str(cfg), f"output.dir={dirs['one']}", "--quiet"]),
         "killed": start_torchrun(
             ["run", str(cfg), f"output.dir={dirs['killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
-        ),
-        "one_killed": start_proc(
-            ["run", str(cfg), f"output.dir={dirs['one_killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
         ),
         "signalled": start_torchrun(  # SIGTERM to rank 1 alone, inside step 4
             ["run", str(cfg), f"output.dir={dirs['signalled']}", "--quiet"],
@@ -177,7 +217,7 @@ def runs(tmp_path_factory):
         "cross": start_torchrun(["run", str(other["cross"]), "--quiet"]),
         "checks": start_helper("fsdp_checks.py", tmp / "checks"),
     }
-    out = {k: finish(p, 420) for k, p in procs.items()}
+    out = {k: finish(p, 900) for k, p in procs.items()}
     # What the interrupted runs left, seen before the second batch resumes them in place.
     before = {
         "killed_ckpts": _seen(lambda: sorted(p.name for p in (dirs["killed"] / "checkpoints").iterdir())),
@@ -189,6 +229,10 @@ def runs(tmp_path_factory):
     dirs["killed_four"] = tmp / "killed_four"  # resumed on four processes
     for copy in ("killed_copy", "killed_four"):
         shutil.copytree(dirs["killed"], dirs[copy])
+    # The one-process run, as a run stopped after its checkpoint at step 3 leaves it: resumed on two.
+    dirs["one_cut"] = tmp / "one_cut"
+    if out["one"].returncode == 0:
+        interrupted_copy(dirs["one"], dirs["one_cut"], 3)
     return tmp, cfg, dirs, out, before
 
 
@@ -198,17 +242,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def more(runs):
-    """The second batch, every launch at once: the in-place resumes of the killed and the SIGTERM-stopped
-    2-process runs, resumes across process counts, a restart after a killed rank, two nodes, and the
-    layer-map and replicated-teacher runs."""
+def _second_batch(runs: tuple) -> tuple:
+    """Every launch at once: the in-place resumes of the killed and the SIGTERM-stopped 2-process runs,
+    resumes across process counts, a restart after a killed rank, the layer-map run and two nodes (in the
+    replicated-teacher layout)."""
     tmp, cfg, dirs, _, _ = runs
     procs = {
         "resumed": start_torchrun(["run", "--resume", str(dirs["killed"]), "--quiet"]),
         "signalled": start_torchrun(["run", "--resume", str(dirs["signalled"]), "--quiet"]),
         "two_to_one": start_proc(["run", "--resume", str(dirs["killed_copy"]), "--quiet"]),
-        "one_to_two": start_torchrun(["run", "--resume", str(dirs["one_killed"]), "--quiet"]),
+        "one_to_two": start_torchrun(["run", "--resume", str(dirs["one_cut"]), "--quiet"]),
         "two_to_four": start_torchrun(
             ["run", "--resume", str(dirs["killed_four"]), "--quiet"], ["--nproc_per_node=4", "--standalone"]
         ),
@@ -226,24 +269,21 @@ def more(runs):
         ["run", str(cfg), f"output.dir={dirs['mapped']}", "--quiet"]
         + ["kd.layer_map=[[0,0],[1,1]]", "kd.hidden_weight=0.5"]
     )
-    dirs["replicated"] = tmp / "replicated"
-    procs["replicated"] = start_torchrun(
-        ["run", str(cfg), f"output.dir={dirs['replicated']}", "--quiet"]
-        + ["runtime.teacher_placement=replicate", "runtime.activation_checkpointing=blocks"]
-        + ["runtime.student_reshard=after_backward"]
-    )
+    # Two nodes of one process each, with the other layout (a replicated teacher, checkpointed blocks,
+    # the student kept gathered from forward to backward): neither changes the run's numbers, so one
+    # launch checks both against the uninterrupted run.
     port = _free_port()
     for node in (0, 1):
         rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=kdistill-test"]
         procs[f"node{node}"] = start_torchrun(
-            ["run", str(cfg), f"output.dir={dirs['nodes']}", "--quiet"],
+            ["run", str(cfg), f"output.dir={dirs['nodes']}", "--quiet", *REPLICATED],
             ["--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}", *rdzv],
         )
-    deadline = time.time() + 180
+    deadline = time.time() + 900
     while not (holds / "rank1.pid").exists() and time.time() < deadline:
         time.sleep(0.2)
     os.kill(int((holds / "rank1.pid").read_text()), signal.SIGKILL)  # one gloo rank dies mid-run
-    return dirs, {k: finish(p, 420) for k, p in procs.items()}
+    return dirs, {k: finish(p, 900) for k, p in procs.items()}
 
 
 def test_two_processes_complete_and_write_once(runs):
@@ -355,7 +395,8 @@ def test_two_process_checkpoint_resumes_on_four(runs, more):
 def test_one_process_checkpoint_resumes_on_two(runs, more):
     dirs, out = more
     assert out["one_to_two"].returncode == 0, out["one_to_two"].stderr[-3000:]
-    _close_to(dirs["one_killed"], runs[2]["one"])
+    assert "resuming from" in out["one_to_two"].stderr and "step 3" in out["one_to_two"].stderr
+    _close_to(dirs["one_cut"], runs[2]["one"])
 
 
 def test_killed_rank_restarts_from_the_last_checkpoint(runs, more):
@@ -391,9 +432,12 @@ def test_root_gathered_once_per_step_and_blocks_once_each_way(runs):
 
 
 def test_replicated_teacher_checkpointed_blocks_and_kept_student_match(runs, more):
+    """The two-node run's layout (REPLICATED): the run says so in its summary and matches the
+    uninterrupted run of the default layout."""
     dirs, out = more
-    assert out["replicated"].returncode == 0, out["replicated"].stderr[-3000:]
-    layout = read_summary(dirs["replicated"])["layout"]
+    for node in ("node0", "node1"):
+        assert out[node].returncode == 0, out[node].stderr[-3000:]
+    layout = read_summary(dirs["nodes"])["layout"]
     assert layout == {
         "world": 2,
         "teacher_sharded": False,
@@ -402,7 +446,8 @@ def test_replicated_teacher_checkpointed_blocks_and_kept_student_match(runs, mor
         "swiglu_kept": False,
     }
     assert read_summary(runs[2]["two"])["layout"]["teacher_sharded"]  # auto on the CPU: sharded
-    _close_to(dirs["replicated"], runs[2]["two"])
+    assert not read_summary(runs[2]["two"])["layout"]["checkpointing"]
+    _close_to(dirs["nodes"], runs[2]["two"])
 
 
 def test_layer_map_projections_are_sharded_and_left_out_of_the_export(runs, more):

@@ -8,7 +8,6 @@ grad_output != 1, strict triton mode (a silent reference fallback would fail the
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +18,24 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from test_kernels_interp_cases import CASES  # noqa: E402
 
+from tests import background  # noqa: E402
 
-@pytest.fixture(scope="module")
-def interp_results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "KDISTILL_LOG_KERNELS": "0"}
+
+def prelaunch(fixturenames: set[str]) -> None:
+    """tests/conftest.py: start the interpreter's subprocess in the background (tests/background.py), where
+    it runs on a core that the in-process tests leave idle."""
+    if "interp_results" in fixturenames:
+        background.start("kernels_interp", _interpret)
+
+
+def _interpret() -> dict:
+    env = {**background.environ(), "TRITON_INTERPRET": "1", "KDISTILL_LOG_KERNELS": "0"}
     proc = subprocess.run(
         [sys.executable, str(HERE / "test_kernels_interp_cases.py")],
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=900,
     )
     results = {}
     for line in proc.stdout.splitlines():
@@ -37,6 +44,11 @@ def interp_results() -> dict:
             results[r["case"]] = r
     assert results, f"interpreter run printed no results: {proc.stderr[-3000:]}"
     return results
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict:
+    return background.start("kernels_interp", _interpret).result()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -1,10 +1,11 @@
 """LoRA students under torchrun (2 processes, gloo on the CPU, FSDP2): the one-process run's losses, a
 frozen base that stays bit for bit, adapters that PEFT loads with the one-process adapters' logits, the
 merged export, a sharded checkpoint resumed in one process (2 -> 1) and a one-process checkpoint resumed
-on two (1 -> 2); the same run with kd.layer_map (projections trained beside the adapters, each its own
-FSDP2 unit) on two processes, killed and resumed in one, against the uninterrupted one-process run; and,
-on tiny models, the sharded LoRA step's kernel keys against the sharded plan with a fp32 and a bf16 base
-(the bf16 base and fp32 adapters share their FSDP units).
+on two (1 -> 2), each from a copy of the finished run cut back to its checkpoint at step 3 (the reference
+is also the interrupted run: two launches fewer); the same run with kd.layer_map (projections trained
+beside the adapters, each its own FSDP2 unit) on two processes, killed and resumed in one, against the
+uninterrupted one-process run; and, on tiny models, the sharded LoRA step's kernel keys against the
+sharded plan with a fp32 and a bf16 base (the bf16 base and fp32 adapters share their FSDP units).
 
 The run is tests/test_distributed.py's (6 steps of a global batch of 4, checkpoints at 3 and 6) with the
 tiny pretrained student and adapters on four linears, dropout 0: dropout draws its masks per process
@@ -16,11 +17,14 @@ test_distributed.py's and for the same reason (fp32 summation order).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,8 +33,18 @@ import torch
 import yaml
 
 from kdistill.train import distributed as dist
+from tests import background
 from tests.test_distributed import finish, start_torchrun
-from tests.test_train_kit import REPO, assets, base_config, child_env, read_summary, run_cli, start_proc
+from tests.test_train_kit import (
+    REPO,
+    assets,
+    base_config,
+    child_env,
+    interrupted_copy,
+    read_summary,
+    run_cli,
+    start_proc,
+)
 from tests.tiny import load_hf, sample_ids
 
 pytestmark = pytest.mark.slow
@@ -74,23 +88,36 @@ def _ok(r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lora_dist")
+def prelaunch(fixturenames: set[str]) -> None:
+    """tests/conftest.py: start the runs in the background if a selected test uses them."""
+    if "runs" in fixturenames:
+        _started()
+
+
+@functools.cache
+def _started() -> None:
+    """Write the configs here (the tiny models are built in this process), then queue the two batches, as
+    one job, for the background thread (tests/background.py)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kdistill-lora-dist-"))
+    atexit.register(shutil.rmtree, tmp, True)
     cfg = _config(tmp)
     # kd.layer_map: widths 32 -> 64, so a projection per mapped student layer trains beside the adapters
     mapped = _config(tmp, "mapped.yaml", layer_map=[[0, 0], [1, 1]], hidden_weight=0.5)
-    dirs = {k: tmp / k for k in ("two", "one", "killed", "one_killed", "mapped_one", "mapped_killed")}
+    background.start("lora_distributed", lambda: _batches(tmp, cfg, mapped))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    _started()
+    return background.wait("lora_distributed")
+
+
+def _batches(tmp: Path, cfg: Path, mapped: Path) -> tuple:
+    dirs = {k: tmp / k for k in ("two", "one", "mapped_one", "mapped_killed")}
     procs = {
         # the 2-process run, through the helper: the gathered base compared with student.path's weights
         "two": _helper("run", str(tmp / "two.json"), "run", str(cfg), f"output.dir={dirs['two']}", "--quiet"),
         "one": start_proc(["run", str(cfg), f"output.dir={dirs['one']}", "--quiet"]),
-        "killed": start_torchrun(
-            ["run", str(cfg), f"output.dir={dirs['killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
-        ),
-        "one_killed": start_proc(
-            ["run", str(cfg), f"output.dir={dirs['one_killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
-        ),
         "step": _helper("step", str(tmp / "step.json")),
         "mapped_one": start_proc(["run", str(mapped), f"output.dir={dirs['mapped_one']}", "--quiet"]),
         "mapped_killed": start_torchrun(
@@ -98,15 +125,20 @@ def runs(tmp_path_factory):
         ),
     }
     with ThreadPoolExecutor(len(procs)) as pool:
-        out = dict(zip(procs, pool.map(lambda p: finish(p, 240), procs.values())))
-    assert all(out[k].returncode != 0 for k in ("killed", "one_killed", "mapped_killed"))
+        out = dict(zip(procs, pool.map(lambda p: finish(p, 900), procs.values())))
+    assert out["mapped_killed"].returncode != 0
+    # The finished runs cut back to their checkpoints at step 3: each is its own interrupted run.
+    for name in ("two", "one"):
+        dirs[f"{name}_cut"] = tmp / f"{name}_cut"
+        if out[name].returncode == 0:
+            interrupted_copy(dirs[name], dirs[f"{name}_cut"], 3)
     procs = {  # 2 -> 1 and 1 -> 2
-        "two_to_one": start_proc(["run", "--resume", str(dirs["killed"]), "--quiet"]),
-        "one_to_two": start_torchrun(["run", "--resume", str(dirs["one_killed"]), "--quiet"]),
+        "two_to_one": start_proc(["run", "--resume", str(dirs["two_cut"]), "--quiet"]),
+        "one_to_two": start_torchrun(["run", "--resume", str(dirs["one_cut"]), "--quiet"]),
         "mapped_two_to_one": start_proc(["run", "--resume", str(dirs["mapped_killed"]), "--quiet"]),
     }
     with ThreadPoolExecutor(len(procs)) as pool:
-        out.update(zip(procs, pool.map(lambda p: finish(p, 240), procs.values())))
+        out.update(zip(procs, pool.map(lambda p: finish(p, 900), procs.values())))
     return tmp, dirs, out
 
 
@@ -191,7 +223,7 @@ def test_merged_export_of_a_two_process_run(runs, capsys, tmp_path):
 def test_sharded_lora_checkpoint_resumes_in_one_process(runs):
     _, dirs, out = runs
     _ok(out["two"]), _ok(out["two_to_one"])
-    run = dirs["killed"]
+    run = dirs["two_cut"]
     assert "resuming from" in out["two_to_one"].stderr and "step 3" in out["two_to_one"].stderr
     _same_run(run, dirs["two"])
     _same_adapters(run, dirs["two"])
@@ -225,7 +257,8 @@ def test_layer_map_projections_train_sharded_and_resume_from_shards(runs):
 def test_one_process_lora_checkpoint_resumes_on_two(runs):
     _, dirs, out = runs
     _ok(out["one"]), _ok(out["one_to_two"])
-    run = dirs["one_killed"]
+    assert "resuming from" in out["one_to_two"].stderr and "step 3" in out["one_to_two"].stderr
+    run = dirs["one_cut"]
     _same_run(run, dirs["one"])
     _same_adapters(run, dirs["one"])
     assert json.loads((run / "checkpoints" / "step-0000006" / "state.json").read_text())["world_size"] == 2

@@ -13,36 +13,54 @@ tokens per process, is tested in tests/test_onpolicy.py (the two processes emula
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests import background
 from tests.test_distributed import torchrun
 from tests.test_onpolicy import _metrics, _run_config, _write
-from tests.test_train_kit import assert_same_weights, read_summary, student_weights
+from tests.test_train_kit import assert_same_weights, interrupted_copy, read_summary, student_weights
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("onpolicy_dist")
+def prelaunch(fixturenames: set[str]) -> None:
+    """tests/conftest.py: start the two launches in the background if a selected test uses them."""
+    if "runs" in fixturenames:
+        _started()
+
+
+@functools.cache
+def _started() -> None:
+    """Write the config and data here, then queue the launches for the background thread
+    (tests/background.py)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kdistill-onpolicy-dist-"))
+    atexit.register(shutil.rmtree, tmp, True)
     cfg = _run_config(tmp, on_policy=0.5, seq_kd=0.5, max_new_tokens=6)
     cfg["schedule"].update(steps=4, checkpoint_every=2, grad_accum=2)
-    path = _write(tmp, cfg)
+    background.start("onpolicy_distributed", lambda: _launches(tmp, _write(tmp, cfg)))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    _started()
+    return background.wait("onpolicy_distributed")
+
+
+def _launches(tmp: Path, path: Path) -> tuple:
     two = tmp / "two"
-    first = torchrun(["run", str(path), f"output.dir={two}", "--quiet"], timeout=240)
+    first = torchrun(["run", str(path), f"output.dir={two}", "--quiet"], timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     # What a run interrupted after step 3 leaves: its checkpoint at step 2, no export, no summary (the
     # metrics lines after step 2 are dropped by the resume).
-    cut = tmp / "cut"
-    shutil.copytree(two, cut)
-    for name in ("checkpoints/step-0000004", "student", "summary.json", "loss.png"):
-        target = cut / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-    resumed = torchrun(["run", "--resume", str(cut), "--quiet"], timeout=240)
+    cut = interrupted_copy(two, tmp / "cut", 2)
+    resumed = torchrun(["run", "--resume", str(cut), "--quiet"], timeout=900)
     return two, cut, resumed
 
 

@@ -16,7 +16,6 @@ import atexit
 import dataclasses
 import functools
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -108,8 +107,11 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """Environment of a `python -m kdistill` child: one thread (so every child computes the same bits)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KDISTILL_TEST_")}
+    """Environment of a `python -m kdistill` child: one thread (so every child computes the same bits).
+    A batch started in the background (tests/background.py) starts from the suite's first environment."""
+    from tests import background
+
+    env = {k: v for k, v in background.environ().items() if not k.startswith("KDISTILL_TEST_")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
     env.update(extra)
     return env
@@ -154,6 +156,25 @@ def assert_same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a.keys() == b.keys()
     diff = [k for k in a if not torch.equal(a[k], b[k])]
     assert not diff, f"tensors differ: {diff[:5]}"
+
+
+def interrupted_copy(run_dir: Path, dst: Path, step: int) -> Path:
+    """A copy of a completed run cut back to what the run leaves when it stops after its checkpoint of
+    `step` and before the next one: that checkpoint and the earlier ones, no later checkpoint, no export
+    (student/ or adapter/), no summary or loss plot. Its metrics and eval lines after `step` stay, as a
+    killed run's lines after its last checkpoint do: the resume drops them. One run is then both the
+    uninterrupted reference and, resumed from the copy, the interrupted one (no second run to start)."""
+    shutil.copytree(run_dir, dst)
+    from kdistill.train.checkpoint import list_checkpoints
+
+    later = [c for c in list_checkpoints(dst) if int(c.name.removeprefix("step-")) > step]
+    assert len(later) < len(list_checkpoints(dst)), f"no checkpoint at or before step {step} in {run_dir}"
+    for path in [*later, dst / "student", dst / "adapter", dst / "summary.json", dst / "loss.png"]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return dst
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

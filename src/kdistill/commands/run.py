@@ -119,16 +119,14 @@ def run_distributed(args: argparse.Namespace) -> int:
             raise UserError("the embedded demo runs in one process: give torchrun a run config (CONFIG)")
         cfg = load_config(config_path, overrides).validate()
         run_dir = Path(cfg.output.dir)
+    # A one-line error before anything is written, and before joining the process group: a process that
+    # joined and left at once could end its peers' joining with a connection error of their own.
+    dist.check_divisible(cfg.schedule.batch_size, dist.env_world())
     hub = resolve_run_models(cfg)
     device, _ = resolve_device(cfg)
     info = dist.init_from_env(device.type)
     if info.device is not None:
         device = info.device
-    try:
-        dist.batch_slice(cfg.schedule.batch_size)  # a one-line error before anything is written
-    except UserError:
-        dist.destroy()
-        raise
     claims: list[Claim] = []  # rank 0's claim on the run directory (marker and lock)
 
     def start() -> None:

@@ -238,13 +238,23 @@ def main_first() -> Iterator[None]:
         yield
 
 
-def batch_slice(batch_size: int) -> slice:
-    """The rows of a global batch that this process trains on."""
-    world, rank = _INFO.world, _INFO.rank
+def check_divisible(batch_size: int, world: int) -> None:
+    """A global batch splits evenly over the processes, or a one-line error."""
     if batch_size % world:
         raise UserError(
             f"schedule.batch_size {batch_size} is not divisible by the {world} processes (torchrun nproc)"
         )
+
+
+def env_world() -> int:
+    """torchrun's WORLD_SIZE (1 without torchrun), read before any process group is joined."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def batch_slice(batch_size: int) -> slice:
+    """The rows of a global batch that this process trains on."""
+    world, rank = _INFO.world, _INFO.rank
+    check_divisible(batch_size, world)
     per = batch_size // world
     return slice(rank * per, (rank + 1) * per)
 
