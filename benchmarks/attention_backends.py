@@ -25,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.cuda_timing import median_seconds
+try:  # run as a script (benchmarks/ on sys.path) or as a module
+    from cuda_timing import median_seconds
+except ImportError:  # pragma: no cover
+    from benchmarks.cuda_timing import median_seconds
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+try:  # run as a script (benchmarks/ on sys.path) or as a module
+    from cuda_timing import median_seconds
+except ImportError:  # pragma: no cover
+    from benchmarks.cuda_timing import median_seconds
 from kdistill.ops.kd_loss import chunk_divergence_reference, kd_loss
 
 V = 151936
@@ -71,15 +74,8 @@ def bench(fn, warmup: int, iters: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+    seconds = median_seconds(fn, iters, warmup=0)
+    return seconds * 1e3, (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def run_pair(pair: str, args, kd_loss_chunk_triton) -> list[dict]:
