@@ -487,6 +487,11 @@ CASES = {
     "decode_attention_fp32": (case_decode_attention, dict(dtype=torch.float32)),
     # fp32 only: the interpreter's dot of bf16 tiles is not the GPU's (the GPU tests cover bf16/fp16)
     "decode_attention_fp32_gqa3": (case_decode_attention, dict(dtype=torch.float32, hq=6, hkv=2, d=32)),
+    # a cache long enough that its splits grow past one tile (the combine's parts stay <= 64)
+    "decode_attention_fp32_long": (
+        case_decode_attention,
+        dict(dtype=torch.float32, b=4, hq=2, hkv=1, m=4200),
+    ),
     "decode_engine_fp32": (case_decode_engine, {}),
     "fp8_quant_cols_fp32": (case_fp8_quant_cols, dict(dtype=torch.float32)),
     "fp8_quant_cols_narrow": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=5, cols=3)),

@@ -87,10 +87,12 @@ class Sampling:
 
 def sample_tokens(logits: torch.Tensor, s: Sampling, u: torch.Tensor | None) -> torch.Tensor:
     """Next token per row from logits (B, V) -> (B,) int64, with no host synchronisation (it runs
-    inside the captured step). u (B,): uniform numbers in [0, 1) (unused when greedy)."""
-    logits = logits.float()
+    inside the captured step). u (B,): uniform numbers in [0, 1) (unused when greedy). Greedy takes the
+    argmax of the logits as they are (bf16 on a GPU): widening is exact, so the token is the same, and
+    no fp32 copy of (B, V) is written and read back."""
     if s.greedy or u is None:
         return logits.argmax(-1)
+    logits = logits.float()
     logits = logits / s.temperature
     idx = None
     if s.top_k and s.top_k < logits.shape[-1]:

@@ -469,6 +469,7 @@ def decode_attention(
         q_heads=hq,
         kv_heads=hkv,
         dtype=q.dtype,
+        max_len=m,
         aligned=aligned(q, k_cache, v_cache, pos, k_new, v_new),
     )
     ckey = decode_kernel.combine_key(rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m)

@@ -189,19 +189,26 @@ def run(spec) -> tuple:
 
 
 # -- tile policy and key functions --------------------------------------------------------------
-SPLIT_MAX = 8192  # caches longer than SPLIT * 64 use longer splits (the combine holds <= 64 parts)
+MAX_SPLITS = 64  # the combine holds at most this many parts of a row: longer caches get longer splits
 
 
-def tiles(head_dim: int, q_heads: int, kv_heads: int) -> dict[str, int]:
+def split_len(max_len: int) -> int:
+    """Keys a split takes: 64 (one tile: each program runs one iteration, so a short cache still
+    spreads over many programs), longer where a cache of max_len slots would need more than
+    MAX_SPLITS parts."""
+    return max(64, next_pow2(-(-int(max_len) // MAX_SPLITS)))
+
+
+def tiles(head_dim: int, q_heads: int, kv_heads: int, max_len: int = 256) -> dict[str, int]:
     """The G query heads of a kv head padded to >= 16 rows (the dot's smallest tile), 64 keys a tile,
-    256 keys a split."""
+    `split_len(max_len)` keys a split."""
     del head_dim
-    return {"BLOCK_G": max(16, next_pow2(q_heads // kv_heads)), "BLOCK_N": 64, "SPLIT": 256}
+    return {"BLOCK_G": max(16, next_pow2(q_heads // kv_heads)), "BLOCK_N": 64, "SPLIT": split_len(max_len)}
 
 
 def combine_tiles(max_len: int) -> dict[str, int]:
     """Enough lanes for every split of a cache of max_len slots."""
-    return {"BLOCK_S": max(16, next_pow2(-(-max_len // 256)))}
+    return {"BLOCK_S": max(16, next_pow2(-(-int(max_len) // split_len(max_len))))}
 
 
 def supported(head_dim: int, q_heads: int, kv_heads: int) -> bool:
@@ -226,9 +233,11 @@ def split_key(
     q_heads: int,
     kv_heads: int,
     dtype: str,
+    max_len: int,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
-    """The split kernel over caches in `dtype`. aligned: Q, K, V, POS, KN, VN."""
+    """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len).
+    aligned: Q, K, V, POS, KN, VN."""
     _check(head_dim, q_heads, kv_heads)
     return make_key(
         SPLIT_K.op,
@@ -241,7 +250,7 @@ def split_key(
         align=SPLIT_K.align(aligned),
         num_warps=4,
         num_stages=2,
-        **tiles(head_dim, q_heads, kv_heads),
+        **tiles(head_dim, q_heads, kv_heads, max_len),
     )
 
 
@@ -259,11 +268,6 @@ def combine_key(arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: 
         num_stages=1,
         **combine_tiles(max_len),
     )
-
-
-def max_len_lanes(key: KernelKey) -> int:
-    """The longest cache a combine key serves."""
-    return int(key["BLOCK_S"]) * 256
 
 
 # -- registered description ---------------------------------------------------------------------
@@ -295,7 +299,7 @@ def plan(
     if not supported(head_dim, q_heads, kv_heads):
         return set()
     return {
-        split_key(arch, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, dtype=dtype),
+        split_key(arch, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, dtype=dtype, max_len=max_len),
         combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len),
     }
 
