@@ -117,9 +117,15 @@ def test_seeded_sampling_reproduces(qwen2):
     assert run(Sampling(max_new_tokens=8, temperature=1.0, top_k=1)) == greedy
 
 
-def test_engine_keys_are_planned(tmp_path):
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_engine_keys_are_planned(tmp_path, head_dim):
     d = make_tiny_model(
-        tmp_path, family="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+        tmp_path,
+        family="qwen3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
     )
     model = load_model(d).eval()
     rows = ragged(model.spec.vocab_size)
@@ -135,6 +141,8 @@ def test_engine_keys_are_planned(tmp_path):
         "decode_attn_split",
         "decode_attn_combine",
     }
+    # from a head of 32 on, the step's RoPE runs inside the attention kernel (16: the RoPE kernel first)
+    assert {k["ROPE"] for k in triton if k.op == "decode_attn_split"} == {head_dim >= 32}
 
 
 # -- generate --out ------------------------------------------------------------------------------

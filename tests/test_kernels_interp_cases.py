@@ -380,33 +380,40 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
         kernel.bwd_launch = saved
 
 
-def case_decode_attention(device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d=16, m=300):
+def case_decode_attention(device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d=16, m=300, rope=False):
     """One token per row over a static cache: rows whose newest slot is 0, inside the first split, on
-    a split boundary and at the cache's end (empty splits must weigh nothing)."""
+    a split boundary and at the cache's end (empty splits must weigh nothing). rope: q and the new key
+    arrive unrotated, q as a view into a q/k/v row (as the engine's step passes it), and the kernel
+    rotates both at the row's position."""
     from kdistill import dispatch
     from kdistill.ops.attention import decode_attention_reference
 
     g = torch.Generator().manual_seed(m)
-    q = torch.randn((b, hq, d), generator=g).to(device=device, dtype=dtype)
+    qkv = torch.randn((b, (hq + 2 * hkv) * d), generator=g).to(device=device, dtype=dtype)
+    q = qkv[:, : hq * d].view(b, hq, d) if rope else torch.randn((b, hq, d), generator=g).to(device, dtype)
     k = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
     v = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
     pos = torch.tensor([0, 37, 256, m - 1][:b], device=device)
     # the step's new k and v: k with contiguous rows, v a strided view (as the q/k/v GEMM gives it)
     kn = torch.randn((b, hkv, d), generator=g).to(device=device, dtype=dtype)
     vn = torch.randn((b, 3, hkv, d), generator=g).to(device=device, dtype=dtype)[:, 1]
+    cos = sin = None
+    if rope:  # any table will do: the kernel reads both halves of each row
+        angles = torch.randn((m, d // 2), generator=g).repeat(1, 2).to(device)
+        cos, sin = angles.cos(), angles.sin()
     kr, vr = k.float().clone(), v.float().clone()
-    want = decode_attention_reference(q.float(), kr, vr, pos, kn.float(), vn.float())
+    want = decode_attention_reference(q.float(), kr, vr, pos, kn.float(), vn.float(), cos, sin)
     with _kernel_mode():
-        got = dispatch.decode_attention(q, k, v, pos, kn, vn)
+        got = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
     assert got.dtype == dtype and got.shape == (b, hq, d)
     _close("o", got, want, dtype)
     _close("k cache", k, kr, dtype)  # the new key and value are in the cache, nothing else changed
     _close("v cache", v, vr, dtype)
 
 
-def case_decode_engine(device="cpu", dtype=torch.float32):
+def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16):
     """The decode engine's greedy tokens with the kernels equal the reference ops' (slot refill, a stop
-    token, a head size the decode-attention kernel takes)."""
+    token, a head size the decode-attention kernel takes; from 32 on, with RoPE inside it)."""
     import tempfile
 
     from tiny import make_tiny_model
@@ -416,7 +423,7 @@ def case_decode_engine(device="cpu", dtype=torch.float32):
 
     d = make_tiny_model(
         tempfile.mkdtemp(), family="qwen2", tied=False, hidden_size=32, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=48, num_hidden_layers=1,
+        num_key_value_heads=1, head_dim=head_dim, intermediate_size=48, num_hidden_layers=1,
     )  # fmt: skip
     model = load_model(d, device, dtype).eval()
     prompts = [[5, 9, 17, 3], [40, 41], [7, 8, 9, 10, 11, 12]]
@@ -493,6 +500,11 @@ CASES = {
         dict(dtype=torch.float32, b=4, hq=2, hkv=1, m=4200),
     ),
     "decode_engine_fp32": (case_decode_engine, {}),
+    "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
+    "decode_attention_fp32_rope": (
+        case_decode_attention,
+        dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True),
+    ),
     "fp8_quant_cols_fp32": (case_fp8_quant_cols, dict(dtype=torch.float32)),
     "fp8_quant_cols_narrow": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=5, cols=3)),
     # fp32: the interpreter rounds float8 ties away from even, and bf16 inputs make exact ties common

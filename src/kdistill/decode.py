@@ -12,9 +12,9 @@ concatenation runs per step). The KV cache is (B, Hkv, M, D) per layer, allocate
 (batch bucket B, max length M); row b's slot i holds position i, so a prompt is written from slot 0
 whatever its length (no left padding) and rows grow independently.
 
-Step. Per row: the last sampled token goes to slot p = lens[b] at position p (RoPE tables gathered per
-row), the attention kernel writes its k and v there and reads slots 0..p only (kernels/
-decode_attention.py, or its reference on a CPU), then the lm_head, the sampler and the bookkeeping run on the device: the
+Step. Per row: the last sampled token goes to slot p = lens[b] at position p; the attention kernel
+rotates its q and k at p (RoPE in the kernel, from the engine's tables), writes k and v there and reads
+slots 0..p only (kernels/decode_attention.py, or its reference on a CPU), then the lm_head, the sampler and the bookkeeping run on the device: the
 token is appended to the row's output unless the row is done, and the row becomes done on a stop
 token, at its token budget, or when the cache is full. On a GPU the step is captured once per bucket
 as a CUDA graph after prewarm (capture compiles nothing: the Triton binaries are already loaded by two
@@ -44,6 +44,7 @@ from torch import nn
 
 from kdistill import dispatch
 from kdistill.errors import UserError
+from kdistill.kernels import decode_attention as decode_attention_kernel
 from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
 from kdistill.models.lora import LoraLinear
@@ -217,13 +218,15 @@ class DecodeWeights:
 def forward_tokens(
     w: DecodeWeights,
     ids: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The decoder's forward on ids (B, T) with RoPE tables (T, D) or per token (B, T, D) ->
     final-normed hidden states (B, T, H). attend(layer, q, k, v) with q (B, Hq, T, D) and k, v
-    (B, Hkv, T, D) after RoPE returns attention's output (B, Hq, T, D) (and fills the cache)."""
+    (B, Hkv, T, D) after RoPE returns attention's output (B, Hq, T, D) (and fills the cache). cos and
+    sin None: q and k reach attend unrotated (views of the q/k/v output; the decode step's attention
+    kernel rotates them itself)."""
     s = w.spec
     b, t = ids.shape
     eps = s.rms_eps
@@ -242,7 +245,10 @@ def forward_tokens(
         v = v.view(b, t, s.num_kv_heads, s.head_dim)
         if layer.q_norm is not None:
             q, k = dispatch.rmsnorm(q, layer.q_norm, eps), dispatch.rmsnorm(k, layer.k_norm, eps)
-        q, k = dispatch.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        if cos is not None and sin is not None:
+            q, k = dispatch.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        else:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
         o = attend(i, q, k, v.transpose(1, 2))  # (B, Hq, T, D)
         a = F.linear(o.transpose(1, 2).reshape(b, t, s.q_size), layer.o)
         x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
@@ -321,6 +327,8 @@ class DecodeEngine:
         self.generator = generator or torch.Generator(device=self.device).manual_seed(int(sampling.seed))
         cos, sin = rope_tables(self.spec, self.max_len, self.device)  # (M, D) fp32
         self.cos, self.sin = cos, sin
+        # RoPE inside the decode step's attention kernel where a head's halves fit its dots
+        self.rope_in_attention = decode_attention_kernel.rope_supported(self.spec.head_dim)
         self.slots: _Slots | None = None
         self.steps = 0  # decode steps run (for tokens/s and the fraction of the floor)
 
@@ -339,15 +347,19 @@ class DecodeEngine:
     def _decode_step(self, st: _Slots) -> None:
         """One token for every row, all on the device (captured as a graph on a GPU)."""
         pos = st.lens.clamp(max=st.max_len - 1)  # (B,): a full row rewrites its last slot (it is done)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # k and v (B, Hkv, 1, D) go into slot pos[b] of each row inside the attention kernel
-            b, hq, _, d = q.shape
-            o = dispatch.decode_attention(q.reshape(b, hq, d), st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0])
+            # q and k (B, H, 1, D) unrotated: the attention rotates them at position pos[b] (the row's
+            # slot) and writes k and v into that slot
+            tables = (self.cos, self.sin) if self.rope_in_attention else (None, None)
+            o = dispatch.decode_attention(q[:, :, 0], st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0], *tables)
             return o[:, :, None]  # (B, Hq, 1, D)
 
-        h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend)[:, 0]  # (B, H)
+        if self.rope_in_attention:
+            h = forward_tokens(self.weights, st.tok[:, None], None, None, attend)[:, 0]  # (B, H)
+        else:  # a head too narrow for the kernel's halves: the RoPE kernel first, at each row's position
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
+            h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend)[:, 0]
         tok = sample_tokens(F.linear(h, self.weights.lm_head), self.sampling, st.u)
         self._append(st, tok, st.rows, st.lens + 1)
 

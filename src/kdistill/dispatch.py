@@ -448,21 +448,24 @@ def decode_attention(
     pos: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per row over a static KV cache (kdistill.decode): q (B, Hq, D), caches (B, Hkv, M, D)
     contiguous, pos (B,) int64 each row's newest slot, k_new and v_new (B, Hkv, D) the step's key and
-    value, written into slot pos[b] -> (B, Hq, D), attending slots 0..pos[b] only. The split kernel
-    (which also writes the new key and value) and its combine (kernels/decode_attention.py), or the
-    reference."""
+    value, written into slot pos[b] -> (B, Hq, D), attending slots 0..pos[b] only. With cos and sin (the
+    fp32 (M', D) RoPE tables), q and k_new arrive unrotated and are rotated at position pos[b] first. The
+    split kernel (which also rotates, and writes the new key and value) and its combine
+    (kernels/decode_attention.py), or the reference."""
     rt = current()
-    q = q.contiguous()
     d, hq, hkv, m = q.shape[-1], q.shape[1], k_cache.shape[1], k_cache.shape[2]
-    if not decode_kernel.supported(d, hq, hkv) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new)
-    if k_new.stride(-1) != 1 or k_new.stride(1) != d:
-        k_new = k_new.contiguous()
-    if v_new.stride(-1) != 1 or v_new.stride(1) != d:
-        v_new = v_new.contiguous()
+    rope = cos is not None and sin is not None
+    kernel_ok = decode_kernel.supported(d, hq, hkv) and (not rope or decode_kernel.rope_supported(d))
+    if not kernel_ok or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new, cos, sin)
+    q, k_new, v_new = (
+        t if t.stride(-1) == 1 and t.stride(1) == d else t.contiguous() for t in (q, k_new, v_new)
+    )
     key = decode_kernel.split_key(
         rt.arch,
         head_dim=d,
@@ -470,10 +473,11 @@ def decode_attention(
         kv_heads=hkv,
         dtype=q.dtype,
         max_len=m,
-        aligned=aligned(q, k_cache, v_cache, pos, k_new, v_new),
+        rope=rope,
+        aligned=aligned(q, k_cache, v_cache, pos, k_new, v_new, cos, sin),
     )
     ckey = decode_kernel.combine_key(rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m)
-    split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos, k_new, v_new)  # noqa: E731
+    split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos, k_new, v_new, cos, sin)  # noqa: E731
     if rt.use_kernel(key, q, k_cache, v_cache):
         try:
             parts, lse = rt.launch(key, lambda: decode_kernel.run(split()), split)
@@ -487,7 +491,7 @@ def decode_attention(
         "fwd",
         lambda: decode_kernel.combine_launch(ckey, *decode_kernel.empty_parts(key, q, m), q.dtype),
     )
-    return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new)
+    return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new, cos, sin)
 
 
 # -- FP8 GEMM inputs (an FP8 teacher or student) ---------------------------------------------------

@@ -28,23 +28,34 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
     "hq,hkv,d,m", [(14, 2, 64, 700), (12, 2, 128, 300), (32, 8, 128, 4100), (8, 8, 64, 33)]
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype):
+@pytest.mark.parametrize("rope", [False, True])
+def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype, rope):
     g = torch.Generator(device="cuda").manual_seed(hq * m)
     b = 5
-    q = torch.randn((b, hq, d), generator=g, device="cuda", dtype=dtype)
+    qkv = torch.randn((b, (hq + 2 * hkv) * d), generator=g, device="cuda", dtype=dtype)
+    q = qkv[:, : hq * d].view(b, hq, d)  # the engine's layout: heads of one q/k/v row
     k = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=dtype)
     v = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=dtype)
     pos = torch.tensor([0, m - 1, m // 2, 255, 256], device="cuda").clamp(max=m - 1)
     kn = torch.randn((b, hkv, d), generator=g, device="cuda", dtype=dtype)
     vn = torch.randn((b, 2, hkv, d), generator=g, device="cuda", dtype=dtype)[:, 0]  # strided rows
+    cos = sin = ref_cos = ref_sin = None
+    if rope:
+        angles = torch.randn((m, d // 2), generator=g, device="cuda").repeat(1, 2)
+        cos, sin = angles.cos(), angles.sin()
+        ref_cos, ref_sin = cos.to(dtype).double(), sin.to(dtype).double()  # the kernel rounds them so
     kr, vr = k.double().clone(), v.double().clone()
-    ref = decode_attention_reference(q.double(), kr, vr, pos, kn.double(), vn.double())
+    ref = decode_attention_reference(q.double(), kr, vr, pos, kn.double(), vn.double(), ref_cos, ref_sin)
     with dispatch.using(mode="triton", arch="sm_90"):
-        out = dispatch.decode_attention(q, k, v, pos, kn, vn)
+        out = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
     assert torch.isfinite(out).all()
-    assert torch.equal(k.double(), kr) and torch.equal(v.double(), vr)  # the new token in its slot
+    assert torch.equal(v.double(), vr)  # the new value in its slot, nothing else changed
+    if rope:  # the rotated key, rounded once to the cache's dtype
+        assert torch.allclose(k.double(), kr, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(k.double(), kr)
 
 
 def _model(preset: str = "qwen2.5-0.5b", layers: int = 4):

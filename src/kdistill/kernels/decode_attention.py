@@ -16,6 +16,12 @@ kernel combines the parts of each (b, head): o = sum_s exp(lse_s - lse) o_s. The
 a runtime grid size (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head
 counts and the tiles are in the key.
 
+RoPE (key ROPE): the decode engine hands q and the new key over unrotated, straight from the q/k/v
+GEMM's output (q's rows strided by that output's width); the split kernel rotates them at the row's
+position pos[b] in registers, from the fp32 cos/sin tables, and caches the rotated key. Scores are then
+q1.k1 + q2.k2 over the two halves of a head: no rotated head is assembled, and the step needs no RoPE
+kernel (nor the gathers of the tables' rows).
+
 The file reads top to bottom: kernels, launcher, key functions and tile policy, then the registered
 KernelSpec. No backward: generation runs without gradients.
 """
@@ -37,41 +43,26 @@ from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 INT32_MAX = 2**31 - 1
 
 
-@jit(do_not_specialize=["M", "NSPLIT", "skn", "svn"])
-def decode_attn_split_kernel(
-    Q,
-    K,
-    V,
-    POS,
-    KN,
-    VN,
-    OP,
-    LSE,
-    M,
-    NSPLIT,
-    skn,
-    svn,
-    sm_scale,
-    D: tl.constexpr,
-    HQ: tl.constexpr,
-    HKV: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    last = tl.load(POS + b).to(tl.int32)  # the row's newest slot: keys 0..last are attended
-    start = s * SPLIT
-    g = tl.arange(0, BLOCK_G)
+@jit
+def _rope_halves(X, COS, SIN, trow, d2, HALF: tl.constexpr):
+    """cos and sin of table row `trow`, each as its two halves (c1, c2, s1, s2), cast to X's dtype and
+    back to fp32 as kernels/rope.py does (the rotation is then computed in fp32 and rounded once)."""
+    c1 = tl.load(COS + trow + d2).to(X.dtype.element_ty).to(tl.float32)
+    c2 = tl.load(COS + trow + HALF + d2).to(X.dtype.element_ty).to(tl.float32)
+    s1 = tl.load(SIN + trow + d2).to(X.dtype.element_ty).to(tl.float32)
+    s2 = tl.load(SIN + trow + HALF + d2).to(X.dtype.element_ty).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@jit
+def _plain_split(
+    Q, K, V, KN, VN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
+    sqn, skn, svn, sm_scale,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The split kernel's work when q and the new key arrive rotated."""
     d = tl.arange(0, D)
-    gmask = g < G
-    heads = h * G + g  # (BLOCK_G,) query heads of this kv head
-    part = (b * HQ + heads) * NSPLIT + s  # (BLOCK_G,) rows of OP / LSE
-    q = tl.load(Q + (b * HQ + heads)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
-    kv = (b * HKV + h) * M  # first slot of this (row, kv head)
+    q = tl.load(Q + b * sqn + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
     # The newest token's key and value come from the step's own k and v (rows strided by skn / svn);
     # the program whose split holds slot `last` also writes them into the cache there.
     kn = tl.load(KN + b * skn + h * D + d)  # (D,)
@@ -112,6 +103,116 @@ def decode_attn_split_kernel(
     tl.store(OP + part[:, None] * D + d[None, :], out, mask=gmask[:, None])
 
 
+@jit
+def _rope_split(
+    Q, K, V, KN, VN, COS, SIN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
+    sqn, skn, svn, sm_scale,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The split kernel's work when q and the new key arrive unrotated: RoPE at the row's position
+    (its newest slot) on q and on the new key, in registers, before they are used or cached. Scores are
+    the sum of the two halves' dots (q1.k1 + q2.k2), so no rotated head is ever assembled."""
+    HALF: tl.constexpr = D // 2
+    d2 = tl.arange(0, HALF)
+    d = tl.arange(0, D)
+    trow = last.to(tl.int64) * D
+    c1, c2, s1, s2 = _rope_halves(Q, COS, SIN, trow, d2, HALF)
+    qrow = Q + b * sqn + heads[:, None] * D + d2[None, :]
+    q1 = tl.load(qrow, mask=gmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qrow + HALF, mask=gmask[:, None], other=0.0).to(tl.float32)
+    qa = (q1 * c1[None, :] - q2 * s1[None, :]).to(Q.dtype.element_ty)  # (BLOCK_G, HALF)
+    qb = (q2 * c2[None, :] + q1 * s2[None, :]).to(Q.dtype.element_ty)
+    k1 = tl.load(KN + b * skn + h * D + d2).to(tl.float32)
+    k2 = tl.load(KN + b * skn + h * D + HALF + d2).to(tl.float32)
+    ka_new = (k1 * c1 - k2 * s1).to(K.dtype.element_ty)  # (HALF,)
+    kb_new = (k2 * c2 + k1 * s2).to(K.dtype.element_ty)
+    vn = tl.load(VN + b * svn + h * D + d)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, D), tl.float32)
+    end = tl.minimum(start + SPLIT, last + 1)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        newest = (n == last)[:, None]
+        cached = (nmask & (n != last))[:, None]
+        rows = (kv + n)[:, None].to(tl.int64) * D
+        ka = tl.where(newest, ka_new[None, :], tl.load(K + rows + d2[None, :], mask=cached, other=0.0))
+        kb = tl.where(newest, kb_new[None, :], tl.load(K + rows + HALF + d2[None, :], mask=cached, other=0.0))
+        v = tl.load(V + rows + d[None, :], mask=cached, other=0.0)
+        v = tl.where(newest, vn[None, :].to(v.dtype), v)
+        scores = (tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))) * sm_scale  # (BLOCK_G, BLOCK_N)
+        scores = tl.where(nmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    at = d2 * 0 + last
+    own = (at >= start) & (at < start + SPLIT)
+    slot = (kv + last).to(tl.int64) * D + d2
+    tl.store(K + slot, ka_new, mask=own)
+    tl.store(K + slot + HALF, kb_new, mask=own)
+    vown = (d * 0 + last >= start) & (d * 0 + last < start + SPLIT)
+    tl.store(V + (kv + last).to(tl.int64) * D + d, vn.to(V.dtype.element_ty), mask=vown)
+    filled = l_i > 0
+    tl.store(
+        LSE + part, tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf")), mask=gmask
+    )
+    out = acc / tl.where(filled, l_i, 1.0)[:, None]
+    tl.store(OP + part[:, None] * D + d[None, :], out, mask=gmask[:, None])
+
+
+@jit(do_not_specialize=["M", "NSPLIT", "sqn", "skn", "svn"])
+def decode_attn_split_kernel(
+    Q,
+    K,
+    V,
+    POS,
+    KN,
+    VN,
+    COS,
+    SIN,
+    OP,
+    LSE,
+    M,
+    NSPLIT,
+    sqn,
+    skn,
+    svn,
+    sm_scale,
+    D: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    last = tl.load(POS + b).to(tl.int32)  # the row's newest slot: keys 0..last are attended
+    start = s * SPLIT
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < G
+    heads = h * G + g  # (BLOCK_G,) query heads of this kv head
+    part = (b * HQ + heads) * NSPLIT + s  # (BLOCK_G,) rows of OP / LSE
+    kv = (b * HKV + h) * M  # first slot of this (row, kv head)
+    if ROPE:
+        _rope_split(
+            Q, K, V, KN, VN, COS, SIN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
+            sqn, skn, svn, sm_scale, D, BLOCK_G, BLOCK_N, SPLIT,
+        )  # fmt: skip
+    else:
+        _plain_split(
+            Q, K, V, KN, VN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
+            sqn, skn, svn, sm_scale, D, BLOCK_G, BLOCK_N, SPLIT,
+        )  # fmt: skip
+
+
 @jit(do_not_specialize=["NSPLIT"])
 def decode_attn_combine_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # b * HQ + head
@@ -135,10 +236,14 @@ def launch(
     pos: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ):
-    """The split kernel's (kernel, grid, args, kwargs, (parts, lse)) for q (B, Hq, D) contiguous,
-    caches (B, Hkv, M, D) contiguous, pos (B,) int64 (each row's newest slot) and the step's k_new and
-    v_new (B, Hkv, D), each row's heads contiguous (any row stride), written into slot pos[b]."""
+    """The split kernel's (kernel, grid, args, kwargs, (parts, lse)) for q (B, Hq, D), caches (B, Hkv,
+    M, D) contiguous, pos (B,) int64 (each row's newest slot) and the step's k_new and v_new (B, Hkv,
+    D), written into slot pos[b]; q, k_new and v_new need contiguous heads in each row (any row stride).
+    With the key's ROPE, cos and sin are the fp32 (M', D) tables (M' > every pos) and q and k_new arrive
+    unrotated: the kernel rotates them at position pos[b]."""
     b, hq, d = q.shape
     hkv, m = k_cache.shape[1], k_cache.shape[2]
     if b * hkv * m * d > INT32_MAX * 64 or m > INT32_MAX:
@@ -147,14 +252,25 @@ def launch(
         )
     parts, lse = empty_parts(key, q, m)
     nsplit = lse.shape[-1]
+    rope = bool(key["ROPE"])
+    if rope and (cos is None or sin is None):
+        raise KernelError("decode_attention: a RoPE key needs the cos and sin tables")
     kwargs = dict(
-        D=d, HQ=hq, HKV=hkv, G=hq // hkv, BLOCK_G=key["BLOCK_G"], BLOCK_N=key["BLOCK_N"], SPLIT=key["SPLIT"]
+        D=d,
+        HQ=hq,
+        HKV=hkv,
+        G=hq // hkv,
+        BLOCK_G=key["BLOCK_G"],
+        BLOCK_N=key["BLOCK_N"],
+        SPLIT=key["SPLIT"],
+        ROPE=rope,
     )
-    for t in (k_new, v_new):
+    for t in (q, k_new, v_new):
         if t.stride(2) != 1 or t.stride(1) != d:
-            raise KernelError("decode_attention: the new k and v need contiguous heads in each row")
-    args = (q, k_cache, v_cache, pos, k_new, v_new, parts, lse, m, nsplit, k_new.stride(0), v_new.stride(0))
-    args = (*args, 1.0 / math.sqrt(d))
+            raise KernelError("decode_attention: q and the new k and v need contiguous heads in each row")
+    tables = (cos, sin) if rope else (parts, lse)  # without RoPE the table pointers are never read
+    args = (q, k_cache, v_cache, pos, k_new, v_new, *tables, parts, lse, m, nsplit)
+    args = (*args, q.stride(0), k_new.stride(0), v_new.stride(0), 1.0 / math.sqrt(d))
     return (
         decode_attn_split_kernel,
         (b, hkv, nsplit),
@@ -217,6 +333,11 @@ def supported(head_dim: int, q_heads: int, kv_heads: int) -> bool:
     return q_heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def rope_supported(head_dim: int) -> bool:
+    """RoPE inside the kernel: each half of a head is a dot's K, so at least 16 wide."""
+    return head_dim >= 32
+
+
 def _check(head_dim: int, q_heads: int, kv_heads: int) -> None:
     if not supported(head_dim, q_heads, kv_heads):
         raise KernelError(
@@ -234,10 +355,12 @@ def split_key(
     kv_heads: int,
     dtype: str,
     max_len: int,
+    rope: bool = False,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
-    """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len).
-    aligned: Q, K, V, POS, KN, VN."""
+    """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len);
+    rope: q and the new key arrive unrotated (the kernel applies RoPE). aligned: Q, K, V, POS, KN, VN,
+    COS, SIN (without rope the tables' flags are the outputs', always aligned)."""
     _check(head_dim, q_heads, kv_heads)
     return make_key(
         SPLIT_K.op,
@@ -246,6 +369,7 @@ def split_key(
         HQ=int(q_heads),
         HKV=int(kv_heads),
         G=int(q_heads // kv_heads),
+        ROPE=bool(rope),
         dtype=dtype_name(dtype),
         align=SPLIT_K.align(aligned),
         num_warps=4,
@@ -272,7 +396,7 @@ def combine_key(arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: 
 
 # -- registered description ---------------------------------------------------------------------
 def _warm_split(key: KernelKey, device: Any) -> tuple:
-    """A (1, HQ, D) query over (1, HKV, 2, D) caches, aligned as `key` says."""
+    """A (1, HQ, D) query over (1, HKV, 2, D) caches, aligned as `key` says (RoPE tables of 2 rows)."""
     al, d = [c == "A" for c in str(key["align"])], key["D"]
     q = tensor((1, key["HQ"], d), key["dtype"], device, al[0])
     k = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[1])
@@ -281,7 +405,10 @@ def _warm_split(key: KernelKey, device: Any) -> tuple:
     pos = buf[:1] if al[3] else buf[1:2]
     kn = tensor((1, key["HKV"], d), key["dtype"], device, al[4])
     vn = tensor((1, key["HKV"], d), key["dtype"], device, al[5])
-    return launch(key, q, k, v, pos, kn, vn)
+    cos = sin = None
+    if key["ROPE"]:
+        cos, sin = tensor((2, d), "fp32", device, al[6]), tensor((2, d), "fp32", device, al[7])
+    return launch(key, q, k, v, pos, kn, vn, cos, sin)
 
 
 def _warm_combine(key: KernelKey, device: Any) -> tuple:
@@ -291,15 +418,31 @@ def _warm_combine(key: KernelKey, device: Any) -> tuple:
 
 
 def plan(
-    arch: str, *, grad: bool, head_dim: int, q_heads: int, kv_heads: int, dtype: str, max_len: int
+    arch: str,
+    *,
+    grad: bool,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    dtype: str,
+    max_len: int,
+    rope: bool = True,
 ) -> set[KernelKey]:
     """Keys of one decode step's attention (no backward: generation only); none for shapes the
-    kernel does not take (`supported`)."""
+    kernel does not take (`supported`). rope: the engine's step, which leaves RoPE to the kernel."""
     del grad
     if not supported(head_dim, q_heads, kv_heads):
         return set()
     return {
-        split_key(arch, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, dtype=dtype, max_len=max_len),
+        split_key(
+            arch,
+            head_dim=head_dim,
+            q_heads=q_heads,
+            kv_heads=kv_heads,
+            dtype=dtype,
+            max_len=max_len,
+            rope=rope and rope_supported(head_dim),
+        ),
         combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len),
     }
 
@@ -316,6 +459,8 @@ SPLIT_K = Kernel(
         "POS": "i64",
         "KN": "dtype",
         "VN": "dtype",
+        "COS": "fp32",
+        "SIN": "fp32",
         "OP": "fp32",
         "LSE": "fp32",
     },

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdistill.ops.rope import rope_reference
+
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """(B, 1, T, T) bool from (B, T) document ids: query q may attend to key k when k <= q and both
@@ -57,11 +59,17 @@ def decode_attention_reference(
     pos: torch.Tensor,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per row over a static cache: q (B, Hq, D), k_cache and v_cache (B, Hkv, M, D),
     pos (B,) the row's newest slot; k_new and v_new (B, Hkv, D), when given, are written into slot
     pos[b] first (in place: the step's token joins the cache). -> (B, Hq, D) attending slots 0..pos[b]
-    of row b (the kernel reads only those; here a (B, 1, 1, M) mask hides the rest)."""
+    of row b (the kernel reads only those; here a (B, 1, 1, M) mask hides the rest). cos and sin (fp32
+    (M', D) tables), when given: q and k_new are unrotated, and RoPE at position pos[b] comes first."""
+    if cos is not None and sin is not None and k_new is not None:
+        c, s = cos[pos][:, None], sin[pos][:, None]  # (B, 1, D)
+        q, k_new = rope_reference(q, k_new, c, s)
     if k_new is not None and v_new is not None:
         rows = torch.arange(q.shape[0], device=q.device)
         k_cache[rows, :, pos] = k_new
