@@ -27,6 +27,13 @@ them in the conversation. For answer k:
 - its body is where the full rendering changes when answer k alone is replaced by a one-character
   stand-in (its reasoning, tool calls and content all go): the common prefix and suffix of the two
   renderings bound it, so a template that transforms content (`| upper`) is located all the same;
+  a template that refuses that stand-in (a role-alternation check, a tool result that needs its call)
+  gets it with `tool_calls: null`, then the turn itself with every value the model writes masked
+  (content, reasoning, call names and arguments; ids kept): the body then spans its first to its last
+  value, and the turn's own opening and closing (what the rendering that ends with it writes before the
+  first and after the last, e.g. `[TOOL_CALLS][{"name": "` and `"}]</s>`) are added. A tool-call turn is
+  learned whenever the template renders its calls, with or without content; it is refused only when
+  nothing of it appears (the same text with or without the turn);
 - it starts where the template's generation prompt for it ends: the generation prompt's own text
   (render(messages[:k], add_generation_prompt=True) minus render(messages[:k])) is found ending at
   or before the body, longest prefix first (DeepSeek-R1's prompt ends in `<think>\n`, which history
@@ -493,53 +500,117 @@ def locate_answers(
     answers: list[Answer] = []
     lo = 0
     for k in learned:
-        stand_in = {"role": messages[k].get("role"), "content": mark}
-        try:
-            alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
-            content_only = False
-        except UserError:
-            # A template that checks the turns around a tool call (ids, order) may refuse an answer
-            # without its calls: keep every other field, so the content alone is located.
-            stand_in = {**messages[k], "content": mark}
-            alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
-            content_only = True
+        stand_in, alt, kept = _alternative(render, messages, k, mark)
+        if alt != text and not kept and _body(text, alt)[0] == _body(text, alt)[1]:
+            # Nothing where the stand-in shows: a template that skips the turn (e.g. a tool-call turn
+            # it does not render) gives the conversation without it.
+            alt = text if _try(render, messages[:k] + messages[k + 1 :]) == text else alt
         if alt == text:
             raise UserError(
                 f"{conv.source}: the chat template {template.origin} does not render answer {k} (the "
                 "same text with or without it), so it cannot be learned (use data.train_on=all)"
             )
         body, body_end = _body(text, alt)
-        if content_only and body == body_end and messages[k].get("tool_calls"):
-            raise UserError(
-                f"{conv.source}: the chat template {template.origin} refuses answer {k} without its tool "
-                "calls and renders no content for it, so it cannot be located (use data.train_on=all)"
-            )
         start = body
         # (a template that refuses the history alone, e.g. one ending on a tool result, has no prompt
         # to match: the answer starts at its body)
         prompt = _try(render, messages[:k], gen=True)
         before = _try(render, messages[:k]) if k else ""
+        # The rendering that ends with this turn: what it writes after its body is its own closing.
+        own = text if k + 1 == len(messages) else _try(render, messages[: k + 1])
+        own_alt = alt if k + 1 == len(messages) else _try(render, messages[:k] + [stand_in])
+        if own is None or own_alt is None:  # a template that refuses to end on this turn
+            own, own_alt = text, alt
+        own_body, own_body_end = _body(own, own_alt)
         if prompt is not None and before is not None:
             gen_text = prompt[_common_prefix(before, prompt) :]
+            # With the turn kept (its values masked), the text before its first value is the turn's
+            # own (e.g. `[TOOL_CALLS][{"name": "`): without a generation prompt, the turn starts where
+            # the history's rendering ends.
+            head = _common_prefix(before, own) if kept and not gen_text else None
             if k + 1 == len(messages):  # the turn's own rendering is the conversation's
                 start = _prompt_end(text, gen_text, max(lo, _common_prefix(before, text)), body)
+                if head is not None:
+                    start = max(lo, min(head, body))
             else:
                 # Find the prompt in the rendering that ends with this turn (its region is bounded by
                 # the history before it there), then carry the text between the prompt and the body
                 # (e.g. Qwen3's "<think>\n") over when the conversation renders it too.
-                own = render(messages[: k + 1])
-                own_alt = render(messages[:k] + [stand_in])
-                own_body, _ = _body(own, own_alt)
-                lead = own[_prompt_end(own, gen_text, _common_prefix(before, own), own_body) : own_body]
+                lead_at = (
+                    head
+                    if head is not None
+                    else _prompt_end(own, gen_text, _common_prefix(before, own), own_body)
+                )
+                lead = own[min(lead_at, own_body) : own_body]
                 if lead and lo <= body - len(lead) and text[body - len(lead) : body] == lead:
                     start = body - len(lead)
         tail = text[body_end:]
-        ws = len(tail) - len(tail.lstrip())
-        eot = next((t for t in special_tokens if text.startswith(t, body_end + ws)), "")
-        end = body_end + ws + len(eot) if eot else body_end
+        closing = own[own_body_end:].rstrip()
+        if kept and closing and tail.startswith(closing):
+            # The turn kept its structure: what the rendering that ends with it writes after its last
+            # value is its own closing (e.g. `"}]</s>`), end-of-turn token included when it ends with one.
+            end = body_end + len(closing)
+            eot = next((t for t in special_tokens if closing.endswith(t)), "")
+        else:
+            ws = len(tail) - len(tail.lstrip())
+            eot = next((t for t in special_tokens if text.startswith(t, body_end + ws)), "")
+            end = body_end + ws + len(eot) if eot else body_end
         answers.append(Answer(message=k, start=start, end=end, body_end=body_end, end_of_turn=eot))
         lo = end
     return text, answers
+
+
+def _masked(value: Any, mark: str) -> Any:
+    """`value` with every string replaced by as many `mark` characters (lengths kept, so a template's
+    length checks still pass); the values of "id" and "type" keys are kept (templates match call ids
+    against tool results and branch on types)."""
+    if isinstance(value, str):
+        return mark * len(value)
+    if isinstance(value, list):
+        return [_masked(v, mark) for v in value]
+    if isinstance(value, dict):
+        return {key: v if key in ("id", "type") else _masked(v, mark) for key, v in value.items()}
+    return value
+
+
+def _alternative(
+    render: _Renderer, messages: list[dict[str, Any]], k: int, mark: str
+) -> tuple[dict[str, Any], str, bool]:
+    """(stand-in, rendering with answer k replaced by it, whether the stand-in keeps the turn's own
+    structure): the first of these the template renders without an error.
+
+    1. the answer gone, its content one `mark`: the diff is all the turn writes;
+    2. the same, with `tool_calls: null` kept as a key: templates that tell tool-call turns apart by the
+       key being defined (e.g. a role-alternation check over the turns without one);
+    3. the turn kept with every value the model writes masked (content, reasoning, the calls' names
+       and arguments; ids kept): templates that check the turns around a call (ids, order, a result
+       after a call); the diff then spans the first to the last masked value, and the turn's own
+       opening and closing are added by the caller.
+    4. the content alone masked, everything else kept (a template that checks the calls' names or
+       arguments).
+    The first one's error (the template's own check) is raised when every one fails.
+    """
+    m = messages[k]
+    calls = m.get("tool_calls") is not None
+    candidates: list[tuple[dict[str, Any], bool]] = [({"role": m.get("role"), "content": mark}, False)]
+    if calls:
+        candidates.append(({"role": m.get("role"), "content": mark, "tool_calls": None}, False))
+    masked = {
+        key: _masked(v, mark) if key in ("content", "tool_calls", *TRACE_FIELDS) else v
+        for key, v in m.items()
+    }
+    if not isinstance(m.get("content"), str | list) or not m.get("content"):
+        masked["content"] = mark  # nothing to mask: the mark shows where the content goes
+    candidates.append((masked, True))
+    candidates.append(({**m, "content": mark}, True))
+    error: UserError | None = None
+    for stand_in, kept in candidates:
+        try:
+            return stand_in, render(messages[:k] + [stand_in] + messages[k + 1 :]), kept
+        except UserError as e:
+            error = error or e
+    assert error is not None
+    raise error
 
 
 def _body(text: str, alt: str) -> tuple[int, int]:
