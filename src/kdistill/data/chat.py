@@ -14,7 +14,9 @@ File formats (detected per file from the first record; every other record must h
   string (one assistant turn) or a list of messages with at least one assistant turn. Only the
   completion's assistant turns are learned; assistant turns inside the prompt are context.
 - either may carry `tools`: a list of tool definitions, passed to the template as transformers passes
-  it (records without one use the run's `data.template_kwargs.tools`, if any).
+  it. Tools for every record of a file: a JSONL file's first record may be `{"tools": [...]}` alone (a
+  header, not a conversation); a Parquet file's schema metadata may hold `tools` (a JSON list). A record's
+  own `tools` wins over its file's, and a file's over the run's `data.template_kwargs.tools`.
 - JSONL (`.jsonl`, `.ndjson`): one JSON object per line; blank lines are skipped.
 - Parquet (`.parquet`, needs the `parquet` extra: pyarrow): the same columns, one row per record.
 Other keys of a record are ignored. A malformed record is a one-line UserError naming the file and the
@@ -76,13 +78,15 @@ class Conversation:
         messages: ({"role": ..., "content": ..., any other key}, ...) in order, as given.
         train: per message, True for an assistant turn whose text is learned.
         source: "file:line" (JSONL) or "file:row N" (Parquet), for messages.
-        tools: the record's `tools` list (None: none given).
+        tools: the record's `tools` list, else its file's (None: neither gives one).
+        tools_from: "record" or "file" (a JSONL header, Parquet metadata) for `tools`; "" for none.
     """
 
     messages: tuple[dict[str, Any], ...]
     train: tuple[bool, ...]
     source: str
     tools: tuple[Any, ...] | None = None
+    tools_from: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,9 +185,46 @@ def conversation_from_record(record: Any, fmt: str, where: str) -> Conversation:
     if not any(train):
         field = "messages" if fmt == "messages" else "completion"
         raise UserError(f"{where}: '{field}' has no assistant turn, expected at least one answer to learn")
+    tools = _tools(record, where)
     return Conversation(
-        messages=tuple(messages), train=tuple(train), source=where, tools=_tools(record, where)
+        messages=tuple(messages),
+        train=tuple(train),
+        source=where,
+        tools=tools,
+        tools_from="record" if tools is not None else "",
     )
+
+
+def is_tools_header(record: Any) -> bool:
+    """A JSONL file's tools header: an object whose only key is `tools`."""
+    return isinstance(record, dict) and set(record) == {"tools"}
+
+
+def tools_header(record: Any, where: str) -> tuple[Any, ...]:
+    """The tools of a file's tools header record (see is_tools_header), checked.
+
+    Raises:
+        UserError: `tools` is not a list of objects (naming `where`).
+    """
+    tools = _tools(record, f"{where} (the file's tools header)")
+    return tools if tools is not None else ()
+
+
+def tool_names(tools: Sequence[Any]) -> list[str]:
+    """The names of tool definitions ({"function": {"name": ...}} or {"name": ...}), "?" where none."""
+    out = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else t.get("name") if isinstance(t, dict) else None
+        out.append(name if isinstance(name, str) else "?")
+    return out
+
+
+def with_file_tools(conv: Conversation, tools: tuple[Any, ...] | None) -> Conversation:
+    """`conv` with its file's tools when it has none of its own (a record's own tools win)."""
+    if tools is None or conv.tools is not None:
+        return conv
+    return dataclasses.replace(conv, tools=tools, tools_from="file")
 
 
 def _format_words(fmt: str) -> str:
@@ -203,6 +244,7 @@ def read_conversations_jsonl(f: BinaryIO, name: str) -> list[Conversation]:
     """
     out: list[Conversation] = []
     fmt: str | None = None
+    file_tools: tuple[Any, ...] | None = None
     lineno = 0
     while True:
         raw = f.readline(MAX_LINE_BYTES + 1)
@@ -226,6 +268,14 @@ def read_conversations_jsonl(f: BinaryIO, name: str) -> list[Conversation]:
             raise UserError(f"{where}: not valid JSON (column {e.colno}: {e.msg})") from None
         except RecursionError:
             raise UserError(f"{where}: JSON nested too deeply") from None
+        if is_tools_header(record):
+            if fmt is not None or file_tools is not None:
+                raise UserError(
+                    f"{where}: a record with only 'tools' is the file's tools header, expected only as "
+                    "the first record"
+                )
+            file_tools = tools_header(record, where)
+            continue
         if fmt is None:
             fmt = detect_format(record)
             if fmt is None:
@@ -235,7 +285,7 @@ def read_conversations_jsonl(f: BinaryIO, name: str) -> list[Conversation]:
                     f"{where}: first record has {shape}, expected a conversation: 'messages' "
                     "(a list of {role, content}) or 'prompt' + 'completion'"
                 )
-        out.append(conversation_from_record(record, fmt, where))
+        out.append(with_file_tools(conversation_from_record(record, fmt, where), file_tools))
     if not out:
         raise UserError(f"{name}: no conversation records (the file is empty or blank)")
     return out
@@ -269,6 +319,7 @@ def read_conversations_parquet(path: str | Path) -> list[Conversation]:
         )
     if "tools" in columns:
         wanted.append("tools")
+    file_tools = _parquet_tools(pf.schema_arrow.metadata, path)
     out: list[Conversation] = []
     row = 0
     try:
@@ -278,12 +329,26 @@ def read_conversations_parquet(path: str | Path) -> list[Conversation]:
                 # Parquet structs carry every field of the schema: absent ones read as None.
                 if fmt == "messages" and isinstance(record.get("messages"), list):
                     record["messages"] = [_drop_none(m) for m in record["messages"]]
-                out.append(conversation_from_record(record, fmt, f"{path}:row {row}"))
+                conv = conversation_from_record(record, fmt, f"{path}:row {row}")
+                out.append(with_file_tools(conv, file_tools))
     except OSError as e:
         raise UserError(f"{path}: cannot read row {row + 1} ({str(e).splitlines()[0][:200]})") from None
     if not out:
         raise UserError(f"{path}: no rows")
     return out
+
+
+def _parquet_tools(metadata: Mapping[bytes, bytes] | None, path: str | Path) -> tuple[Any, ...] | None:
+    """The file's tools from its schema metadata key `tools` (a JSON list of tool definitions)."""
+    raw = (metadata or {}).get(b"tools")
+    if raw is None:
+        return None
+    where = f"{path}: schema metadata 'tools'"
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise UserError(f"{where} is not JSON, expected a list of tool definitions (objects)") from None
+    return _tools({"tools": value}, where)
 
 
 def _drop_none(m: Any) -> Any:
@@ -323,9 +388,11 @@ def sniff_format(path: str | Path) -> str | None:
                     return None
                 if raw.strip():
                     try:
-                        return detect_format(json.loads(raw.decode("utf-8").removeprefix("\ufeff")))
+                        record = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
                     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                         return None
+                    if not is_tools_header(record):  # a tools header: the next record tells
+                        return detect_format(record)
     except OSError:
         return None
     return None
