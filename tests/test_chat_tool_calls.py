@@ -236,3 +236,99 @@ def test_a_template_that_renders_nothing_of_a_call_turn_is_refused(families):
     assert _learned(tokenize_conversation(conv, skips, tok, "last_assistant"), tok) == [
         "It is 18 C and sunny in Paris.<|im_end|>"
     ]
+
+
+def test_a_lora_run_on_tool_calls_merges_into_a_model_with_the_template_it_trained_with(tmp_path, capsys):
+    """Tool-call conversations rendered with a Mistral-Nemo-shaped data.chat_template, the calls
+    learned (data.train_on=assistant), a LoRA student whose own template (in tokenizer_config.json,
+    as such models ship it) is another: `export --merge` writes the run's template, and transformers
+    renders the tool conversation with it as the run did."""
+    import shutil
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from tests.chat_families import template_source
+    from tests.test_lora import _lora_config
+    from tests.test_train_kit import assets, run_cli
+
+    student = tmp_path / "student"
+    shutil.copytree(assets().student, student)
+    (student / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((student / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (student / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": template_source("hermes")}), encoding="utf-8"
+    )
+    template = tmp_path / "nemo.jinja"
+    template.write_text(template_source("mistral-nemo"), encoding="utf-8")
+    data = tmp_path / "calls.jsonl"
+    chats = [TOOL_CHATS[c] for c in ("call", "call_with_text", "two_calls")] * 6
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    cfg = _lora_config(run_dir, steps=2, batch_size=2)
+    cfg["student"]["path"] = str(student)
+    cfg["data"] = {
+        "train": [str(data)],
+        "heldout_fraction": 0.2,
+        "seq_len": 256,
+        "chat_template": str(template),
+        "train_on": "assistant",
+        "cache_dir": str(assets().cache),
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    rc, _, err = run_cli(capsys, "run", str(tmp_path / "run.yaml"), "--quiet")
+    assert rc == 0, err
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["data"]["train_on"] == "assistant" and summary["data"]["train_learned_tokens"] > 0
+    merged = tmp_path / "merged"
+    rc, _, err = run_cli(capsys, "export", "--run", str(run_dir), "--merge", "--out", str(merged))
+    assert rc == 0, err
+    assert (merged / "chat_template.jinja").read_text(encoding="utf-8") == template_source("mistral-nemo")
+    msgs, tools = TOOL_CHATS["call"]["messages"], TOOL_CHATS["call"]["tools"]
+    want = load_chat_template(assets().teacher, template).render(msgs, tools=tools)
+    got = AutoTokenizer.from_pretrained(merged).apply_chat_template(msgs, tools=tools, tokenize=False)
+    assert got == want and "[TOOL_CALLS]" in got
+
+
+def test_a_merged_lora_student_carries_the_teachers_template_it_trained_with_not_its_own(tmp_path, capsys):
+    """Without data.chat_template a run renders its conversations with the teacher's template: the
+    merged model carries that one, as a full run's student/ does, not the base student's own."""
+    import shutil
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from tests.test_chat_train import TEMPLATE, write_chat_files
+    from tests.test_lora import _lora_config
+    from tests.test_train_kit import assets, run_cli
+
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    shutil.copytree(assets().teacher, teacher)
+    shutil.copytree(assets().student, student)
+    (teacher / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
+    (student / "chat_template.jinja").write_text("base: " + TEMPLATE, encoding="utf-8")
+    data, _ = write_chat_files(tmp_path / "data", n=24)
+    run_dir = tmp_path / "run"
+    cfg = _lora_config(run_dir, steps=2, batch_size=2)
+    cfg["teacher"]["path"], cfg["student"]["path"] = str(teacher), str(student)
+    cfg["data"] = {
+        "train": [str(data)],
+        "heldout_fraction": 0.2,
+        "seq_len": 48,
+        "cache_dir": str(assets().cache),
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    rc, _, err = run_cli(capsys, "run", str(tmp_path / "run.yaml"), "--quiet")
+    assert rc == 0, err
+    assert (run_dir / "adapter" / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
+    for adapter_kept_it in (True, False):  # an adapter written before runs kept their template too
+        if not adapter_kept_it:
+            (run_dir / "adapter" / "chat_template.jinja").unlink()
+        merged = tmp_path / f"merged-{adapter_kept_it}"
+        rc, _, err = run_cli(capsys, "export", "--run", str(run_dir), "--merge", "--out", str(merged))
+        assert rc == 0, err
+        assert (merged / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
+        conv = [{"role": "user", "content": "the quick fox"}]
+        got = AutoTokenizer.from_pretrained(merged).apply_chat_template(conv, tokenize=False)
+        assert got.startswith("user: the quick fox")
+    assert (student / "chat_template.jinja").read_text(encoding="utf-8") == "base: " + TEMPLATE
