@@ -586,7 +586,8 @@ def locate_answers(
         # The rendering that ends with this turn: what it writes after its body is its own closing.
         own = text if k + 1 == len(messages) else _try(render, messages[: k + 1])
         own_alt = alt if k + 1 == len(messages) else _try(render, messages[:k] + [stand_in])
-        if own is None or own_alt is None:  # a template that refuses to end on this turn
+        alone = own is not None and own_alt is not None
+        if not alone:  # a template that refuses to end on this turn: no closing of its own to add
             own, own_alt = text, alt
         own_body, own_body_end = _body(own, own_alt)
         if prompt is not None and before is not None:
@@ -612,7 +613,7 @@ def locate_answers(
                 if lead and lo <= body - len(lead) and text[body - len(lead) : body] == lead:
                     start = body - len(lead)
         tail = text[body_end:]
-        closing = own[own_body_end:].rstrip()
+        closing = own[own_body_end:].rstrip() if alone else ""
         if kept and closing and tail.startswith(closing):
             # The turn kept its structure: what the rendering that ends with it writes after its last
             # value is its own closing (e.g. `"}]</s>`), end-of-turn token included when it ends with one.
