@@ -332,3 +332,40 @@ def test_a_merged_lora_student_carries_the_teachers_template_it_trained_with_not
         got = AutoTokenizer.from_pretrained(merged).apply_chat_template(conv, tokenize=False)
         assert got.startswith("user: the quick fox")
     assert (student / "chat_template.jinja").read_text(encoding="utf-8") == "base: " + TEMPLATE
+
+
+def test_a_mistral_nemo_check_that_counts_a_null_tool_calls_turn_still_has_the_calls_learned(families):
+    """The other form of Mistral-Nemo's alternation check: a turn is left out only when its tool_calls
+    is set and not null, so neither stand-in without calls passes; the turn is then located with its
+    values masked, and its opening (`[TOOL_CALLS][{"name": "`, no generation prompt) and closing (the
+    id and `}]</s>`) are its own."""
+    _, nemo, tok, _ = families["mistral-nemo"]
+    old = nemo.source[nemo.source.index("{%- for m in turns | rejectattr") :]
+    old = old[: old.index("{%- endfor %}") + len("{%- endfor %}")]
+    new = (
+        "{%- set alt = namespace(index=0) %}{%- for m in turns %}"
+        "{%- if not (m.role == 'tool' or (m.tool_calls is defined and m.tool_calls is not none)) %}"
+        "{%- if (m.role == 'user') != (alt.index % 2 == 0) %}"
+        "{{- raise_exception('After the optional system message, roles must alternate user/assistant/...') }}"
+        "{%- endif %}{%- set alt.index = alt.index + 1 %}{%- endif %}{%- endfor %}"
+    )
+    assert old in nemo.source
+    source = nemo.source.replace(old, new)
+    hf = hf_tokenizer("mistral-nemo")
+    hf.chat_template = source
+    strict = ChatTemplate(
+        source, "nemo-strict.jinja", special_tokens={"bos_token": "<s>", "eos_token": "</s>"}
+    )
+    for chat in ("call", "call_with_text", "two_calls"):
+        record = TOOL_CHATS[chat]
+        msgs = record["messages"]
+        gone = [*msgs[:1], {"role": "assistant", "content": "x", "tool_calls": None}, *msgs[2:]]
+        with pytest.raises(UserError, match="roles must alternate"):
+            strict.render(gone, tools=record["tools"])
+        conv = conversation_from_record(record, "messages", f"{chat}:1")
+        tc = tokenize_conversation(conv, strict, tok)
+        want = hf.apply_chat_template(msgs, tools=record["tools"], tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+        assert tc.input_ids.tolist() == list(want)
+        assert _learned(tc, tok)[0] == CALL_TURN["mistral-nemo"][chat]
