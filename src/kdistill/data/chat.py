@@ -64,6 +64,7 @@ TRAIN_ON = ("assistant", "last_assistant", "all")
 # Message fields a template may or may not render: a conversation that carries one its template drops
 # is reported (warn_unrendered) rather than trained on silently without it.
 TRACE_FIELDS = ("reasoning_content", "reasoning", "thinking", "tool_calls")
+UNRENDERED_CALL_TEXT = "the text of tool-call turns"  # how unrendered_fields names it
 MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is refused (bounded memory per line)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -718,8 +719,8 @@ def answer_spans(
 def unrendered_fields(
     conv: Conversation, template: ChatTemplate, text: str, template_kwargs: Mapping[str, Any] | None = None
 ) -> tuple[str, ...]:
-    """The reasoning / tool fields (and `tools`) the conversation carries that its rendering `text`
-    does not show: rendering without them gives the same text."""
+    """The reasoning / tool fields (and `tools`, and the text of turns with tool calls) the conversation
+    carries that its rendering `text` does not show: rendering without them gives the same text."""
     render = _Renderer(conv, template, template_kwargs)
     present = sorted({f for m in conv.messages for f in TRACE_FIELDS if m.get(f) not in (None, "", [], {})})
     out: list[str] = []
@@ -730,6 +731,16 @@ def unrendered_fields(
             out.extend(present)
     if render.tools and _try(render, list(conv.messages), tools=None) == text:
         out.append("tools")
+    # Some templates write a tool-call turn's calls alone, leaving its text out.
+    spoken = {
+        i
+        for i, m in enumerate(conv.messages)
+        if m.get("tool_calls") and isinstance(m.get("content"), str) and m["content"].strip()
+    }
+    if spoken:
+        silent = [{**m, "content": ""} if i in spoken else m for i, m in enumerate(conv.messages)]
+        if _try(render, silent) == text:
+            out.append(UNRENDERED_CALL_TEXT)
     return tuple(out)
 
 
