@@ -1,4 +1,4 @@
-"""Chat template fixtures of eight model families, written for these tests (not copied): each
+"""Chat template fixtures of eleven model family shapes, written for these tests (not copied): each
 reproduces what makes its family different (tests/fixtures/chat_families/*.jinja), with one tiny
 byte-level BPE tokenizer that knows every family's special tokens, and conversations of four kinds:
 plain, multi-turn, reasoning (`reasoning_content`) and tool calls (`tools`, `tool_calls`, role tool)."""
@@ -21,6 +21,9 @@ FAMILIES = {
     "gemma": ("<bos>", "<eos>"),
     "phi4": (None, "<|im_end|>"),
     "smollm2": (None, "<|im_end|>"),
+    "mistral-nemo": ("<s>", "</s>"),
+    "llama3.1": ("<|begin_of_text|>", "<|eot_id|>"),
+    "hermes": (None, "<|im_end|>"),
 }
 
 SPECIAL = [
@@ -49,6 +52,8 @@ SPECIAL = [
     "<start_of_turn>",
     "<end_of_turn>",
 ]
+# Special tokens added after training (their ids follow every other token's).
+SPECIAL_LATER = ["<|python_tag|>"]
 # Ordinary added tokens (not special), as these families' tokenizers add them.
 ADDED = [
     "<think>",
@@ -87,7 +92,7 @@ TOOLS = [
 ]
 CALL = {
     "type": "function",
-    "id": "call_1",
+    "id": "call00001",  # 9 characters, as Mistral-Nemo's template requires
     "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
 }
 
@@ -120,7 +125,7 @@ CHATS = {
         "messages": [
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [CALL]},
-            {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C, sunny"},
+            {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": "18 C, sunny"},
             {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
         ],
     },
@@ -143,6 +148,7 @@ def tokenizer_json() -> str:
     )
     tk.train_from_iterator(CORPUS * 10, trainer)
     tk.add_tokens(ADDED)
+    tk.add_special_tokens(SPECIAL_LATER)
     return tk.to_str()
 
 

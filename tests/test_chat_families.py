@@ -77,6 +77,27 @@ LEARNED = {
     ("smollm2", "multi"): ["Hello there<|im_end|>", "Four.<|im_end|>"],
     ("smollm2", "reasoning"): ["Four.<|im_end|>", "Five.<|im_end|>"],
     ("smollm2", "tools"): ["<|im_end|>", "It is 18 C and sunny in Paris.<|im_end|>"],
+    ("mistral-nemo", "plain"): ["Paris.</s>"],
+    ("mistral-nemo", "multi"): ["Hello there</s>", "Four.</s>"],
+    ("mistral-nemo", "reasoning"): ["Four.</s>", "Five.</s>"],
+    ("mistral-nemo", "tools"): [
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
+        "It is 18 C and sunny in Paris.</s>",
+    ],
+    ("llama3.1", "plain"): ["Paris.<|eot_id|>"],
+    ("llama3.1", "multi"): ["Hello there<|eot_id|>", "Four.<|eot_id|>"],
+    ("llama3.1", "reasoning"): ["Four.<|eot_id|>", "Five.<|eot_id|>"],
+    ("llama3.1", "tools"): [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+        "It is 18 C and sunny in Paris.<|eot_id|>",
+    ],
+    ("hermes", "plain"): ["Paris.<|im_end|>"],
+    ("hermes", "multi"): ["Hello there<|im_end|>", "Four.<|im_end|>"],
+    ("hermes", "reasoning"): ["Four.<|im_end|>", "Five.<|im_end|>"],
+    ("hermes", "tools"): [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is 18 C and sunny in Paris.<|im_end|>",
+    ],
 }
 
 # What each family's rendering leaves out of these conversations (reported once per file).
@@ -92,6 +113,9 @@ UNRENDERED = {
     ("phi4", "tools"): ("tool_calls", "tools"),
     ("smollm2", "reasoning"): ("reasoning_content",),
     ("smollm2", "tools"): ("tool_calls", "tools"),
+    ("mistral-nemo", "reasoning"): ("reasoning_content",),
+    ("llama3.1", "reasoning"): ("reasoning_content",),
+    ("hermes", "reasoning"): ("reasoning_content",),
 }
 
 END_OF_TURN = {
@@ -103,6 +127,9 @@ END_OF_TURN = {
     "gemma": "<end_of_turn>",
     "phi4": "<|im_end|>",
     "smollm2": "<|im_end|>",
+    "mistral-nemo": "</s>",
+    "llama3.1": "<|eot_id|>",
+    "hermes": "<|im_end|>",
 }
 
 
@@ -269,7 +296,7 @@ def test_a_run_warns_once_per_file_about_unrendered_reasoning(families, tmp_path
     assert len(lines) == 1 and str(data) in lines[0] and "does not render" in lines[0]
 
 
-def test_a_template_that_checks_tool_turns_still_locates_the_answers(families):
+def test_a_template_that_checks_tool_turns_still_has_the_calls_learned(families):
     from kdistill.data.chat_template import ChatTemplate
 
     _, _, tok, _ = families["qwen2.5"]
@@ -282,16 +309,16 @@ def test_a_template_that_checks_tool_turns_still_locates_the_answers(families):
         "strict.jinja",
     )
     record = json.loads(json.dumps(CHATS["tools"]))
-    record["messages"][1]["content"] = "Checking."
-    conv = conversation_from_record(record, "messages", "s:1")
-    tc = tokenize_conversation(conv, strict, tok)
-    # located by its content alone (the template needs the calls kept): the calls are not learned
-    assert _learned(tc, tok) == ["Checking.", "It is 18 C and sunny in Paris.<|im_end|>"]
-    record["messages"][1]["content"] = None
-    with pytest.raises(
-        UserError, match="s:2: the chat template strict.jinja refuses answer 1 without its tool"
-    ):
-        tokenize_conversation(conversation_from_record(record, "messages", "s:2"), strict, tok)
+    for content in ("Checking.", None):
+        record["messages"][1]["content"] = content
+        conv = conversation_from_record(record, "messages", "s:1")
+        tc = tokenize_conversation(conv, strict, tok)
+        # located with the call's values masked (the template needs a call before the result): the
+        # calls are learned with the text, through the end-of-turn token
+        assert _learned(tc, tok) == [
+            f"{content or ''}<tool_call>get_weather</tool_call><|im_end|>",
+            "It is 18 C and sunny in Paris.<|im_end|>",
+        ]
 
 
 def test_end_of_turn_of_a_template_that_needs_a_system_turn(families):

@@ -30,7 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdistill.data.chat import Conversation, check_unicode, conversation_from_record, end_of_turn_token
+from kdistill.data.chat import (
+    Conversation,
+    check_unicode,
+    conversation_from_record,
+    end_of_turn_token,
+    is_tools_header,
+    tools_header,
+    with_file_tools,
+)
 from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import CHAT_TEMPLATE_OVERRIDE, ChatTemplate, load_chat_template
 from kdistill.decode import DecodeEngine, Sampling
@@ -180,6 +188,7 @@ def read_messages_file(path: str | Path) -> list[Conversation]:
             f"{path}: cannot read ({getattr(e, 'strerror', None) or e.__class__.__name__})"
         ) from None
     out = []
+    file_tools = None  # a first record {"tools": [...]} alone: every conversation's without its own
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -190,6 +199,9 @@ def read_messages_file(path: str | Path) -> list[Conversation]:
             raise UserError(
                 f'{where}: not valid JSON, expected a list of messages or {{"messages": [...]}}'
             ) from None
+        if is_tools_header(rec) and not out and file_tools is None:
+            file_tools = tools_header(rec, where)
+            continue
         if isinstance(rec, list):
             rec = {"messages": rec}
         msgs = rec.get("messages") if isinstance(rec, dict) else None
@@ -205,8 +217,9 @@ def read_messages_file(path: str | Path) -> list[Conversation]:
                 f"{where}: the last message is 'assistant', expected a turn to answer (user or tool)"
             )
         out.append(
-            Conversation(
-                messages=conv.messages[:-1], train=(False,) * len(msgs), source=where, tools=conv.tools
+            with_file_tools(
+                dataclasses.replace(conv, messages=conv.messages[:-1], train=(False,) * len(msgs)),
+                file_tools,
             )
         )
     if not out:

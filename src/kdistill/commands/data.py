@@ -10,7 +10,9 @@ rows: one header per conversation, the learned tokens coloured green on a termin
 [[ ]] otherwise. --json prints per row input_ids, labels (the ignore index, -100, where masked),
 position_ids, cu_seqlens and the conversations' boundaries, plus the packing summary. A file whose
 conversations carry reasoning or tool fields (or `tools`) that the template does not render gets one
-warning (stderr; in --json also under "warnings").
+warning (stderr; in --json also under "warnings"). Where conversations have tools, one line per file says
+which they render with: the file's (its tools header or Parquet metadata), their own, or the run's
+(--template-kwargs' `tools`), by tool name and count of conversations (in --json under "tools").
 --seq-len may not exceed the model's context (max_position_embeddings in its config.json).
 """
 
@@ -24,9 +26,11 @@ from typing import Any
 from kdistill.console import print_json
 from kdistill.data.chat import (
     TRAIN_ON,
+    Conversation,
     read_conversations,
     sniff_format,
     tokenize_conversation,
+    tool_names,
     warn_unrendered,
 )
 from kdistill.data.chat_pack import pack_conversations, preview_json, render_preview
@@ -89,6 +93,7 @@ def preview_command(args: Any) -> int:
         print(f"kdistill: warning: {line}", file=sys.stderr)
     pad = tok.eos_id if tok.eos_id is not None else 0
     rows = pack_conversations(tokenized, seq_len, pad_id=pad)
+    tools = tool_sources(convs, kwargs.get("tools"))
     if args.json:
         print_json(
             {
@@ -103,14 +108,68 @@ def preview_command(args: Any) -> int:
                 "dropped": rows.dropped,
                 "template_kwargs": kwargs,
                 "warnings": warnings,
+                "tools": tools,
                 "rows": preview_json(rows, n),
             }
         )
         return 0
     print(f"{rows.summary()}; template {template.origin}; train_on={args.train_on}")
+    for entry in tools:
+        print(describe_tools(entry))
     for r in range(min(n, len(rows))):
         print(render_preview(rows, r, tok.decode))
     return 0
+
+
+def tool_sources(convs: list[Conversation], run_tools: list[Any] | None) -> list[dict[str, Any]]:
+    """Per file whose conversations render with tools: the file's own tool names (None: no file-wide
+    tools) and how many conversations take their tools from the record, the file, the run or none."""
+    files: dict[str, dict[str, Any]] = {}
+    for conv in convs:
+        name = conv.source.rsplit(":", 1)[0]
+        entry = files.setdefault(
+            name,
+            {
+                "file": name,
+                "file_tools": None,
+                "conversations": {"record": 0, "file": 0, "run": 0, "none": 0},
+            },
+        )
+        source = conv.tools_from or ("run" if run_tools is not None else "none")
+        entry["conversations"][source] += 1
+        if source == "file":
+            entry["file_tools"] = tool_names(conv.tools or ())
+    run_names = tool_names(run_tools or [])
+    out = []
+    for entry in files.values():
+        if entry["conversations"]["none"] < sum(entry["conversations"].values()):
+            entry["run_tools"] = run_names if entry["conversations"]["run"] else None
+            out.append(entry)
+    return out
+
+
+def describe_tools(entry: dict[str, Any]) -> str:
+    """One line for a tool_sources entry, e.g. `tools in a.jsonl: the file's (get_weather) for 3
+    conversations, their own for 1`."""
+    counts = entry["conversations"]
+    names = {"file": entry["file_tools"], "run": entry.get("run_tools")}
+    parts = []
+    for key, what in (
+        ("file", "the file's"),
+        ("record", "their own"),
+        ("run", "the run's"),
+        ("none", "none"),
+    ):
+        if counts[key]:
+            listed = names.get(key)
+            label = f"{what} ({', '.join(listed) or 'an empty list'})" if listed is not None else what
+            parts.append(f"{label} for {counts[key]}")
+    total = sum(counts.values())
+    return (
+        f"tools in {entry['file']}: "
+        + ", ".join(parts)
+        + (" conversation" if total == 1 else " conversations")
+    )
 
 
 def _template_kwargs(text: str | None) -> dict[str, Any]:

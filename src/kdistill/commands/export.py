@@ -5,7 +5,8 @@
 
 The base is the run's student.path (its config.yaml); the adapters are the run's export in
 RUN_DIR/adapter. The merged directory loads in transformers with the logits of base + adapters, and
-carries the chat template the run trained with (data.chat_template, as a full run's student/ does).
+carries the chat template the run rendered its conversations with (data.chat_template, else the
+teacher's; as a full run's student/ does), not the base directory's own.
 Either is written to a temp folder and renamed (kdistill.outputs): an existing --out is replaced only
 when it holds an earlier export of the same kind (its `.kdistill-output` marker), never a folder of the
 user's, and --out may not be, or contain, the run's inputs (its folder, student.path, the teachers).
@@ -100,13 +101,14 @@ def export_command(args: argparse.Namespace) -> int:
 
 
 def _trained_on_conversations(run_dir: Path, cfg: RunConfig) -> bool:
-    """Whether the run rendered conversations (so data.chat_template shaped what it learned): its
+    """Whether the run rendered conversations (so its chat template shaped what it learned): its
     summary.json says so (data.format); a run stopped before writing one is judged by its data.train
     files, as the run judged them."""
-    if not cfg.data.chat_template:
-        return False  # nothing to carry: the source directory's own template stays
     summary = run_dir / "summary.json"
     if summary.is_file():
         data = read_summary(summary).get("data")
         return isinstance(data, dict) and data.get("format") == "conversations"
-    return is_conversation_data(cfg.data.train)
+    try:
+        return is_conversation_data(cfg.data.train)
+    except UserError:  # its data is gone: nothing tells, the base's own template stays
+        return False

@@ -14,7 +14,9 @@ File formats (detected per file from the first record; every other record must h
   string (one assistant turn) or a list of messages with at least one assistant turn. Only the
   completion's assistant turns are learned; assistant turns inside the prompt are context.
 - either may carry `tools`: a list of tool definitions, passed to the template as transformers passes
-  it (records without one use the run's `data.template_kwargs.tools`, if any).
+  it. Tools for every record of a file: a JSONL file's first record may be `{"tools": [...]}` alone (a
+  header, not a conversation); a Parquet file's schema metadata may hold `tools` (a JSON list). A record's
+  own `tools` wins over its file's, and a file's over the run's `data.template_kwargs.tools`.
 - JSONL (`.jsonl`, `.ndjson`): one JSON object per line; blank lines are skipped.
 - Parquet (`.parquet`, needs the `parquet` extra: pyarrow): the same columns, one row per record.
 Other keys of a record are ignored. A malformed record is a one-line UserError naming the file and the
@@ -27,6 +29,13 @@ them in the conversation. For answer k:
 - its body is where the full rendering changes when answer k alone is replaced by a one-character
   stand-in (its reasoning, tool calls and content all go): the common prefix and suffix of the two
   renderings bound it, so a template that transforms content (`| upper`) is located all the same;
+  a template that refuses that stand-in (a role-alternation check, a tool result that needs its call)
+  gets it with `tool_calls: null`, then the turn itself with every value the model writes masked
+  (content, reasoning, call names and arguments; ids kept): the body then spans its first to its last
+  value, and the turn's own opening and closing (what the rendering that ends with it writes before the
+  first and after the last, e.g. `[TOOL_CALLS][{"name": "` and `"}]</s>`) are added. A tool-call turn is
+  learned whenever the template renders its calls, with or without content; it is refused only when
+  nothing of it appears (the same text with or without the turn);
 - it starts where the template's generation prompt for it ends: the generation prompt's own text
   (render(messages[:k], add_generation_prompt=True) minus render(messages[:k])) is found ending at
   or before the body, longest prefix first (DeepSeek-R1's prompt ends in `<think>\n`, which history
@@ -55,6 +64,7 @@ TRAIN_ON = ("assistant", "last_assistant", "all")
 # Message fields a template may or may not render: a conversation that carries one its template drops
 # is reported (warn_unrendered) rather than trained on silently without it.
 TRACE_FIELDS = ("reasoning_content", "reasoning", "thinking", "tool_calls")
+UNRENDERED_CALL_TEXT = "the text of tool-call turns"  # how unrendered_fields names it
 MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is refused (bounded memory per line)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -69,13 +79,15 @@ class Conversation:
         messages: ({"role": ..., "content": ..., any other key}, ...) in order, as given.
         train: per message, True for an assistant turn whose text is learned.
         source: "file:line" (JSONL) or "file:row N" (Parquet), for messages.
-        tools: the record's `tools` list (None: none given).
+        tools: the record's `tools` list, else its file's (None: neither gives one).
+        tools_from: "record" or "file" (a JSONL header, Parquet metadata) for `tools`; "" for none.
     """
 
     messages: tuple[dict[str, Any], ...]
     train: tuple[bool, ...]
     source: str
     tools: tuple[Any, ...] | None = None
+    tools_from: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -174,9 +186,46 @@ def conversation_from_record(record: Any, fmt: str, where: str) -> Conversation:
     if not any(train):
         field = "messages" if fmt == "messages" else "completion"
         raise UserError(f"{where}: '{field}' has no assistant turn, expected at least one answer to learn")
+    tools = _tools(record, where)
     return Conversation(
-        messages=tuple(messages), train=tuple(train), source=where, tools=_tools(record, where)
+        messages=tuple(messages),
+        train=tuple(train),
+        source=where,
+        tools=tools,
+        tools_from="record" if tools is not None else "",
     )
+
+
+def is_tools_header(record: Any) -> bool:
+    """A JSONL file's tools header: an object whose only key is `tools`."""
+    return isinstance(record, dict) and set(record) == {"tools"}
+
+
+def tools_header(record: Any, where: str) -> tuple[Any, ...]:
+    """The tools of a file's tools header record (see is_tools_header), checked.
+
+    Raises:
+        UserError: `tools` is not a list of objects (naming `where`).
+    """
+    tools = _tools(record, f"{where} (the file's tools header)")
+    return tools if tools is not None else ()
+
+
+def tool_names(tools: Sequence[Any]) -> list[str]:
+    """The names of tool definitions ({"function": {"name": ...}} or {"name": ...}), "?" where none."""
+    out = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else t.get("name") if isinstance(t, dict) else None
+        out.append(name if isinstance(name, str) else "?")
+    return out
+
+
+def with_file_tools(conv: Conversation, tools: tuple[Any, ...] | None) -> Conversation:
+    """`conv` with its file's tools when it has none of its own (a record's own tools win)."""
+    if tools is None or conv.tools is not None:
+        return conv
+    return dataclasses.replace(conv, tools=tools, tools_from="file")
 
 
 def _format_words(fmt: str) -> str:
@@ -196,6 +245,7 @@ def read_conversations_jsonl(f: BinaryIO, name: str) -> list[Conversation]:
     """
     out: list[Conversation] = []
     fmt: str | None = None
+    file_tools: tuple[Any, ...] | None = None
     lineno = 0
     while True:
         raw = f.readline(MAX_LINE_BYTES + 1)
@@ -219,6 +269,14 @@ def read_conversations_jsonl(f: BinaryIO, name: str) -> list[Conversation]:
             raise UserError(f"{where}: not valid JSON (column {e.colno}: {e.msg})") from None
         except RecursionError:
             raise UserError(f"{where}: JSON nested too deeply") from None
+        if is_tools_header(record):
+            if fmt is not None or file_tools is not None:
+                raise UserError(
+                    f"{where}: a record with only 'tools' is the file's tools header, expected only as "
+                    "the first record"
+                )
+            file_tools = tools_header(record, where)
+            continue
         if fmt is None:
             fmt = detect_format(record)
             if fmt is None:
@@ -228,7 +286,7 @@ def read_conversations_jsonl(f: BinaryIO, name: str) -> list[Conversation]:
                     f"{where}: first record has {shape}, expected a conversation: 'messages' "
                     "(a list of {role, content}) or 'prompt' + 'completion'"
                 )
-        out.append(conversation_from_record(record, fmt, where))
+        out.append(with_file_tools(conversation_from_record(record, fmt, where), file_tools))
     if not out:
         raise UserError(f"{name}: no conversation records (the file is empty or blank)")
     return out
@@ -262,6 +320,7 @@ def read_conversations_parquet(path: str | Path) -> list[Conversation]:
         )
     if "tools" in columns:
         wanted.append("tools")
+    file_tools = _parquet_tools(pf.schema_arrow.metadata, path)
     out: list[Conversation] = []
     row = 0
     try:
@@ -271,12 +330,26 @@ def read_conversations_parquet(path: str | Path) -> list[Conversation]:
                 # Parquet structs carry every field of the schema: absent ones read as None.
                 if fmt == "messages" and isinstance(record.get("messages"), list):
                     record["messages"] = [_drop_none(m) for m in record["messages"]]
-                out.append(conversation_from_record(record, fmt, f"{path}:row {row}"))
+                conv = conversation_from_record(record, fmt, f"{path}:row {row}")
+                out.append(with_file_tools(conv, file_tools))
     except OSError as e:
         raise UserError(f"{path}: cannot read row {row + 1} ({str(e).splitlines()[0][:200]})") from None
     if not out:
         raise UserError(f"{path}: no rows")
     return out
+
+
+def _parquet_tools(metadata: Mapping[bytes, bytes] | None, path: str | Path) -> tuple[Any, ...] | None:
+    """The file's tools from its schema metadata key `tools` (a JSON list of tool definitions)."""
+    raw = (metadata or {}).get(b"tools")
+    if raw is None:
+        return None
+    where = f"{path}: schema metadata 'tools'"
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise UserError(f"{where} is not JSON, expected a list of tool definitions (objects)") from None
+    return _tools({"tools": value}, where)
 
 
 def _drop_none(m: Any) -> Any:
@@ -316,9 +389,11 @@ def sniff_format(path: str | Path) -> str | None:
                     return None
                 if raw.strip():
                     try:
-                        return detect_format(json.loads(raw.decode("utf-8").removeprefix("\ufeff")))
+                        record = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
                     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                         return None
+                    if not is_tools_header(record):  # a tools header: the next record tells
+                        return detect_format(record)
     except OSError:
         return None
     return None
@@ -493,53 +568,118 @@ def locate_answers(
     answers: list[Answer] = []
     lo = 0
     for k in learned:
-        stand_in = {"role": messages[k].get("role"), "content": mark}
-        try:
-            alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
-            content_only = False
-        except UserError:
-            # A template that checks the turns around a tool call (ids, order) may refuse an answer
-            # without its calls: keep every other field, so the content alone is located.
-            stand_in = {**messages[k], "content": mark}
-            alt = render(messages[:k] + [stand_in] + messages[k + 1 :])
-            content_only = True
+        stand_in, alt, kept = _alternative(render, messages, k, mark)
+        if alt != text and not kept and _body(text, alt)[0] == _body(text, alt)[1]:
+            # Nothing where the stand-in shows: a template that skips the turn (e.g. a tool-call turn
+            # it does not render) gives the conversation without it.
+            alt = text if _try(render, messages[:k] + messages[k + 1 :]) == text else alt
         if alt == text:
             raise UserError(
                 f"{conv.source}: the chat template {template.origin} does not render answer {k} (the "
                 "same text with or without it), so it cannot be learned (use data.train_on=all)"
             )
         body, body_end = _body(text, alt)
-        if content_only and body == body_end and messages[k].get("tool_calls"):
-            raise UserError(
-                f"{conv.source}: the chat template {template.origin} refuses answer {k} without its tool "
-                "calls and renders no content for it, so it cannot be located (use data.train_on=all)"
-            )
         start = body
         # (a template that refuses the history alone, e.g. one ending on a tool result, has no prompt
         # to match: the answer starts at its body)
         prompt = _try(render, messages[:k], gen=True)
         before = _try(render, messages[:k]) if k else ""
+        # The rendering that ends with this turn: what it writes after its body is its own closing.
+        own = text if k + 1 == len(messages) else _try(render, messages[: k + 1])
+        own_alt = alt if k + 1 == len(messages) else _try(render, messages[:k] + [stand_in])
+        alone = own is not None and own_alt is not None
+        if not alone:  # a template that refuses to end on this turn: no closing of its own to add
+            own, own_alt = text, alt
+        own_body, own_body_end = _body(own, own_alt)
         if prompt is not None and before is not None:
             gen_text = prompt[_common_prefix(before, prompt) :]
+            # With the turn kept (its values masked), the text before its first value is the turn's
+            # own (e.g. `[TOOL_CALLS][{"name": "`): without a generation prompt, the turn starts where
+            # the history's rendering ends.
+            head = _common_prefix(before, own) if kept and not gen_text else None
             if k + 1 == len(messages):  # the turn's own rendering is the conversation's
                 start = _prompt_end(text, gen_text, max(lo, _common_prefix(before, text)), body)
+                if head is not None:
+                    start = max(lo, min(head, body))
             else:
                 # Find the prompt in the rendering that ends with this turn (its region is bounded by
                 # the history before it there), then carry the text between the prompt and the body
                 # (e.g. Qwen3's "<think>\n") over when the conversation renders it too.
-                own = render(messages[: k + 1])
-                own_alt = render(messages[:k] + [stand_in])
-                own_body, _ = _body(own, own_alt)
-                lead = own[_prompt_end(own, gen_text, _common_prefix(before, own), own_body) : own_body]
+                lead_at = (
+                    head
+                    if head is not None
+                    else _prompt_end(own, gen_text, _common_prefix(before, own), own_body)
+                )
+                lead = own[min(lead_at, own_body) : own_body]
                 if lead and lo <= body - len(lead) and text[body - len(lead) : body] == lead:
                     start = body - len(lead)
         tail = text[body_end:]
-        ws = len(tail) - len(tail.lstrip())
-        eot = next((t for t in special_tokens if text.startswith(t, body_end + ws)), "")
-        end = body_end + ws + len(eot) if eot else body_end
+        closing = own[own_body_end:].rstrip() if alone else ""
+        if kept and closing and tail.startswith(closing):
+            # The turn kept its structure: what the rendering that ends with it writes after its last
+            # value is its own closing (e.g. `"}]</s>`), end-of-turn token included when it ends with one.
+            end = body_end + len(closing)
+            eot = next((t for t in special_tokens if closing.endswith(t)), "")
+        else:
+            ws = len(tail) - len(tail.lstrip())
+            eot = next((t for t in special_tokens if text.startswith(t, body_end + ws)), "")
+            end = body_end + ws + len(eot) if eot else body_end
         answers.append(Answer(message=k, start=start, end=end, body_end=body_end, end_of_turn=eot))
         lo = end
     return text, answers
+
+
+def _masked(value: Any, mark: str) -> Any:
+    """`value` with every string replaced by as many `mark` characters (lengths kept, so a template's
+    length checks still pass); the values of "id" and "type" keys are kept (templates match call ids
+    against tool results and branch on types)."""
+    if isinstance(value, str):
+        return mark * len(value)
+    if isinstance(value, list):
+        return [_masked(v, mark) for v in value]
+    if isinstance(value, dict):
+        return {key: v if key in ("id", "type") else _masked(v, mark) for key, v in value.items()}
+    return value
+
+
+def _alternative(
+    render: _Renderer, messages: list[dict[str, Any]], k: int, mark: str
+) -> tuple[dict[str, Any], str, bool]:
+    """(stand-in, rendering with answer k replaced by it, whether the stand-in keeps the turn's own
+    structure): the first of these the template renders without an error.
+
+    1. the answer gone, its content one `mark`: the diff is all the turn writes;
+    2. the same, with `tool_calls: null` kept as a key: templates that tell tool-call turns apart by the
+       key being defined (e.g. a role-alternation check over the turns without one);
+    3. the turn kept with every value the model writes masked (content, reasoning, the calls' names
+       and arguments; ids kept): templates that check the turns around a call (ids, order, a result
+       after a call); the diff then spans the first to the last masked value, and the turn's own
+       opening and closing are added by the caller.
+    4. the content alone masked, everything else kept (a template that checks the calls' names or
+       arguments).
+    The first one's error (the template's own check) is raised when every one fails.
+    """
+    m = messages[k]
+    calls = m.get("tool_calls") is not None
+    candidates: list[tuple[dict[str, Any], bool]] = [({"role": m.get("role"), "content": mark}, False)]
+    if calls:
+        candidates.append(({"role": m.get("role"), "content": mark, "tool_calls": None}, False))
+    masked = {
+        key: _masked(v, mark) if key in ("content", "tool_calls", *TRACE_FIELDS) else v
+        for key, v in m.items()
+    }
+    if not isinstance(m.get("content"), str | list) or not m.get("content"):
+        masked["content"] = mark  # nothing to mask: the mark shows where the content goes
+    candidates.append((masked, True))
+    candidates.append(({**m, "content": mark}, True))
+    error: UserError | None = None
+    for stand_in, kept in candidates:
+        try:
+            return stand_in, render(messages[:k] + [stand_in] + messages[k + 1 :]), kept
+        except UserError as e:
+            error = error or e
+    assert error is not None
+    raise error
 
 
 def _body(text: str, alt: str) -> tuple[int, int]:
@@ -579,8 +719,8 @@ def answer_spans(
 def unrendered_fields(
     conv: Conversation, template: ChatTemplate, text: str, template_kwargs: Mapping[str, Any] | None = None
 ) -> tuple[str, ...]:
-    """The reasoning / tool fields (and `tools`) the conversation carries that its rendering `text`
-    does not show: rendering without them gives the same text."""
+    """The reasoning / tool fields (and `tools`, and the text of turns with tool calls) the conversation
+    carries that its rendering `text` does not show: rendering without them gives the same text."""
     render = _Renderer(conv, template, template_kwargs)
     present = sorted({f for m in conv.messages for f in TRACE_FIELDS if m.get(f) not in (None, "", [], {})})
     out: list[str] = []
@@ -591,6 +731,16 @@ def unrendered_fields(
             out.extend(present)
     if render.tools and _try(render, list(conv.messages), tools=None) == text:
         out.append("tools")
+    # Some templates write a tool-call turn's calls alone, leaving its text out.
+    spoken = {
+        i
+        for i, m in enumerate(conv.messages)
+        if m.get("tool_calls") and isinstance(m.get("content"), str) and m["content"].strip()
+    }
+    if spoken:
+        silent = [{**m, "content": ""} if i in spoken else m for i, m in enumerate(conv.messages)]
+        if _try(render, silent) == text:
+            out.append(UNRENDERED_CALL_TEXT)
     return tuple(out)
 
 

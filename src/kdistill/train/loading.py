@@ -86,16 +86,18 @@ def chat_template(cfg: RunConfig) -> ChatTemplate:
 
 
 def exported_chat_template(cfg: RunConfig, conversations: bool) -> str | None:
-    """The chat template a run's exported student carries in place of its source directory's own:
-    data.chat_template's text when the run rendered conversations with it (the student answers in the
-    format it learned), else None. The run's student/ and `kdistill export --merge` both take it from here.
+    """The chat template a run's exported student carries in place of its source directory's own: the
+    text of the template the run rendered its conversations with (data.chat_template, else the
+    teacher's: the student answers in the format it learned), else None. The run's student/, a LoRA
+    run's adapter/ and `kdistill export --merge` (whose base is the student's directory, with a template
+    of its own) all take it from here.
 
     Raises:
-        UserError: data.chat_template cannot be read or does not compile (naming the field and file).
+        UserError: the template cannot be read or does not compile (naming the field and file).
     """
-    if not (cfg.data.chat_template and conversations):
+    if not conversations:
         return None
-    return load_chat_template(cfg.teacher.path, cfg.data.chat_template).source
+    return load_chat_template(cfg.teacher.path, cfg.data.chat_template or None).source
 
 
 def teacher_precision(cfg: RunConfig, teacher: Decoder, device: torch.device) -> None:
