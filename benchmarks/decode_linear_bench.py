@@ -94,7 +94,8 @@ def decode_linear_kernel(
         if EPI == 2:
             acc2 = acc2 * rstd[:, None]
     if EPI == 1:
-        acc += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        # once over the splits: the first part carries the bias
+        acc += tl.load(BIAS + cols, mask=cmask & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
     if EPI == 2:
         # rounded as the unfused path rounds: gate and up to the weights' dtype, silu(gate) likewise
         g = acc.to(W.dtype.element_ty).to(tl.float32)
@@ -203,7 +204,7 @@ def variants(base: dict, kind: str, k: int) -> list[dict]:
     out = [base]
     for bn in (16, 32, 64):
         for bk in (64, 128, 256):
-            for split in (1, 2, 4) if kind in ("o", "down") else (1,):
+            for split in (1, 2, 4) if kind in ("o", "down", "qkv_plain") else (1,):
                 for stages in (3, 4):
                     t = {**base, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_stages": stages}
                     if k % (split * bk) == 0 and t not in out:
@@ -221,6 +222,8 @@ def bench_shape(preset: str, kind: str, rows: int, layers: int, tune: bool) -> l
     dev, dt = "cuda", torch.bfloat16
     n, k, wn = {
         "qkv": (q + 2 * kv, h, q + 2 * kv),
+        "qkv_plain": (q + 2 * kv, h, q + 2 * kv),
+        "gate_up_plain": (inter, h, 2 * inter),
         "o": (h, q, h),
         "gate_up": (inter, h, 2 * inter),
         "down": (h, inter, h),
@@ -229,7 +232,7 @@ def bench_shape(preset: str, kind: str, rows: int, layers: int, tune: bool) -> l
     x = torch.randn(rows, k, device=dev, dtype=dt)
     res = torch.randn(rows, k, device=dev, dtype=dt)
     ln = (torch.rand(k, device=dev) + 0.5).to(dt)
-    b = torch.randn(n, device=dev, dtype=dt) if (kind == "qkv" and bias) else None
+    b = torch.randn(n, device=dev, dtype=dt) if (kind.startswith("qkv") and bias) else None
     norm = kind in ("qkv", "gate_up")
 
     def unfused():
@@ -239,12 +242,12 @@ def bench_shape(preset: str, kind: str, rows: int, layers: int, tune: bool) -> l
             else:
                 hh = x
             y = F.linear(hh, w, b)
-            if kind == "gate_up":
+            if kind.startswith("gate_up"):
                 g, u = y.chunk(2, dim=-1)
                 dispatch.swiglu(g, u)
 
     results = [{"provider": "unfused", "ms": graph_ms(unfused) / layers}]
-    epi = EPI_SWIGLU if kind == "gate_up" else (EPI_BIAS if b is not None else EPI_NONE)
+    epi = EPI_SWIGLU if kind.startswith("gate_up") else (EPI_BIAS if b is not None else EPI_NONE)
     nd = 1 if norm else 0
     base = policy(n=n, k=k, rows=rows, ndelta=nd, norm=norm, eps=eps, epilogue=epi)
     ref, _ = decode_linear_reference(

@@ -411,6 +411,26 @@ def case_decode_attention(device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d
     _close("v cache", v, vr, dtype)
 
 
+def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epilogue="swiglu"):
+    """A decode step's linear at a few rows: plain, with a bias, and the stacked gate/up product with
+    its SwiGLU, against the unfused reference (odd widths: masked columns)."""
+    from kdistill import dispatch
+
+    g = torch.Generator().manual_seed(n * k + rows)
+    x = torch.randn((rows, k), generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn((2 * n if epilogue == "swiglu" else n, k), generator=g) / k**0.5).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype) if epilogue == "bias" else None
+    with torch.no_grad():
+        y = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+        if epilogue == "swiglu":
+            gate, up = y.chunk(2, dim=-1)
+            y = torch.nn.functional.silu(gate) * up
+        with _kernel_mode():
+            got = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
+    assert got.shape == (rows, n) and got.dtype == dtype
+    _close("y", got, y, dtype)
+
+
 def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16):
     """The decode engine's greedy tokens with the kernels equal the reference ops' (slot refill, a stop
     token, a head size the decode-attention kernel takes; from 32 on, with RoPE inside it)."""
@@ -500,6 +520,11 @@ CASES = {
         dict(dtype=torch.float32, b=4, hq=2, hkv=1, m=4200),
     ),
     "decode_engine_fp32": (case_decode_engine, {}),
+    "decode_gemv_fp32_swiglu": (case_decode_gemv, dict(rows=3, n=40, k=48, epilogue="swiglu")),
+    "decode_gemv_fp32_bias_one_row": (case_decode_gemv, dict(rows=1, n=37, k=144, epilogue="bias")),
+    "decode_gemv_fp32_plain_16_rows": (case_decode_gemv, dict(rows=16, n=24, k=256, epilogue="none")),
+    # past 16 rows the step's products stay on the library GEMM and the SwiGLU kernel
+    "decode_gemv_fp32_swiglu_20_rows": (case_decode_gemv, dict(rows=20, n=40, k=48, epilogue="swiglu")),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
     "decode_attention_fp32_rope": (
         case_decode_attention,

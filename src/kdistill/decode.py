@@ -221,12 +221,14 @@ def forward_tokens(
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    step: bool = False,
 ) -> torch.Tensor:
     """The decoder's forward on ids (B, T) with RoPE tables (T, D) or per token (B, T, D) ->
     final-normed hidden states (B, T, H). attend(layer, q, k, v) with q (B, Hq, T, D) and k, v
     (B, Hkv, T, D) after RoPE returns attention's output (B, Hq, T, D) (and fills the cache). cos and
     sin None: q and k reach attend unrotated (views of the q/k/v output; the decode step's attention
-    kernel rotates them itself)."""
+    kernel rotates them itself). step: a one-token decode step (T = 1): o_proj and the gate/up product
+    with its SwiGLU go through dispatch.decode_linear (a matrix-vector kernel at small buckets)."""
     s = w.spec
     b, t = ids.shape
     eps = s.rms_eps
@@ -250,10 +252,17 @@ def forward_tokens(
         else:
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         o = attend(i, q, k, v.transpose(1, 2))  # (B, Hq, T, D)
-        a = F.linear(o.transpose(1, 2).reshape(b, t, s.q_size), layer.o)
-        x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # halves of one (B, T, 2I)
-        delta = F.linear(dispatch.swiglu(gate, up), layer.down)
+        o = o.transpose(1, 2).reshape(b, t, s.q_size)
+        if step:  # (B, 1, ...): the products at B rows
+            a = dispatch.decode_linear(o[:, 0], layer.o)[:, None]
+            x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
+            act = dispatch.decode_linear(x[:, 0], layer.gate_up, gate_up=True)[:, None]
+        else:
+            a = F.linear(o, layer.o)
+            x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # halves of one (B, T, 2I)
+            act = dispatch.swiglu(gate, up)
+        delta = F.linear(act, layer.down)
     if residual is None:
         return dispatch.rmsnorm(delta, w.norm, eps)
     return dispatch.add_rmsnorm(delta, residual, w.norm, eps)[0]
@@ -356,10 +365,10 @@ class DecodeEngine:
             return o[:, :, None]  # (B, Hq, 1, D)
 
         if self.rope_in_attention:
-            h = forward_tokens(self.weights, st.tok[:, None], None, None, attend)[:, 0]  # (B, H)
+            h = forward_tokens(self.weights, st.tok[:, None], None, None, attend, step=True)[:, 0]  # (B, H)
         else:  # a head too narrow for the kernel's halves: the RoPE kernel first, at each row's position
             cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
-            h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend)[:, 0]
+            h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend, step=True)[:, 0]
         tok = sample_tokens(F.linear(h, self.weights.lm_head), self.sampling, st.u)
         self._append(st, tok, st.rows, st.lens + 1)
 

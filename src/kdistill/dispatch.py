@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 
 from kdistill.kernels import decode_attention as decode_kernel
+from kdistill.kernels import decode_gemv, library
 from kdistill.kernels import fp8_quant as fp8_kernel
 from kdistill.kernels import fp8_quant_cols as fp8_cols_kernel
 from kdistill.kernels import kd_loss as kd_kernel
-from kdistill.kernels import library
 from kdistill.kernels import rmsnorm as norm_kernel
 from kdistill.kernels import rope as rope_kernel
 from kdistill.kernels import swiglu as swiglu_kernel
@@ -70,6 +70,7 @@ __all__ = [
     "configure",
     "current",
     "decode_attention",
+    "decode_linear",
     "kd_loss",
     "quantize_cols",
     "quantize_rows",
@@ -492,6 +493,35 @@ def decode_attention(
         lambda: decode_kernel.combine_launch(ckey, *decode_kernel.empty_parts(key, q, m), q.dtype),
     )
     return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new, cos, sin)
+
+
+def decode_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gate_up: bool = False
+) -> torch.Tensor:
+    """A decode step's linear on x (B, K) -> (B, N): F.linear (+ bias), or with gate_up the stacked
+    gate/up product's SwiGLU (weight (2N, K)). At buckets of at most 16 rows, where it measured faster
+    than cuBLAS, the fused matrix-vector kernel (kernels/decode_gemv.py); else cuBLAS and the SwiGLU
+    kernel, as the prefill runs them."""
+    rt = current()
+    rows, k = x.shape
+    plain = decode_gemv.EPI_BIAS if bias is not None else decode_gemv.EPI_NONE
+    epi = decode_gemv.EPI_SWIGLU if gate_up else plain
+    if not decode_gemv.serves(rows, k, epi):
+        y = torch.nn.functional.linear(x, weight, bias)
+        return swiglu(*y.chunk(2, dim=-1)) if gate_up else y
+    n = weight.shape[0] // 2 if gate_up else weight.shape[0]
+    x = x.contiguous()
+    key = decode_gemv.gemv_key(
+        rt.arch, n=n, k=k, dtype=x.dtype, epilogue=epi, aligned=aligned(x, weight, bias)
+    )
+    spec = lambda: decode_gemv.launch(key, x, weight, bias)  # noqa: E731
+    if rt.use_kernel(key, x, weight):
+        try:
+            return rt.launch(key, lambda: decode_gemv.run(spec()), spec)[0]
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", spec)
+    return decode_gemv.decode_gemv_reference(x, weight, bias, gate_up)
 
 
 # -- FP8 GEMM inputs (an FP8 teacher or student) ---------------------------------------------------

@@ -58,6 +58,27 @@ def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype, rope):
         assert torch.equal(k.double(), kr)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize(
+    "n,k,epilogue", [(4864, 896, "swiglu"), (8960, 1536, "swiglu"), (896, 896, "none"), (1152, 896, "bias")]
+)
+def test_decode_gemv_kernel_matches_reference(rows, n, k, epilogue):
+    g = torch.Generator(device="cuda").manual_seed(n + rows)
+    x = torch.randn((rows, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    w = (
+        torch.randn((2 * n if epilogue == "swiglu" else n, k), generator=g, device="cuda") / k**0.5
+    ).bfloat16()
+    bias = torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16) if epilogue == "bias" else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+    if epilogue == "swiglu":
+        gate, up = ref.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+    with dispatch.using(mode="triton", arch="sm_90"):
+        out = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert out.shape == (rows, n) and err < 1e-2, err
+
+
 def _model(preset: str = "qwen2.5-0.5b", layers: int = 4):
     spec = dataclasses.replace(load_spec(preset), num_layers=layers)
     return build_decoder(spec, "cuda", torch.bfloat16, seed=0).eval()

@@ -366,6 +366,14 @@ def generation_kernels(
         dtype=dt,
         max_len=max_len,
     )
+    out |= registry.by_name("decode_gemv").plan(
+        arch,
+        grad=False,
+        hidden=spec.hidden_size,
+        q_size=spec.q_size,
+        intermediate=spec.intermediate_size,
+        dtype=dt,
+    )
     out.add(
         library.sdpa_key(
             arch,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kdistill.kernels import (
     decode_attention,
+    decode_gemv,
     fp8_quant,
     fp8_quant_cols,
     kd_loss,
@@ -28,6 +29,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     fp8_quant.SPEC,
     fp8_quant_cols.SPEC,
     decode_attention.SPEC,
+    decode_gemv.SPEC,
 )
 LIBRARY: tuple[LibraryOp, ...] = (library.SDPA, library.GEMM, library.FP8_GEMM)
 
