@@ -177,6 +177,26 @@ def test_engine_rollout_equals_the_eager_one_and_follows_the_weights():
     assert again.completions == fresh.completions
 
 
+@pytest.mark.parametrize("temperature", [1e-9, 5e-324, 0.99e-5])
+def test_a_tiny_positive_temperature_is_greedy_on_every_sampling_path(temperature):
+    """Below decode.MIN_TEMPERATURE a temperature is greedy in the decode engine; the eager rollout
+    (the CPU's on-policy and teacher-written steps) and generate_ids (reference path) follow the same
+    rule instead of dividing the logits by almost nothing."""
+    from kdistill.decode import Sampling
+    from kdistill.generate import generate_ids
+
+    _, student = _pair()
+    greedy = rollout(student, PROMPTS, RolloutSampling(8, 0.0), set(), None)
+    gen = torch.Generator().manual_seed(0)
+    assert rollout(student, PROMPTS, RolloutSampling(8, temperature), set(), gen) == greedy
+    engines: dict = {}
+    got = rollout(student, PROMPTS, RolloutSampling(8, temperature), set(), gen, engines=engines, max_len=40)
+    assert got == greedy
+    want = generate_ids(student.eval(), PROMPTS, Sampling(max_new_tokens=8), set())
+    assert generate_ids(student, PROMPTS, Sampling(max_new_tokens=8, temperature=temperature), set()) == want
+    assert want == greedy.completions
+
+
 def test_completion_rows_label_the_completion_only():
     ids, labels = completion_rows(
         [[1, 2, 3], [4]], [[7, 8], [9, 5, 6]], seq_len=6, pad_id=0, ignore_index=-100

@@ -11,7 +11,8 @@ transformers' `generate` does with an attention mask), so a row's tokens do not 
 The prompt is run once (prefill), then one token per step through the same dispatch ops as training
 (rmsnorm, rope, attention over the cache, swiglu): the Triton kernels on a GPU.
 
-Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k, then top-p
+Sampling: a temperature below decode.MIN_TEMPERATURE (0 included) is greedy (argmax), as in the decode
+engine; otherwise logits / temperature, then top-k, then top-p
 (the smallest set of tokens whose probability reaches p), sampled with a torch.Generator seeded by
 `seed`, so a seed reproduces its tokens on the same device. A row stops at its first stop token (EOS,
 the config's eos ids, the chat template's end-of-turn token), which is the last of its `token_ids`;
@@ -102,7 +103,7 @@ def generate_ids(
     n = sampling.max_new_tokens
     cache = KVCache.empty(model.spec, batch=b, max_len=p + n, device=device, dtype=model.lm_head_weight.dtype)
     gen = None
-    if sampling.temperature > 0:
+    if not sampling.greedy:
         gen = torch.Generator(device=device).manual_seed(int(sampling.seed))
     stops = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
     w = model.lm_head_weight  # (V, H)
