@@ -570,17 +570,23 @@ RAW_PROMPT_TOKENS = 16  # raw-text held-out rows: the first tokens (at most half
 
 def sample_prompts(heldout: Any, n: int) -> list[list[int]]:
     """The first n fixed prompts of a held-out set: for packed conversations, each conversation up to
-    its first learned token (the template's header of the first answer included); for raw windows
+    its first answer (the template's header of the answer included: up to its first learned token, or
+    to PackedRows.prompt_ends where packing marked it, as data.train_on=all does); for raw windows
     (N, T + 1), the first min(16, T // 2) tokens of the first n rows."""
     out: list[list[int]] = []
     if isinstance(heldout, PackedRows):
+        marks = heldout.prompt_ends  # data.train_on=all: where each prompt ends, marked when packed
         for r in range(len(heldout)):
             doc, labels, ids = heldout.doc_ids[r], heldout.labels[r], heldout.input_ids[r]
             for d in range(int(doc.max()) + 1 if (doc >= 0).any() else 0):
                 where = np.flatnonzero(doc == d)
-                learned = where[labels[where] != heldout.ignore_index]
-                if len(learned) and len(out) < n:
-                    out.append([int(t) for t in ids[where[0] : learned[0] + 1]])
+                ends = (
+                    where[marks[r, where]]
+                    if marks is not None
+                    else where[labels[where] != heldout.ignore_index]
+                )
+                if len(ends) and len(out) < n:
+                    out.append([int(t) for t in ids[where[0] : ends[0] + 1]])
         return out
     rows = np.asarray(heldout)
     k = max(1, min(RAW_PROMPT_TOKENS, (rows.shape[1] - 1) // 2)) if rows.ndim == 2 else 0

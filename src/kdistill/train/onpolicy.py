@@ -53,7 +53,7 @@ from kdistill.config import RunConfig
 from kdistill.data import Batcher
 from kdistill.data.chat_pack import PackedRows
 from kdistill.errors import UserError
-from kdistill.generate import sample_prompts
+from kdistill.generate import sample_prompts, stop_token_ids
 from kdistill.ops.kd_loss import label_count
 from kdistill.train import distributed as dist
 from kdistill.train import faults
@@ -65,8 +65,9 @@ log = logging.getLogger("kdistill")
 
 
 def prompt_pool(train: Any) -> list[list[int]]:
-    """Every prompt of the training data: each conversation's tokens up to its first learned token (the
-    template's header of the answer included). Raw text has no prompts: a one-line error."""
+    """Every prompt of the training data: each conversation up to its first answer, the template's
+    header of the answer included, whatever data.train_on learns (train_on=all: where packing marked
+    it, kdistill.data.chat_data.prompt_tokens). Raw text has no prompts: a one-line error."""
     if not isinstance(train, PackedRows):
         raise UserError(
             "kd.on_policy and kd.seq_kd need prompts, but data.train is raw text: give conversation files "
@@ -78,6 +79,12 @@ def prompt_pool(train: Any) -> list[list[int]]:
             "kd.on_policy and kd.seq_kd need prompts, but data.train has no learned answer tokens"
         )
     return prompts
+
+
+def rollout_stop_ids(cfg: RunConfig, tokenizer: Any, template: Any) -> set[int]:
+    """The stop tokens of generated steps: the teacher's EOS ids and, for conversations, the template's
+    end-of-turn token rendered with data.template_kwargs (the variables the data is rendered with)."""
+    return stop_token_ids(cfg.teacher.path, tokenizer, template, cfg.data.template_kwargs)
 
 
 def generator_seed(seed: int, rank: int) -> int:
