@@ -492,6 +492,29 @@ def answer_row(job: Job, index: int, sample: int, new: list[int]) -> dict[str, A
     return row
 
 
+MAX_SAMPLES_PER_PROMPT = 1024  # answers of one prompt in one call
+MAX_ANSWERS = 1 << 22  # prompts x samples of one call (4,194,304): their bookkeeping stays in memory
+
+
+def check_samples(samples: Any, prompts: int | None = None) -> None:
+    """--samples-per-prompt: an integer in [1, MAX_SAMPLES_PER_PROMPT] (checked before anything is
+    read), and with the number of prompts known, at most MAX_ANSWERS answers in all."""
+    if (
+        isinstance(samples, bool)
+        or not isinstance(samples, int)
+        or not 1 <= samples <= MAX_SAMPLES_PER_PROMPT
+    ):
+        shown = repr(samples) if len(repr(samples)) <= 40 else repr(samples)[:40] + "..."
+        raise UserError(
+            f"--samples-per-prompt is {shown}, expected an integer from 1 to {MAX_SAMPLES_PER_PROMPT}"
+        )
+    if prompts is not None and prompts * samples > MAX_ANSWERS:
+        raise UserError(
+            f"--samples-per-prompt {samples} x {prompts} prompts is {prompts * samples:,} answers, expected at "
+            f"most {MAX_ANSWERS:,} in one call: split the prompts over several calls"
+        )
+
+
 def generate_texts(
     model_dir: str | Path,
     *,
@@ -512,14 +535,10 @@ def generate_texts(
     decode engine: one row per prompt and sample, in order (see answer_row). on_text: the new text of
     a single prompt as it grows (streaming); on_row(row): each row as it is complete. kernel_pack: a
     kernel pack folder (`kdistill kernels build --out`) the decode kernels are loaded from on a GPU."""
-    if (
-        isinstance(samples_per_prompt, bool)
-        or not isinstance(samples_per_prompt, int)
-        or samples_per_prompt < 1
-    ):
-        raise UserError(f"--samples-per-prompt is {samples_per_prompt!r}, expected an integer >= 1")
+    check_samples(samples_per_prompt)
     pack = check_kernel_pack(kernel_pack, resolve_device(device))  # before the model directory is read
     job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
+    check_samples(samples_per_prompt, len(job.ids))
     work = [(i, j) for i in range(len(job.ids)) for j in range(samples_per_prompt)]
     engine, _info = build_engine(
         job,
