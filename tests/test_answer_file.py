@@ -107,13 +107,17 @@ def _set_status(out: Path, status: str) -> None:
     [
         (lambda rows: rows + [rows[0].replace('"index": 0', '"index": 7', 1)], "running",
          "a.jsonl:5: answer index 7 is outside the 4 prompts"),
+        (lambda rows: rows + [rows[0].replace('"index": 0', '"index": ' + "9" * 300, 1)], "running",
+         "a.jsonl:5: answer index 9999999999999999999999999999999999999999... is outside the 4 prompts"),
+        (lambda rows: rows + [rows[0].replace('"index": 0', '"index": true', 1)], "running",
+         'a.jsonl:5: expected an answer with integer "index" and "sample"'),
         (lambda rows: rows + [rows[1]], "running", "a.jsonl:5: a second answer of prompt 1 sample 0"),
         (lambda rows: rows[:1] + rows[2:], "complete",
          "marked complete but 1 of its 4 answers are missing (the first: prompt 1 sample 0)"),
         (lambda rows: [rows[0].replace('"sample": 0', '"sample": 3', 1)] + rows[1:], "running",
          "a.jsonl:1: answer sample 3 is outside 0..0"),
     ],
-    ids=["beyond_the_prompts", "duplicate", "gap_in_a_complete_file", "sample_beyond"],
+    ids=["beyond_the_prompts", "huge_index", "boolean_index", "duplicate", "gap_in_a_complete_file", "sample_beyond"],
 )  # fmt: skip
 def test_answers_that_do_not_fit_the_prompts_are_one_line(chat_dir, tmp_path, capsys, edit, status, message):
     msgs, out, rows = _complete(chat_dir, tmp_path, capsys)

@@ -149,10 +149,8 @@ def read_rows(out: Path) -> tuple[list[dict[str, Any]], int]:
             row = json.loads(line)
         except (ValueError, RecursionError):
             raise UserError(f"{out}:{n}: not a JSON answer line (the file was changed by hand?)") from None
-        if (
-            not isinstance(row, dict)
-            or not isinstance(row.get("index"), int)
-            or not isinstance(row.get("sample"), int)
+        if not isinstance(row, dict) or not all(
+            isinstance(row.get(k), int) and not isinstance(row.get(k), bool) for k in ("index", "sample")
         ):
             raise UserError(f'{out}:{n}: expected an answer with integer "index" and "sample"')
         rows.append(row)
@@ -244,13 +242,15 @@ def check_rows(out: Path, rows: list[dict[str, Any]], prompts: int, samples: int
     for n, r in enumerate(rows, 1):
         i, j = r["index"], r["sample"]
         if not 0 <= i < prompts:
+            shown = str(i) if len(str(i)) <= 40 else f"{str(i)[:40]}..."
             raise UserError(
-                f"{out}:{n}: answer index {i} is outside the {prompts} prompts (expected 0..{prompts - 1}: "
+                f"{out}:{n}: answer index {shown} is outside the {prompts} prompts (expected 0..{prompts - 1}: "
                 "the file was changed by hand, or written for other prompts)"
             )
         if not 0 <= j < samples:
+            shown = str(j) if len(str(j)) <= 40 else f"{str(j)[:40]}..."
             raise UserError(
-                f"{out}:{n}: answer sample {j} is outside 0..{samples - 1} (--samples-per-prompt)"
+                f"{out}:{n}: answer sample {shown} is outside 0..{samples - 1} (--samples-per-prompt)"
             )
         if (i, j) in done:
             raise UserError(f"{out}:{n}: a second answer of prompt {i} sample {j} (expected each once)")
