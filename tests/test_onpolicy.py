@@ -33,7 +33,7 @@ from kdistill.train import onpolicy
 from kdistill.train.onpolicy import OnPolicy, completion_rows, generated_accumulate
 from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
 from kdistill.train.step import StepContext
-from tests.test_chat_train import write_chat_files
+from tests.test_chat_train import TEMPLATE, write_chat_files
 from tests.test_contract import make_spec
 from tests.test_train_kit import (
     assert_same_weights,
@@ -175,6 +175,26 @@ def test_engine_rollout_equals_the_eager_one_and_follows_the_weights():
     fresh = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, None)
     again = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, gen, engines=engines, max_len=40)
     assert again.completions == fresh.completions
+
+
+@pytest.mark.parametrize("temperature", [1e-9, 5e-324, 0.99e-5])
+def test_a_tiny_positive_temperature_is_greedy_on_every_sampling_path(temperature):
+    """Below decode.MIN_TEMPERATURE a temperature is greedy in the decode engine; the eager rollout
+    (the CPU's on-policy and teacher-written steps) and generate_ids (reference path) follow the same
+    rule instead of dividing the logits by almost nothing."""
+    from kdistill.decode import Sampling
+    from kdistill.generate import generate_ids
+
+    _, student = _pair()
+    greedy = rollout(student, PROMPTS, RolloutSampling(8, 0.0), set(), None)
+    gen = torch.Generator().manual_seed(0)
+    assert rollout(student, PROMPTS, RolloutSampling(8, temperature), set(), gen) == greedy
+    engines: dict = {}
+    got = rollout(student, PROMPTS, RolloutSampling(8, temperature), set(), gen, engines=engines, max_len=40)
+    assert got == greedy
+    want = generate_ids(student.eval(), PROMPTS, Sampling(max_new_tokens=8), set())
+    assert generate_ids(student, PROMPTS, Sampling(max_new_tokens=8, temperature=temperature), set()) == want
+    assert want == greedy.completions
 
 
 def test_completion_rows_label_the_completion_only():
@@ -379,11 +399,82 @@ def test_bad_on_policy_settings_are_one_line_errors(tmp_path, capsys, override, 
     assert "Traceback" not in err
 
 
-def test_raw_text_data_has_no_prompts(tmp_path, capsys):
+def test_raw_text_prompts_are_the_first_half_of_each_window(tmp_path, capsys):
+    """Raw text has no answers: an on-policy prompt is the first half of a training window (the
+    completion continues that text), read from the windows as drawn; a run trains on them."""
+    import numpy as np
+
+    windows = np.arange(5 * 13).reshape(5, 13)
+    pool = onpolicy.prompt_pool(windows)
+    assert len(pool) == 5 and pool[3] == list(range(39, 45)) and pool[1:3] == [pool[1], pool[2]]
     cfg = base_config(tmp_path / "run", steps=2)
     cfg["kd"].update(on_policy=1.0, max_new_tokens=8)
     rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg)), "--quiet")
-    assert rc == 2 and "need prompts, but data.train is raw text" in one_error_line(err), err
+    assert rc == 0, err
+    rows = _metrics(tmp_path / "run", ())
+    assert [r["policy"] for r in rows] == ["on_policy"] * 2 and all(r["completion_len"] >= 1 for r in rows)
+    assert read_summary(tmp_path / "run")["jit_after_prewarm"] == 0
+
+
+def _prepared(root: Path, train_on: str, template: str = TEMPLATE, prompts: bool = True):
+    from kdistill.config import DataConfig
+    from kdistill.data.chat_data import prepare_chat_data
+    from kdistill.data.chat_template import ChatTemplate
+    from kdistill.models.tokenizer import load_tokenizer
+
+    data, _ = write_chat_files(root, n=30)
+    cfg = DataConfig(train=[str(data)], heldout_fraction=0.2, seq_len=256, train_on=train_on)
+    tok = load_tokenizer(assets().teacher)
+    return prepare_chat_data(cfg, tok, ChatTemplate(template, "t"), prompts=prompts), tok
+
+
+def test_on_policy_prompts_are_the_conversation_up_to_its_answer_whatever_train_on(tmp_path):
+    """data.train_on=all learns every token, so the first learned token no longer marks the answer:
+    the prompts of generated steps and of the run's samples are still each conversation up to its
+    first answer, the answer's generation prompt ("assistant: ") included, as with train_on=assistant."""
+    from kdistill.generate import sample_prompts
+
+    want, tok = _prepared(tmp_path / "a", "assistant")
+    got, _ = _prepared(tmp_path / "b", "all")
+    assert got.train.learned_tokens() > want.train.learned_tokens()  # every token learned
+    pool = onpolicy.prompt_pool(got.train)
+    assert sorted(pool) == sorted(onpolicy.prompt_pool(want.train))
+    assert all(len(p) > 1 and tok.decode(p).rsplit("\n", 1)[-1].startswith("assistant:") for p in pool)
+    assert sample_prompts(got.heldout, 5) == sample_prompts(want.heldout, 5)
+
+
+def test_a_template_that_renders_no_answer_gives_prompts_of_the_first_half(tmp_path):
+    """A template whose answers cannot be located (the reason to train on all) prompts with the first
+    half of each conversation's tokens, never a single token."""
+    silent = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{{ m['role'] }}\n{% endfor %}"
+    got, _ = _prepared(tmp_path, "all", silent)
+    docs = got.train.doc_ids
+    assert got.train.truncated == 0 and all(len(p) > 1 for p in onpolicy.prompt_pool(got.train))
+    lengths = [int((docs[r] == d).sum()) for r in range(len(docs)) for d in range(int(docs[r].max()) + 1)]
+    assert sorted(len(p) for p in onpolicy.prompt_pool(got.train)) == sorted(max(1, n // 2) for n in lengths)
+
+
+def test_the_rollouts_end_of_turn_stop_is_rendered_with_the_template_kwargs(tmp_path):
+    """A template that needs a variable renders its end-of-turn token only with data.template_kwargs:
+    the stop of generated steps comes from that rendering."""
+    from kdistill.data.chat_template import ChatTemplate
+    from kdistill.models.tokenizer import load_tokenizer
+
+    needs = (
+        "{% if eot is not defined %}{{ raise_exception('eot is needed') }}{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eot }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    tok = load_tokenizer(assets().teacher)
+    eot = "<|endoftext|>"
+    cfg = RunConfig()
+    cfg.teacher.path = str(assets().teacher)
+    cfg.data.template_kwargs = {"eot": eot}
+    stops = onpolicy.rollout_stop_ids(cfg, tok, ChatTemplate(needs, "t"))
+    assert tok.token_to_id(eot) in stops
+    cfg.data.template_kwargs = {"eot": "<|im_end|>"}  # a token the tokenizer lacks: no end-of-turn stop
+    cfg.teacher.path = str(tmp_path)  # no config.json: no EOS ids from it
+    assert onpolicy.rollout_stop_ids(cfg, tok, ChatTemplate(needs, "t")) <= {tok.eos_id}
 
 
 def test_killed_and_resumed_on_policy_run_matches_uninterrupted(tmp_path):

@@ -10,11 +10,15 @@ conversation with the model's answer appended as an assistant turn ({"messages":
 Resumable: answers are appended in chunks as they finish (each chunk one write, flushed to disk), so a
 killed process loses at most the chunk it was writing; a torn last line is dropped on the next start,
 which answers only what is missing. When every answer is written, the file is rewritten in prompt order
-(a temp file renamed over it). Beside it, `answers.jsonl.manifest.json` records the model, the
-prompts' sha256, the sampling settings and seed, and the progress; a second start with other settings is
-refused in one line (greedy answers of a resumed file equal an uninterrupted run's; sampled ones are
-valid samples, not the same draws). An existing file without a manifest is not kdistill's and is never
-touched. One process per output file (a lock beside it).
+(a temp file renamed over it), then marked complete; a start that finds every answer written finishes
+that (a kill between the last chunk and the mark loses nothing). Beside it, `answers.jsonl.manifest.json`
+records the model (its path and its content: model_identity), the prompts' sha256, the sampling settings
+and seed, and the progress; a second start with other settings or other weights is refused in one line
+(greedy answers of a resumed file equal an uninterrupted run's; sampled ones are valid samples, not the
+same draws), and so is a file whose answers do not fit the prompts (an index beyond them, a duplicate, a
+complete file with answers missing). Nothing is written before every check has passed (the sizes, the
+memory, the model loaded). An existing file without a manifest is not kdistill's and is never touched.
+One process per output file (a lock beside it).
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ from tqdm import tqdm
 from kdistill import __version__
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
-from kdistill.generate import Job, build_engine, check_kernel_pack, prepare_job, resolve_device, run_job
+from kdistill.generate import (
+    Job,
+    build_engine,
+    check_kernel_pack,
+    check_samples,
+    prepare_job,
+    resolve_device,
+    run_job,
+)
 from kdistill.kernels.seal import jit_after_prewarm
 from kdistill.outputs import output_lock
 from kdistill.train import faults
@@ -42,6 +54,8 @@ KIND = "kdistill-generate"
 GREEDY = Sampling()
 CHUNK_ROWS = 64  # answers per append
 CHUNK_SECONDS = 10.0  # or this long since the last append
+FULL_HASH_BYTES = 256 << 20  # model files up to this size are hashed whole; larger ones are sampled
+SAMPLE_CHUNKS, SAMPLE_BYTES = 64, 64 << 10  # a large weight file: 64 chunks of 64 KiB, evenly spread
 
 
 def manifest_path(out: Path) -> Path:
@@ -61,6 +75,43 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
         raise UserError(f"{path}: cannot write ({e.strerror or e.__class__.__name__})") from None
 
 
+def _file_digest(path: Path, size: int) -> str:
+    """sha256 of a model file: whole up to FULL_HASH_BYTES; for a larger .safetensors file its header
+    (every tensor's name, dtype, shape and offsets), its mtime and SAMPLE_CHUNKS chunks spread over it
+    (a few MiB read of a multi-GB file); for another large file its mtime."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+            return h.hexdigest()
+        h.update(f"{size}:{path.stat().st_mtime_ns}".encode())
+        if path.suffix == ".safetensors":
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + f.read(min(n, 100 << 20)))
+            step = max(1, (size - SAMPLE_BYTES) // max(1, SAMPLE_CHUNKS - 1))
+            for k in range(SAMPLE_CHUNKS):
+                f.seek(min(k * step, max(0, size - SAMPLE_BYTES)))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def model_identity(model_dir: Path) -> dict[str, str]:
+    """What identifies the model's content, per file of its folder (hidden files aside): config,
+    tokenizer, chat template and generation config hashed whole, weights by _file_digest. Weights
+    replaced in place (other values, same shapes and names) give another identity."""
+    out: dict[str, str] = {}
+    try:
+        for path in sorted(model_dir.iterdir()):
+            if path.name.startswith(".") or not path.is_file():
+                continue
+            out[path.name] = f"{path.stat().st_size}:{_file_digest(path, path.stat().st_size)}"
+    except OSError as e:
+        raise UserError(f"--model {model_dir}: cannot read ({e.strerror or e.__class__.__name__})") from None
+    return out
+
+
 def _settings(
     job: Job, sampling: Sampling, samples: int, max_length: int | None, chat: bool
 ) -> dict[str, Any]:
@@ -70,6 +121,7 @@ def _settings(
         digest.update(b"\n")
     return {
         "model": str(job.model_dir.resolve()),
+        "model_files": model_identity(job.model_dir),
         "prompts": len(job.ids),
         "prompts_sha256": digest.hexdigest(),
         "chat": bool(chat),
@@ -95,12 +147,10 @@ def read_rows(out: Path) -> tuple[list[dict[str, Any]], int]:
             break
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise UserError(f"{out}:{n}: not a JSON answer line (the file was changed by hand?)") from None
-        if (
-            not isinstance(row, dict)
-            or not isinstance(row.get("index"), int)
-            or not isinstance(row.get("sample"), int)
+        if not isinstance(row, dict) or not all(
+            isinstance(row.get(k), int) and not isinstance(row.get(k), bool) for k in ("index", "sample")
         ):
             raise UserError(f'{out}:{n}: expected an answer with integer "index" and "sample"')
         rows.append(row)
@@ -128,18 +178,14 @@ def generate_to_file(
     kernel_pack: a kernel pack folder the decode kernels are loaded from on a GPU (checked before
     anything is read or written)."""
     out = Path(out)
-    if (
-        isinstance(samples_per_prompt, bool)
-        or not isinstance(samples_per_prompt, int)
-        or samples_per_prompt < 1
-    ):
-        raise UserError(f"--samples-per-prompt is {samples_per_prompt!r}, expected an integer >= 1")
+    check_samples(samples_per_prompt)
     if out.is_dir():
         raise UserError(f"--out '{out}' is a directory, expected a .jsonl file path")
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': its directory does not exist")
     pack = check_kernel_pack(kernel_pack, resolve_device(device))
     job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
+    check_samples(samples_per_prompt, len(job.ids))
     settings = _settings(job, sampling, samples_per_prompt, max_length, chat)
     with output_lock(out):  # one process per output file
         for stale in [
@@ -149,6 +195,67 @@ def generate_to_file(
             stale.unlink(missing_ok=True)  # a killed start's rewrite or manifest, never renamed
         return _generate_locked(job, out, settings, sampling, samples_per_prompt, device, batch_size,
                                 max_length, progress, on_row, pack)  # fmt: skip
+
+
+def _read_manifest(mpath: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        raise UserError(
+            f"{mpath}: unreadable manifest; move it and its answers aside to start again"
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
+        raise UserError(f"{mpath}: not a kdistill generate manifest")
+    return manifest
+
+
+def _check_settings(manifest: dict[str, Any], settings: dict[str, Any], out: Path) -> None:
+    """One line naming the first setting the file was written with that differs (the model's files:
+    the first file that differs)."""
+    for k, v in settings.items():
+        old = manifest.get(k)
+        if old == v:
+            continue
+        if k == "model_files":
+            if not isinstance(old, dict):
+                raise UserError(
+                    f"--out {out} records no model content (an older kdistill wrote it): use another --out"
+                )
+            name = next(n for n in sorted({*old, *v}) if old.get(n) != v.get(n))
+            what = "is new" if name not in old else "is gone" if name not in v else "changed"
+            raise UserError(
+                f"--out {out} was written by other weights: {name} of the model {what} since; use another "
+                "--out for the new model's answers"
+            )
+        shown = json.dumps(old)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        raise UserError(
+            f"--out {out} was written with other settings ({k}: {shown}, now {json.dumps(v)}): use "
+            "another --out, or the same settings to resume"
+        )
+
+
+def check_rows(out: Path, rows: list[dict[str, Any]], prompts: int, samples: int) -> set[tuple[int, int]]:
+    """The (index, sample) pairs of an earlier start's answers, each within the prompts and samples and
+    written once (the file's line named otherwise)."""
+    done: set[tuple[int, int]] = set()
+    for n, r in enumerate(rows, 1):
+        i, j = r["index"], r["sample"]
+        if not 0 <= i < prompts:
+            shown = str(i) if len(str(i)) <= 40 else f"{str(i)[:40]}..."
+            raise UserError(
+                f"{out}:{n}: answer index {shown} is outside the {prompts} prompts (expected 0..{prompts - 1}: "
+                "the file was changed by hand, or written for other prompts)"
+            )
+        if not 0 <= j < samples:
+            shown = str(j) if len(str(j)) <= 40 else f"{str(j)[:40]}..."
+            raise UserError(
+                f"{out}:{n}: answer sample {shown} is outside 0..{samples - 1} (--samples-per-prompt)"
+            )
+        if (i, j) in done:
+            raise UserError(f"{out}:{n}: a second answer of prompt {i} sample {j} (expected each once)")
+        done.add((i, j))
+    return done
 
 
 def _generate_locked(
@@ -165,59 +272,65 @@ def _generate_locked(
     pack: str | None,
 ) -> dict[str, Any]:
     mpath = manifest_path(out)
-    manifest: dict[str, Any] | None = None
+    old: dict[str, Any] | None = None
     if mpath.exists():
-        try:
-            manifest = json.loads(mpath.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            raise UserError(f"{mpath}: unreadable manifest; move it and {out} aside to start again") from None
-        if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
-            raise UserError(f"{mpath}: not a kdistill generate manifest")
-        for k, v in settings.items():
-            if manifest.get(k) != v:
-                raise UserError(
-                    f"--out {out} was written with other settings ({k}: {json.dumps(manifest.get(k))}, now "
-                    f"{json.dumps(v)}): use another --out, or the same settings to resume"
-                )
+        old = _read_manifest(mpath)
+        _check_settings(old, settings, out)
     elif out.exists():
         raise UserError(
             f"--out {out} exists and was not written by kdistill generate (no {mpath.name}): choose another path"
         )
     rows, good = read_rows(out)
-    if out.exists() and good < out.stat().st_size:  # drop a torn last line
+    done = check_rows(out, rows, len(job.ids), samples)
+    total = len(job.ids) * samples
+    if old is not None and old.get("status") == "complete" and len(done) < total:
+        first = next((i, j) for i in range(len(job.ids)) for j in range(samples) if (i, j) not in done)
+        raise UserError(
+            f"{out}: marked complete but {total - len(done)} of its {total} answers are missing (the first: "
+            f"prompt {first[0]} sample {first[1]}); the file was changed by hand: move it and {mpath.name} aside"
+        )
+    order = [(r["index"], r["sample"]) for r in rows]
+    if old is not None and old.get("status") == "complete" and order == sorted(order) and good == _size(out):
+        return old  # nothing to do, nothing changed
+    work = [(i, j) for i in range(len(job.ids)) for j in range(samples) if (i, j) not in done]
+    engine = None
+    if work:  # every size and memory check, and the model loaded, before anything is written
+        engine = build_engine(
+            job, sampling, device=device, batch_size=batch_size, max_length=max_length, kernel_pack=pack
+        )
+    if good < _size(out):  # drop a torn last line
         with open(out, "r+b") as f:
             f.truncate(good)
-    done = {(r["index"], r["sample"]) for r in rows}
-    work = [(i, j) for i in range(len(job.ids)) for j in range(samples) if (i, j) not in done]
-    manifest = {"kind": KIND, "kdistill": __version__, **settings, "rows": len(job.ids) * samples}
-    manifest.update(written=len(done), status="running" if work else "complete")
+    manifest = {"kind": KIND, "kdistill": __version__, **settings, "rows": total}
+    manifest.update(written=len(done), status="running")
     _write_json_atomic(mpath, manifest)
-    if work:
-        manifest.update(
-            _answer(job, out, work, sampling, device, batch_size, max_length, progress, on_row, pack)
-        )
-        rows, _ = read_rows(out)
-        _rewrite_in_order(out, rows)
-        manifest.update(written=len(rows), status="complete")
-        _write_json_atomic(mpath, manifest)
+    if engine is not None:
+        manifest.update(_answer(job, out, work, engine, progress, on_row))
+    rows, _ = read_rows(out)
+    faults.at("generate.rewrite")  # every answer written, not yet in order
+    _rewrite_in_order(out, rows)
+    faults.at("generate.mark")  # in order, not yet marked complete
+    manifest.update(written=len(rows), status="complete")
+    _write_json_atomic(mpath, manifest)
     return manifest
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _answer(
     job: Job,
     out: Path,
     work: list[tuple[int, int]],
-    sampling: Sampling,
-    device: str,
-    batch_size: int,
-    max_length: int | None,
+    built: tuple[Any, dict[str, Any]],
     show: bool,
     on_row: Any,
-    pack: str | None,
 ) -> dict[str, Any]:
-    engine, info = build_engine(
-        job, sampling, device=device, batch_size=batch_size, max_length=max_length, kernel_pack=pack
-    )
+    engine, info = built
     pending: list[str] = []
     chunk_rows = int(os.environ.get(faults.GENERATE_CHUNK_ENV) or CHUNK_ROWS)
     chunks = [0]
@@ -273,6 +386,10 @@ def _answer(
 
 
 def _rewrite_in_order(out: Path, rows: list[dict[str, Any]]) -> None:
+    """The answers in prompt order (a temp file renamed over `out`); nothing to do when they are."""
+    order = [(r["index"], r["sample"]) for r in rows]
+    if order == sorted(order):
+        return
     rows = sorted(rows, key=lambda r: (r["index"], r["sample"]))
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:

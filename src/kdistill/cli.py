@@ -173,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON line per answer, as each finishes")
     p.add_argument("--out", metavar="FILE", help="write answers to this JSONL (resumable, with a manifest)")
-    p.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (default: 1)")
+    p.add_argument(
+        "--samples-per-prompt", type=int, default=1, help="answers per prompt, 1 to 1024 (default: 1)"
+    )
     p.add_argument("--batch-size", type=int, default=32, help="rows decoded at once (default: %(default)s)")
     p.add_argument(
         "--max-length", type=int, default=None, help="cache slots per row: prompt + new tokens (default: fit)"

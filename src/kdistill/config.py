@@ -405,6 +405,13 @@ class RunConfig:
                 raise UserError("teacher.path is empty, expected a model directory or preset name")
             if not self.student.path:
                 raise UserError("student.path is empty, expected a model directory, config.json or preset")
+            pack = self.runtime.kernel_pack
+            if pack and not Path(pack).is_dir():  # on any device: the same config must run on a GPU
+                what = "is not a folder" if Path(pack).exists() else "does not exist"
+                raise UserError(
+                    f"runtime.kernel_pack '{pack[:200]}{'...' if len(pack) > 200 else ''}' {what}, expected "
+                    "the --out folder of kdistill kernels build"
+                )
         return self
 
     def _validate_teachers(self) -> None:

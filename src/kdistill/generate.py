@@ -11,7 +11,8 @@ transformers' `generate` does with an attention mask), so a row's tokens do not 
 The prompt is run once (prefill), then one token per step through the same dispatch ops as training
 (rmsnorm, rope, attention over the cache, swiglu): the Triton kernels on a GPU.
 
-Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k, then top-p
+Sampling: a temperature below decode.MIN_TEMPERATURE (0 included) is greedy (argmax), as in the decode
+engine; otherwise logits / temperature, then top-k, then top-p
 (the smallest set of tokens whose probability reaches p), sampled with a torch.Generator seeded by
 `seed`, so a seed reproduces its tokens on the same device. A row stops at its first stop token (EOS,
 the config's eos ids, the chat template's end-of-turn token), which is the last of its `token_ids`;
@@ -110,7 +111,7 @@ def generate_ids(
     n = sampling.max_new_tokens
     cache = KVCache.empty(model.spec, batch=b, max_len=p + n, device=device, dtype=model.lm_head_weight.dtype)
     gen = None
-    if sampling.temperature > 0:
+    if not sampling.greedy:
         gen = torch.Generator(device=device).manual_seed(int(sampling.seed))
     stops = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
     w = model.lm_head_weight  # (V, H)
@@ -504,6 +505,29 @@ def answer_row(job: Job, index: int, sample: int, new: list[int]) -> dict[str, A
     return row
 
 
+MAX_SAMPLES_PER_PROMPT = 1024  # answers of one prompt in one call
+MAX_ANSWERS = 1 << 22  # prompts x samples of one call (4,194,304): their bookkeeping stays in memory
+
+
+def check_samples(samples: Any, prompts: int | None = None) -> None:
+    """--samples-per-prompt: an integer in [1, MAX_SAMPLES_PER_PROMPT] (checked before anything is
+    read), and with the number of prompts known, at most MAX_ANSWERS answers in all."""
+    if (
+        isinstance(samples, bool)
+        or not isinstance(samples, int)
+        or not 1 <= samples <= MAX_SAMPLES_PER_PROMPT
+    ):
+        shown = repr(samples) if len(repr(samples)) <= 40 else repr(samples)[:40] + "..."
+        raise UserError(
+            f"--samples-per-prompt is {shown}, expected an integer from 1 to {MAX_SAMPLES_PER_PROMPT}"
+        )
+    if prompts is not None and prompts * samples > MAX_ANSWERS:
+        raise UserError(
+            f"--samples-per-prompt {samples} x {prompts} prompts is {prompts * samples:,} answers, expected at "
+            f"most {MAX_ANSWERS:,} in one call: split the prompts over several calls"
+        )
+
+
 def generate_texts(
     model_dir: str | Path,
     *,
@@ -524,14 +548,10 @@ def generate_texts(
     decode engine: one row per prompt and sample, in order (see answer_row). on_text: the new text of
     a single prompt as it grows (streaming); on_row(row): each row as it is complete. kernel_pack: a
     kernel pack folder (`kdistill kernels build --out`) the decode kernels are loaded from on a GPU."""
-    if (
-        isinstance(samples_per_prompt, bool)
-        or not isinstance(samples_per_prompt, int)
-        or samples_per_prompt < 1
-    ):
-        raise UserError(f"--samples-per-prompt is {samples_per_prompt!r}, expected an integer >= 1")
+    check_samples(samples_per_prompt)
     pack = check_kernel_pack(kernel_pack, resolve_device(device))  # before the model directory is read
     job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
+    check_samples(samples_per_prompt, len(job.ids))
     work = [(i, j) for i in range(len(job.ids)) for j in range(samples_per_prompt)]
     engine, _info = build_engine(
         job,
@@ -582,17 +602,23 @@ RAW_PROMPT_TOKENS = 16  # raw-text held-out rows: the first tokens (at most half
 
 def sample_prompts(heldout: Any, n: int) -> list[list[int]]:
     """The first n fixed prompts of a held-out set: for packed conversations, each conversation up to
-    its first learned token (the template's header of the first answer included); for raw windows
+    its first answer (the template's header of the answer included: up to its first learned token, or
+    to PackedRows.prompt_ends where packing marked it, as data.train_on=all does); for raw windows
     (N, T + 1), the first min(16, T // 2) tokens of the first n rows."""
     out: list[list[int]] = []
     if isinstance(heldout, PackedRows):
+        marks = heldout.prompt_ends  # data.train_on=all: where each prompt ends, marked when packed
         for r in range(len(heldout)):
             doc, labels, ids = heldout.doc_ids[r], heldout.labels[r], heldout.input_ids[r]
             for d in range(int(doc.max()) + 1 if (doc >= 0).any() else 0):
                 where = np.flatnonzero(doc == d)
-                learned = where[labels[where] != heldout.ignore_index]
-                if len(learned) and len(out) < n:
-                    out.append([int(t) for t in ids[where[0] : learned[0] + 1]])
+                ends = (
+                    where[marks[r, where]]
+                    if marks is not None
+                    else where[labels[where] != heldout.ignore_index]
+                )
+                if len(ends) and len(out) < n:
+                    out.append([int(t) for t in ids[where[0] : ends[0] + 1]])
         return out
     rows = np.asarray(heldout)
     k = max(1, min(RAW_PROMPT_TOKENS, (rows.shape[1] - 1) // 2)) if rows.ndim == 2 else 0

@@ -80,7 +80,10 @@ def _tokenize(
     train_on: str,
     max_tokens: int = 0,
     template_kwargs: Mapping[str, Any] | None = None,
+    prompts: list[int] | None = None,
 ) -> list[TokenizedConversation]:
+    """Tokenize `convs` (up to max_tokens tokens); `prompts`, when given, receives each one's prompt
+    length (prompt_tokens)."""
     out: list[TokenizedConversation] = []
     total = 0
     for conv in convs:
@@ -89,15 +92,44 @@ def _tokenize(
         tc = tokenize_conversation(conv, template, tokenizer, train_on, template_kwargs)
         out.append(tc)
         total += len(tc)
+        if prompts is not None:
+            prompts.append(prompt_tokens(conv, tc, template, tokenizer, template_kwargs))
     for line in warn_unrendered(out, template):  # once per file: nothing dropped silently
         log.warning("%s", line)
     return out
 
 
+def prompt_tokens(
+    conv: Conversation,
+    tc: TokenizedConversation,
+    template: ChatTemplate,
+    tokenizer: Any,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> int:
+    """Tokens of the conversation's prompt in `tc` (however it was marked): everything before its first
+    answer, the answer's generation prompt included, where train_on=assistant puts the answer (render
+    diffs); where the template renders no answer that can be located, the first half of its tokens."""
+    try:
+        marked = tokenize_conversation(conv, template, tokenizer, "assistant", template_kwargs)
+    except UserError:
+        marked = None
+    if marked is not None and np.array_equal(marked.input_ids, tc.input_ids) and marked.trained.any():
+        return max(1, int(np.argmax(marked.trained)))
+    return max(1, len(tc) // 2)
+
+
 def prepare_chat_data(
-    cfg: Any, tokenizer: Any, template: ChatTemplate, *, seed: int = 0, require_heldout: bool = True
+    cfg: Any,
+    tokenizer: Any,
+    template: ChatTemplate,
+    *,
+    seed: int = 0,
+    require_heldout: bool = True,
+    prompts: bool = False,
 ) -> PreparedData:
-    """Read, render, mask, split and pack the conversations of `cfg` (a DataConfig).
+    """Read, render, mask, split and pack the conversations of `cfg` (a DataConfig). prompts: mark
+    where each training conversation's prompt ends (PackedRows.prompt_ends) for on-policy steps, which
+    train_on=all needs (the held-out side's are marked for the run's samples).
 
     Returns PreparedData whose .train and .heldout are PackedRows; stats add packing_efficiency
     (real tokens / slots of the training rows), conversations, truncated and dropped counts.
@@ -124,10 +156,16 @@ def prepare_chat_data(
         split, need_held = "hash", require_heldout and frac > 0
     ignore = -100
     kwargs = dict(getattr(cfg, "template_kwargs", None) or {})
-    train_tok = _tokenize(train_convs, template, tokenizer, cfg.train_on, int(cfg.max_tokens or 0), kwargs)
-    train = pack_conversations(train_tok, seq_len, pad_id=pad, ignore_index=ignore)
-    held_tok = _tokenize(held_convs, template, tokenizer, cfg.train_on, 0, kwargs)
-    heldout = pack_conversations(held_tok, seq_len, pad_id=pad, ignore_index=ignore)
+    # train_on=all learns every token, so the labels do not show where a prompt ends: the prompts of
+    # on-policy steps (train side, when asked for) and of the run's samples (held-out side) are marked
+    every = cfg.train_on == "all"
+    train_prompts: list[int] | None = [] if every and prompts else None
+    held_prompts: list[int] | None = [] if every else None
+    max_tokens = int(cfg.max_tokens or 0)
+    train_tok = _tokenize(train_convs, template, tokenizer, cfg.train_on, max_tokens, kwargs, train_prompts)
+    train = pack_conversations(train_tok, seq_len, pad_id=pad, ignore_index=ignore, prompt_lens=train_prompts)
+    held_tok = _tokenize(held_convs, template, tokenizer, cfg.train_on, 0, kwargs, held_prompts)
+    heldout = pack_conversations(held_tok, seq_len, pad_id=pad, ignore_index=ignore, prompt_lens=held_prompts)
     if len(train) == 0:
         raise UserError(
             f"data.train: no training rows from {len(train_convs)} conversations (none has an answer "

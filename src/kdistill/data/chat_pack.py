@@ -52,6 +52,10 @@ class PackedRows:
         real_tokens: conversation tokens placed (padding excluded).
         conversations: conversations placed; truncated: of those, cut to seq_len;
         dropped: conversations left out (nothing to learn, or nothing left after truncation).
+        prompt_ends: (R, seq_len) bool or None: True at the last token of each conversation's prompt
+            (the conversation up to its first answer, the answer's generation prompt included) where
+            packing was told it (data.train_on=all, whose labels do not show it); None: each prompt
+            ends where the first learned token's input is (see kdistill.generate.sample_prompts).
     """
 
     input_ids: np.ndarray
@@ -65,6 +69,7 @@ class PackedRows:
     conversations: int = 0
     truncated: int = 0
     dropped: int = 0
+    prompt_ends: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -104,8 +109,10 @@ def pack_conversations(
     pad_id: int = 0,
     ignore_index: int = -100,
     truncate: bool = True,
+    prompt_lens: Sequence[int] | None = None,
 ) -> PackedRows:
     """Pack tokenized conversations into rows of `seq_len` tokens (see the module docstring).
+    prompt_lens: per conversation, the tokens of its prompt (recorded as PackedRows.prompt_ends).
 
     Raises:
         UserError: seq_len < 2; or, with truncate=False, a conversation longer than seq_len (named).
@@ -113,8 +120,9 @@ def pack_conversations(
     if seq_len < 2:
         raise UserError(f"seq_len is {seq_len}, expected at least 2 to pack conversations")
     pieces: list[tuple[np.ndarray, np.ndarray, str]] = []  # (ids, labels, source)
+    kept_prompts: list[int] = []  # the prompt's tokens of each piece (prompt_lens given)
     truncated = dropped = 0
-    for c in convs:
+    for n_conv, c in enumerate(convs):
         ids, labels = c.input_ids, c.labels(ignore_index)
         if len(ids) > seq_len:
             if not truncate:
@@ -132,6 +140,8 @@ def pack_conversations(
             dropped += 1
             continue
         pieces.append((ids, labels, c.source))
+        if prompt_lens is not None:
+            kept_prompts.append(max(1, min(int(prompt_lens[n_conv]), len(ids))))
 
     # Online best fit: `free` holds (room left, row) sorted, for the rows still open.
     rows: list[list[int]] = []
@@ -153,6 +163,7 @@ def pack_conversations(
     labels_out = np.full((R, seq_len), ignore_index, dtype=np.int64)
     position_ids = np.zeros((R, seq_len), dtype=np.int64)
     doc_ids = np.full((R, seq_len), -1, dtype=np.int32)
+    prompt_ends = np.zeros((R, seq_len), dtype=bool) if prompt_lens is not None else None
     sources: list[list[str]] = []
     real = 0
     for r, members in enumerate(rows):
@@ -165,6 +176,8 @@ def pack_conversations(
             labels_out[r, pos : pos + n] = labels
             position_ids[r, pos : pos + n] = np.arange(n)
             doc_ids[r, pos : pos + n] = d
+            if prompt_ends is not None:
+                prompt_ends[r, pos + kept_prompts[i] - 1] = True
             sources[r].append(source)
             pos += n
         position_ids[r, pos:] = np.arange(seq_len - pos)
@@ -181,6 +194,7 @@ def pack_conversations(
         conversations=len(pieces),
         truncated=truncated,
         dropped=dropped,
+        prompt_ends=prompt_ends,
     )
 
 

@@ -304,9 +304,12 @@ def compare(
     template = load_chat_template(teacher_dir, str(data_dir / "template.jinja"))
     if settings.heldout_prompts:
         held = held[: settings.heldout_prompts]
-    prompts = encode_prompts(tok, template, prompts=[r["prompt"] for r in held], chat=True)
+    kwargs = cfg.data.template_kwargs  # the variables the arms' data was rendered with
+    prompts = encode_prompts(
+        tok, template, prompts=[r["prompt"] for r in held], chat=True, template_kwargs=kwargs
+    )
     prompts = [p[-(cfg.data.seq_len - cfg.kd.max_new_tokens) :] for p in prompts]
-    stops = stop_token_ids(teacher_dir, tok, template)
+    stops = stop_token_ids(teacher_dir, tok, template, kwargs)
     teacher = load_model(teacher_dir, device, torch.float32).eval()
     new = cfg.kd.max_new_tokens
     table: dict[str, dict[str, Any]] = {}

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from kdistill.kernels import keys as K
-from kdistill.kernels import registry
+from kdistill.kernels import registry, swiglu
 from kdistill.kernels.pack import PackWriter, can_target, jit_compile
 from kdistill.kernels.plan import required_kernels, triton_keys
 from kdistill.kernels.seal import setup_cache_dir
@@ -67,6 +67,12 @@ def compile_key(key: K.KernelKey, pack: PackWriter | None = None) -> BuildResult
     except Exception as e:  # reported per kernel; the command exits non-zero
         msg = " ".join(f"{e.__class__.__name__}: {e}".split())[:300]
         return BuildResult(key.arch, key.op, str(key), False, time.perf_counter() - t0, msg)
+
+
+def probe_key(arch: str) -> K.KernelKey:
+    """The small kernel a build first compiles for `arch` in a child process: an arch this Triton cannot
+    target fails (or aborts the compiler) on any kernel."""
+    return swiglu.fwd_key(arch, inter=64, dtype="bf16")
 
 
 def build_plan(

@@ -19,6 +19,13 @@ with a stand-in driver that names the target arch (`jit_compile`), so each binar
 cache key a GPU's JIT computes for that launch. That key covers Triton's own files (`triton_build`), so
 a pack serves the Triton install that made it, or one identical to it (same version and wheel).
 
+A build stages its binaries in `.staging-<pid>-<hex>/` inside the pack (with a marker file naming the
+process and host) and moves them in at commit; a later build removes the staging folders of builds
+that were killed (its own kind only: the name, the marker and a dead process on this host). Committing
+verifies what the pack holds: a binary of this build whose folder is missing or damaged is replaced,
+and a damaged kernel of the manifest that this build does not rebuild is dropped from it (prewarm
+compiles it, or a later build adds it again). Messages quote at most ~200 characters of any value.
+
 Installing (`install`, called by prewarm before it warms anything) checks the pack against this
 process: the exact Triton version and build, the GPU's architecture, the CUDA version of the ptxas
 Triton uses for it, and every file's sha256; each mismatch is one line naming both sides. It then
@@ -36,6 +43,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import uuid
 from collections.abc import Iterable, Iterator
@@ -50,6 +59,16 @@ from kdistill.kernels.keys import KernelKey, arch_capability
 MANIFEST = "manifest.json"
 FORMAT = 1
 BINARY_EXT = "cubin"
+STAGING_PREFIX = ".staging-"
+STAGING_MARKER = ".kdistill-staging"  # in every staging folder: "<pid> <host>" of the build
+_STAGING_NAME = re.compile(r"\.staging-(\d+)-[0-9a-f]{8}")
+QUOTE = 200  # characters of a value a message quotes at most
+
+
+def quote(value: Any, limit: int = QUOTE) -> str:
+    """str(value) for a one-line message, cut to `limit` characters (the length said after)."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 # -- the toolchain of this process ----------------------------------------------------------------
@@ -206,10 +225,12 @@ def read_manifest(folder: Path | str, *, what: str = "kernel pack") -> Manifest:
         )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise _bad(path, "not a readable JSON manifest (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _bad(path, f"not a readable JSON manifest ({e.__class__.__name__}: {e})") from None
+        raise _bad(path, f"not a readable JSON manifest ({e.__class__.__name__}: {quote(e)})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise _bad(path, f"expected a kernel pack manifest with format {FORMAT}, got {str(data)[:80]}")
+        raise _bad(path, f"expected a kernel pack manifest with format {FORMAT}, got {quote(data, 80)}")
     if (
         not isinstance(data.get("triton"), str)
         or not isinstance(data.get("triton_build"), str)
@@ -220,14 +241,19 @@ def read_manifest(folder: Path | str, *, what: str = "kernel pack") -> Manifest:
     fields = [f.name for f in dataclasses.fields(Entry) if f.name != "key"]
     for key, raw in data["kernels"].items():
         if not isinstance(raw, dict) or any(f not in raw for f in fields):
-            raise _bad(path, f"kernel '{key}': expected the fields {', '.join(fields)}")
+            raise _bad(path, f"kernel '{quote(key)}': expected the fields {', '.join(fields)}")
+        text = [f for f in fields if f != "files" and not isinstance(raw[f], str)]
+        if text:
+            raise _bad(
+                path, f"kernel '{quote(key)}': '{text[0]}' is {quote(raw[text[0]], 80)}, expected a string"
+            )
         files = raw["files"]
         if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
-            raise _bad(path, f"kernel '{key}': 'files' must map file names to sha256 digests")
+            raise _bad(path, f"kernel '{quote(key)}': 'files' must map file names to sha256 digests")
         rel = Path(str(raw["dir"]))
         for part in (rel, *map(Path, files)):
             if part.is_absolute() or ".." in part.parts:
-                raise _bad(path, f"kernel '{key}': '{part}' is not a path inside the pack")
+                raise _bad(path, f"kernel '{quote(key)}': '{quote(part)}' is not a path inside the pack")
         kernels[key] = Entry(key=key, **{f: raw[f] for f in fields})
     return Manifest(triton=data["triton"], build=data["triton_build"], kernels=kernels)
 
@@ -249,34 +275,115 @@ def portable_metadata(data: bytes) -> bytes:
     return json.dumps(meta, sort_keys=True).encode("utf-8")
 
 
+def _intact(folder: Path, entry: Entry) -> bool:
+    """Whether the entry's folder holds each of its files with the sha256 the manifest records."""
+    for name, want in entry.files.items():
+        try:
+            data = (folder / entry.dir / name).read_bytes()
+        except OSError:
+            return False
+        if hashlib.sha256(data).hexdigest() != want:
+            return False
+    return True
+
+
+def _binary_dir(folder: Path, rel: str) -> bool:
+    """Whether `rel` names a binary's folder as a build makes them (<arch>/<op>-<digest>-<digest>), so
+    that a manifest edited by hand can never make a build remove anything else."""
+    parts = Path(rel).parts
+    return (
+        len(parts) == 2
+        and re.fullmatch(r"sm_\d+", parts[0]) is not None
+        and re.fullmatch(r"[A-Za-z0-9_]+-[0-9a-f]{12}-[0-9a-f]{8}", parts[1]) is not None
+        and (folder / rel).is_dir()
+        and not (folder / rel).is_symlink()
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def stale_staging(folder: Path) -> list[Path]:
+    """The staging folders in the pack `folder` that a killed build left: named as a build names them,
+    holding its marker, written on this host by a process that no longer runs. Nothing else (a user's
+    file or folder of any other name, a live build's staging) is ever listed."""
+    out: list[Path] = []
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return out
+    host = socket.gethostname()
+    for p in entries:
+        m = _STAGING_NAME.fullmatch(p.name)
+        if m is None or p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            pid, _, who = (p / STAGING_MARKER).read_text(encoding="utf-8").strip().partition(" ")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if pid == m.group(1) and who == host and not _alive(int(pid)):
+            out.append(p)
+    return out
+
+
 class PackWriter:
     """Collects compiled kernels and adds them to the pack at `folder` in one step.
 
-        writer = PackWriter(out)            # reads an existing manifest (same Triton build only)
+        writer = PackWriter(out, archs)     # reads an existing manifest (same Triton build only)
         writer.add(key, compiled_kernel)    # the CompiledKernel jit_compile(key) returned
         writer.commit()                     # moves the binaries in, then replaces the manifest
 
     Until `commit` everything is staged in a hidden folder inside the pack, removed by `abort` (or on
     any failure of commit), so an interrupted or failed build leaves the pack as it was (a folder it
-    created is removed again if it stayed empty)."""
+    created is removed again if it stayed empty). Opening the writer checks that the pack's folder and
+    the folder of each arch in `archs` can be folders (not a file of the user's), removes the staging
+    folders of killed builds, and makes its own staging folder: a read-only --out is one line here."""
 
-    def __init__(self, folder: Path | str) -> None:
+    def __init__(self, folder: Path | str, archs: Iterable[str] = ()) -> None:
         self.folder = Path(folder)
         if self.folder.exists() and not self.folder.is_dir():
-            raise UserError(f"--out {self.folder}: exists and is not a folder")
+            raise UserError(f"--out {self.folder}: exists and is not a folder, expected a kernel pack folder")
+        for arch in archs:
+            sub = self.folder / arch
+            if sub.is_symlink() or (sub.exists() and not sub.is_dir()):
+                raise UserError(
+                    f"--out {self.folder}: {arch} is not a folder, expected the pack's folder of {arch} "
+                    "binaries there: move it aside or build into another folder"
+                )
         here, build = triton_version(), triton_build()
         if (self.folder / MANIFEST).exists():
-            self.manifest = read_manifest(self.folder)
+            self.manifest = read_manifest(self.folder, what="--out")
             if (self.manifest.triton, self.manifest.build) != (here, build):
                 raise UserError(
-                    f"--out {self.folder}: the pack was built with Triton {self.manifest.triton} (build "
-                    f"{self.manifest.build}), this is Triton {here} (build {build}); build into a new folder"
+                    f"--out {self.folder}: the pack was built with Triton {quote(self.manifest.triton)} (build "
+                    f"{quote(self.manifest.build)}), this is Triton {here} (build {build}); build into a new folder"
                 )
         else:
             self.manifest = Manifest(triton=here, build=build, kernels={})
         self.created = not self.folder.exists()
-        self.staging = self.folder / f".staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.staging = self.folder / f"{STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.added: dict[str, Entry] = {}
+        self.repaired = 0  # binaries of this build whose folder in the pack was missing or damaged
+        self.dropped: list[str] = []  # damaged kernels of the manifest this build did not rebuild
+        self.stale = stale_staging(self.folder) if not self.created else []
+        for p in self.stale:
+            shutil.rmtree(p, ignore_errors=True)
+        with write_guard(self.folder, what="write the kernel pack", intact="the pack is as it was"):
+            try:
+                self.staging.mkdir(parents=True)
+                (self.staging / STAGING_MARKER).write_text(
+                    f"{os.getpid()} {socket.gethostname()}\n", encoding="utf-8"
+                )
+            except BaseException:
+                self.abort()
+                raise
 
     def add(self, key: KernelKey, compiled: Any) -> None:
         """Stage the binary and metadata of `compiled` (a triton CompiledKernel for `key`)."""
@@ -311,14 +418,28 @@ class PackWriter:
 
     def commit(self) -> int:
         """Move the staged binaries into the pack, then replace the manifest (one rename); returns the
-        number of kernels added or rebuilt. On a failure the pack is as it was: its manifest is the old
-        one and the folders moved in for the new one are removed."""
+        number of kernels added or rebuilt. A binary whose folder the pack already has is checked: a
+        missing or damaged one is replaced (counted in `repaired`); a kernel of the old manifest this
+        build did not rebuild and whose files are damaged is left out of the new one (`dropped`). On a
+        failure the pack is as it was: its manifest is the old one and the folders moved in for the new
+        one are removed."""
         moved: list[Path] = []
         with write_guard(self.folder, what="write the kernel pack", intact="the pack is as it was"):
             try:
-                kernels = dict(self.manifest.kernels)
+                kernels = {}
+                for key, entry in self.manifest.kernels.items():
+                    if key in self.added or _intact(self.folder, entry):
+                        kernels[key] = entry
+                    else:
+                        self.dropped.append(key)
                 for key, entry in self.added.items():
                     final = self.folder / entry.dir
+                    if final.is_dir() and not final.is_symlink() and not _intact(self.folder, entry):
+                        shutil.rmtree(final)  # a damaged copy of this very binary: replaced below
+                        self.repaired += 1
+                    elif final.exists() and not final.is_dir():
+                        final.unlink()
+                        self.repaired += 1
                     if not final.exists():  # else: the same key with the same files is in the pack
                         final.parent.mkdir(parents=True, exist_ok=True)
                         os.replace(self.staging / entry.dir, final)
@@ -336,7 +457,7 @@ class PackWriter:
                 raise
             remove_quietly([self.staging])
         old = {e.dir for e in self.manifest.kernels.values()} - {e.dir for e in kernels.values()}
-        remove_quietly(self.folder / d for d in old)  # binaries the new manifest replaced
+        remove_quietly(self.folder / d for d in old if _binary_dir(self.folder, d))  # replaced or dropped
         self.manifest.kernels = kernels
         return len(self.added)
 
@@ -365,25 +486,25 @@ def check(manifest: Manifest, folder: Path, arch: str, *, what: str = "kernel pa
     here, build = triton_version(), triton_build()
     if manifest.triton != here:
         raise UserError(
-            f"{what} {folder}: built with Triton {manifest.triton}, this is Triton {here}; rebuild it "
+            f"{what} {folder}: built with Triton {quote(manifest.triton)}, this is Triton {here}; rebuild it "
             f"with this Triton (kdistill kernels build --arch {arch} CONFIG --out {folder})"
         )
     if manifest.build != build:  # same version, another build (another Python's libtriton, say)
         raise UserError(
-            f"{what} {folder}: built with Triton {manifest.triton} build {manifest.build}, this is "
+            f"{what} {folder}: built with Triton {manifest.triton} build {quote(manifest.build)}, this is "
             f"Triton {here} build {build} (their cache keys differ); rebuild the pack with this install"
         )
     archs = manifest.archs()
     if arch not in archs:
         raise UserError(
-            f"{what} {folder}: built for {', '.join(archs) or 'no arch'}, this GPU is {arch}; add it with "
+            f"{what} {folder}: built for {quote(', '.join(archs)) or 'no arch'}, this GPU is {arch}; add it with "
             f"kdistill kernels build --arch {arch} CONFIG --out {folder}"
         )
     cudas = sorted({e.cuda for e in manifest.kernels.values() if e.arch == arch})
     local = cuda_version(arch)
     if cudas != [local]:
         raise UserError(
-            f"{what} {folder}: its {arch} binaries were made by CUDA {', '.join(cudas)} (ptxas), this "
+            f"{what} {folder}: its {arch} binaries were made by CUDA {quote(', '.join(cudas))} (ptxas), this "
             f"Triton uses CUDA {local} for {arch}; rebuild the pack here"
         )
 
@@ -396,12 +517,14 @@ def verified(folder: Path, entry: Entry) -> dict[str, bytes]:
         try:
             data = path.read_bytes()
         except OSError as e:
-            raise UserError(f"kernel pack {folder}: cannot read {entry.dir}/{name} ({e.strerror})") from None
+            raise UserError(
+                f"kernel pack {folder}: cannot read {quote(entry.dir)}/{quote(name)} ({e.strerror})"
+            ) from None
         got = hashlib.sha256(data).hexdigest()
         if got != want:
             raise UserError(
-                f"kernel pack {folder}: {entry.dir}/{name} has sha256 {got}, the manifest says {want} "
-                f"(kernel {entry.key}); rebuild the pack"
+                f"kernel pack {folder}: {quote(entry.dir)}/{quote(name)} has sha256 {got}, the manifest says "
+                f"{quote(want, 80)} (kernel {quote(entry.key)}); rebuild the pack"
             )
         out[name] = data
     return out
@@ -458,7 +581,7 @@ def install(folder: Path | str, keys: Iterable[KernelKey], arch: str, *, strict:
     if strict and result.missing:
         first = result.missing[0]
         raise KernelCacheMiss(
-            f"kernel pack {folder} has no binary for {first} ({len(result.missing)} of {len(wanted)} planned "
+            f"kernel pack {folder} has no binary for {quote(first)} ({len(result.missing)} of {len(wanted)} planned "
             f"kernels missing) and runtime.strict_kernels forbids compiling it; add them with kdistill kernels "
             f"build --arch {arch} CONFIG --out {folder}"
         )
@@ -483,7 +606,9 @@ __all__ = [
     "cuda_version",
     "install",
     "jit_compile",
+    "quote",
     "read_manifest",
+    "stale_staging",
     "targeting",
     "triton_build",
     "triton_version",

@@ -6,8 +6,10 @@ The step loop calls `at(point)` at these points:
     "S"        after step S's metrics line,
     "S.M"      after micro-batch M's backward of step S,
     "S.saved"  after the checkpoint of step S;
-`kdistill generate --out` calls `at("generate.N")` once its N-th chunk of answers is on disk, and
-KDISTILL_TEST_GENERATE_CHUNK sets the answers per chunk.
+`kdistill generate --out` calls `at("generate.N")` once its N-th chunk of answers is on disk, then
+`at("generate.rewrite")` before it rewrites the finished file in order and `at("generate.mark")` before
+it marks it complete; KDISTILL_TEST_GENERATE_CHUNK sets the answers per chunk. The arch probe of
+`kdistill kernels build` calls `at("kernels.probe.ARCH")` in its child process before compiling for ARCH.
 KDISTILL_TEST_NAN_STEPS="3,4" makes the loss of those (1-based) steps non-finite (`nan_step`).
 KDISTILL_TEST_POISON_STEP=S sets one weight of the student to +inf before step S's forward (`poison`):
 a non-finite value that the real forward, loss and backward carry, on any CPU (no float overflow needed).

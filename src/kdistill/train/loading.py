@@ -45,7 +45,7 @@ def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
         cfg.data, train=expand_data_paths(cfg.data.train), heldout=expand_data_paths(cfg.data.heldout)
     )
     if is_conversation_data(data_cfg.train):
-        return prepare_chat_data(data_cfg, tok, chat_template(cfg), seed=0)
+        return prepare_chat_data(data_cfg, tok, chat_template(cfg), seed=0, prompts=cfg.kd.generates)
     with dist.main_first():
         return prepare_data(data_cfg, tok, seed=0)
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,8 +52,9 @@ import torch
 from kdistill.config import RunConfig
 from kdistill.data import Batcher
 from kdistill.data.chat_pack import PackedRows
+from kdistill.decode import MIN_TEMPERATURE
 from kdistill.errors import UserError
-from kdistill.generate import sample_prompts
+from kdistill.generate import sample_prompts, stop_token_ids
 from kdistill.ops.kd_loss import label_count
 from kdistill.train import distributed as dist
 from kdistill.train import faults
@@ -64,20 +65,45 @@ KINDS = ("data", "on_policy", "seq_kd")
 log = logging.getLogger("kdistill")
 
 
-def prompt_pool(train: Any) -> list[list[int]]:
-    """Every prompt of the training data: each conversation's tokens up to its first learned token (the
-    template's header of the answer included). Raw text has no prompts: a one-line error."""
+class WindowPrompts(Sequence[list[int]]):
+    """The prompts of raw text: the first half (at least one token) of each training window (N, T + 1),
+    read from the windows when drawn (no copy of the data)."""
+
+    def __init__(self, windows: np.ndarray) -> None:
+        self.windows = windows
+        self.length = max(1, windows.shape[1] // 2)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return [int(t) for t in self.windows[i, : self.length]]
+
+
+def prompt_pool(train: Any) -> Sequence[list[int]]:
+    """Every prompt of the training data: each conversation up to its first answer, the template's
+    header of the answer included, whatever data.train_on learns (train_on=all: where packing marked
+    it, kdistill.data.chat_data.prompt_tokens); for raw text, the first half of each window
+    (WindowPrompts: the text the completion continues)."""
     if not isinstance(train, PackedRows):
-        raise UserError(
-            "kd.on_policy and kd.seq_kd need prompts, but data.train is raw text: give conversation files "
-            "(JSONL with 'prompt' + 'completion' or 'messages')"
-        )
+        windows = np.asarray(train)
+        if windows.ndim != 2 or len(windows) == 0 or windows.shape[1] < 2:
+            raise UserError("kd.on_policy and kd.seq_kd need prompts, but data.train has no text windows")
+        return WindowPrompts(windows)
     prompts = sample_prompts(train, len(train) * max(1, int(train.doc_ids.max()) + 1))
     if not prompts:
         raise UserError(
             "kd.on_policy and kd.seq_kd need prompts, but data.train has no learned answer tokens"
         )
     return prompts
+
+
+def rollout_stop_ids(cfg: RunConfig, tokenizer: Any, template: Any) -> set[int]:
+    """The stop tokens of generated steps: the teacher's EOS ids and, for conversations, the template's
+    end-of-turn token rendered with data.template_kwargs (the variables the data is rendered with)."""
+    return stop_token_ids(cfg.teacher.path, tokenizer, template, cfg.data.template_kwargs)
 
 
 def generator_seed(seed: int, rank: int) -> int:
@@ -95,7 +121,7 @@ class OnPolicy:
     def __init__(
         self,
         cfg: RunConfig,
-        prompts: list[list[int]],
+        prompts: Sequence[list[int]],
         stop_ids: set[int],
         pad_id: int,
         device: torch.device,
@@ -127,10 +153,9 @@ class OnPolicy:
 
     def describe(self) -> str:
         kd = self.cfg.kd
-        return (
-            f"lambda {kd.on_policy:g}, seq_kd {kd.seq_kd:g}, {kd.on_policy_loss}, "
-            f"{kd.max_new_tokens} new tokens at temperature {kd.sampling_temperature:g}"
-        )
+        t = kd.sampling_temperature
+        how = "greedy" if t < MIN_TEMPERATURE else f"at temperature {t:g}"
+        return f"lambda {kd.on_policy:g}, seq_kd {kd.seq_kd:g}, {kd.on_policy_loss}, {kd.max_new_tokens} new tokens {how}"
 
     def kind(self, step: int) -> str:
         """Step `step` (0-based): "on_policy", "seq_kd" or "data", drawn from (seed, step) alone."""

@@ -64,7 +64,7 @@ from kdistill.train.loading import (
     load_models,
     open_teacher_cache,
 )
-from kdistill.train.onpolicy import OnPolicy, prompt_pool
+from kdistill.train.onpolicy import OnPolicy, prompt_pool, rollout_stop_ids
 from kdistill.train.optim import make_optimizer
 from kdistill.train.preflight import (
     check_fp8_layout,
@@ -229,7 +229,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     onpolicy = None
     if prompts is not None:
         template = chat_template(cfg) if data.documents else None
-        stops = stop_token_ids(cfg.teacher.path, tok, template)
+        stops = rollout_stop_ids(cfg, tok, template)
         pad = tok.eos_id if tok.eos_id is not None else 0
         onpolicy = OnPolicy(cfg, prompts, stops, pad, device, rows=rows)
         stage(t_start, quiet, f"on-policy: {len(prompts)} prompts, {onpolicy.describe()}")

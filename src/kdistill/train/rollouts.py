@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kdistill.decode import DecodeEngine, Sampling
+from kdistill.decode import MIN_TEMPERATURE, DecodeEngine, Sampling
 from kdistill.generate import left_pad
 from kdistill.models.decoder import Decoder, KVCache
 from kdistill.train import distributed as dist
@@ -32,7 +32,8 @@ from kdistill.train import distributed as dist
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSampling:
-    """max_new_tokens >= 1; temperature > 0 samples softmax(logits / temperature), 0 is greedy."""
+    """max_new_tokens >= 1; temperature >= decode.MIN_TEMPERATURE samples softmax(logits / temperature),
+    a lower one (0 included) is greedy: the decode engine's rule, so both paths write the same tokens."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -51,8 +52,9 @@ class Rollout:
 
 
 def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) fp32 logits -> (B,) token ids: argmax at temperature 0, else a draw from softmax(logits / T)."""
-    if temperature == 0:
+    """(B, V) fp32 logits -> (B,) token ids: argmax below MIN_TEMPERATURE (1 / T would overflow the
+    logits' scale), else a draw from softmax(logits / T)."""
+    if temperature < MIN_TEMPERATURE:
         return logits.argmax(-1)
     probs = (logits / temperature).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
