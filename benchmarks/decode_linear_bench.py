@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -310,7 +312,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     configure(kernels="auto", device=torch.device("cuda"))
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    out = {
+        "card": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__},
+        "command": "python3 benchmarks/decode_linear_bench.py " + " ".join(sys.argv[1:]),
+        "rows": [],
+    }
     for preset in a.models.split(","):
         layers = PRESETS[preset]["num_hidden_layers"]
         for kind in a.kinds.split(","):
