@@ -36,7 +36,7 @@ from typing import Any
 
 from kdistill.dtypes import LONG_NAMES
 from kdistill.errors import UserError
-from kdistill.jsonio import check_seed, cut, parse_yaml, read_yaml, short_repr
+from kdistill.jsonio import check_seed, cut, parse_yaml, plain_value, read_yaml, short_repr
 from kdistill.rundir import check_path_value
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
@@ -549,7 +549,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, dict | list):
             raise UserError(f"{where} is {short_repr(value)}, expected a string")
         return "" if value is None else str(value)
-    return value
+    return plain_value(value)  # a free-form value (template variables): yes/no/on/off are booleans here
 
 
 def _coerce_item(value: Any, hint: Any, where: str) -> Any:
