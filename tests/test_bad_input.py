@@ -1,17 +1,21 @@
 """Classes of bad input that must be one clear line, or just work: YAML's boolean words in fields whose
-values are words.
+values are words, values no config file can hold.
 
-The tests parse and validate configs only.
+Most tests parse and validate only; a few run the tiny pair of tests/test_train_kit.py for two steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+import yaml
 
+import kdistill
 from kdistill.config import RunConfig, load_config
 from kdistill.errors import UserError
+from tests.test_train_kit import base_config, run_cli, write_config
 
 PATHS = ["teacher.path=t", "student.path=s"]
 BIG = "x" * (2 << 20)  # a 2 MiB value
@@ -75,3 +79,70 @@ def test_a_path_spelled_like_a_boolean_stays_its_text():
 def test_template_variables_keep_yaml_booleans_and_quoted_words(tmp_path):
     cfg = load_config(None, [*PATHS, "data.template_kwargs={a: no, b: 'no', c: on, d: false}"]).validate()
     assert cfg.data.template_kwargs == {"a": False, "b": "no", "c": True, "d": False}
+
+
+# -- values a config file cannot hold ----------------------------------------------------------------
+def test_a_date_from_yaml_is_kept_as_its_iso_text(tmp_path):
+    cfg = load_config(None, [*PATHS, "data.template_kwargs={today: 2024-01-01, at: 2024-01-01 10:00:00}"])
+    assert cfg.validate().data.template_kwargs == {"today": "2024-01-01", "at": "2024-01-01T10:00:00"}
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  template_kwargs:\n    today: 2024-01-01\n  chat_template: 2024-01-01\n")
+    cfg = load_config(path, PATHS).validate()
+    assert cfg.data.template_kwargs == {"today": "2024-01-01"} and cfg.data.chat_template == "2024-01-01"
+
+
+def test_a_run_with_a_date_template_variable_writes_it_and_completes(tmp_path, capsys):
+    cfg = write_config(tmp_path, steps=2, checkpoint_every=1)
+    rc, _, err = run_cli(capsys, "run", str(cfg), "data.template_kwargs={today: 2024-01-01}", "--quiet")
+    assert rc == 0, err
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["template_kwargs"] == {
+        "today": "2024-01-01"
+    }
+    state = json.loads((run / "checkpoints" / "step-0000001" / "state.json").read_text())
+    assert state["config"]["data"]["template_kwargs"] == {"today": "2024-01-01"}
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+class _Thing:
+    pass
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ({"x": {1, 2}}, "data.template_kwargs.x is {1, 2} (a Python set), expected a string, number"),
+        ({"x": _Thing()}, "data.template_kwargs.x is <"),
+        (
+            {"x": [1, {2: "two"}]},
+            "data.template_kwargs.x[1] has the key 2 (a Python int), expected string keys",
+        ),
+        ({"x": b"raw"}, "data.template_kwargs.x is b'raw' (a Python bytes)"),
+        ({"x": (1, 2)}, "data.template_kwargs.x is (1, 2) (a Python tuple)"),
+    ],
+)
+def test_a_value_no_config_file_can_hold_is_refused_before_anything_is_written(tmp_path, value, message):
+    cfg = base_config(tmp_path / "run", steps=2)
+    cfg["data"]["template_kwargs"] = value
+    with pytest.raises(UserError, match="^" + _escape(message)) as e:
+        kdistill.distill(cfg)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    assert not (tmp_path / "run").exists()
+    # The same value set on a RunConfig's field, which the API copies before it validates
+    run_cfg = load_config(None, base=base_config(tmp_path / "run", steps=2))
+    run_cfg.data.template_kwargs = value
+    with pytest.raises(UserError, match="^" + _escape(message)):
+        kdistill.distill(run_cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_object_in_a_text_field_is_refused_and_a_path_object_is_text(tmp_path):
+    with pytest.raises(UserError, match="^output.dir is <.*, expected a string$"):
+        load_config(None, base={"output": {"dir": _Thing()}})
+    assert load_config(None, base={"output": {"dir": tmp_path}}).output.dir == str(tmp_path)
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)

@@ -26,6 +26,7 @@ errors that name the key and the closest valid one.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import os
@@ -385,6 +386,7 @@ class RunConfig:
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def validate(self, need_paths: bool = True) -> RunConfig:
+        self.check_values()
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             parts = section if isinstance(section, list) else [section]  # `teachers` is a list of entries
@@ -406,6 +408,25 @@ class RunConfig:
             if not self.student.path:
                 raise UserError("student.path is empty, expected a model directory, config.json or preset")
         return self
+
+    def check_values(self) -> None:
+        """Every value is one config.yaml, manifest.json and state.json can hold (see `check_writable`),
+        checked before anything is written; a one-line error names the field otherwise."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            parts = section if isinstance(section, list) else [section]
+            for i, part in enumerate(parts):
+                name = f"{f.name}[{i}]" if isinstance(section, list) else f.name
+                if not dataclasses.is_dataclass(part):
+                    check_writable(part, name)
+                    continue
+                for g in dataclasses.fields(part):
+                    value = getattr(part, g.name)
+                    if dataclasses.is_dataclass(value):  # student.lora
+                        for h in dataclasses.fields(value):
+                            check_writable(getattr(value, h.name), f"{name}.{g.name}.{h.name}")
+                    else:
+                        check_writable(value, f"{name}.{g.name}")
 
     def _validate_teachers(self) -> None:
         """`teachers:` (several teachers) stands instead of teacher.path: the first teacher becomes
@@ -479,6 +500,32 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+WRITABLE = "a string, number, true/false, null, list or mapping with string keys (what config.yaml holds)"
+
+
+def check_writable(value: Any, where: str, depth: int = 0) -> None:
+    """Refuse, in one line naming the field, a value that JSON and YAML cannot hold as plain data: a set,
+    a date object, bytes, an arbitrary object, a mapping with a non-string key (exact types only: a str or
+    float subclass is refused too, since the YAML writer refuses it)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return
+    if depth > 64:
+        raise UserError(f"{where} is nested more than 64 levels deep, expected plain data")
+    if type(value) is list:
+        for i, v in enumerate(value):
+            check_writable(v, f"{where}[{i}]", depth + 1)
+        return
+    if type(value) is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                raise UserError(
+                    f"{where} has the key {short_repr(k)} (a Python {type(k).__name__}), expected string keys"
+                )
+            check_writable(v, f"{where}.{cut(k, 40)}", depth + 1)
+        return
+    raise UserError(f"{where} is {short_repr(value)} (a Python {type(value).__name__}), expected {WRITABLE}")
+
+
 # Integers beyond this are no sane step count, size or id; they would only overflow a tensor or a range.
 _INT_LIMIT = 2**62
 
@@ -546,10 +593,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         except (TypeError, ValueError, OverflowError):
             raise UserError(f"{where} is {short_repr(value)}, expected a number") from None
     if hint is str:
-        if isinstance(value, dict | list):
+        if value is not None and not isinstance(value, str | int | float | datetime.date | os.PathLike):
             raise UserError(f"{where} is {short_repr(value)}, expected a string")
         return "" if value is None else str(value)
-    return plain_value(value)  # a free-form value (template variables): yes/no/on/off are booleans here
+    value = plain_value(value)  # a free-form value (template variables): yes/no/on/off are booleans here
+    check_writable(value, where)
+    return value
 
 
 def _coerce_item(value: Any, hint: Any, where: str) -> Any:

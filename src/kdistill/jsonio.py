@@ -16,6 +16,7 @@ never becomes a huge message). No RecursionError, MemoryError-by-design or decod
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -283,10 +284,13 @@ _WORD_TAG = "tag:kdistill,2024:word"
 
 
 def plain_value(value: Any) -> Any:
-    """A parsed YAML value in plain types: a `YamlWord` becomes its boolean; lists and mappings are
-    walked. Other values are returned as they are."""
+    """A parsed YAML value in plain types: a `YamlWord` becomes its boolean, a date or datetime its ISO
+    text (what a template would print for it); lists and mappings are walked. Other values are returned
+    as they are (the writable-type check refuses what JSON or YAML cannot hold)."""
     if isinstance(value, YamlWord):
         return value.truth
+    if isinstance(value, datetime.date):  # datetime.datetime is a date too
+        return value.isoformat()
     if isinstance(value, list):
         return [plain_value(v) for v in value]
     if isinstance(value, dict):
