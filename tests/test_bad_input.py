@@ -1,5 +1,5 @@
 """Classes of bad input that must be one clear line, or just work: YAML's boolean words in fields whose
-values are words, values no config file can hold.
+values are words, values no config file can hold, megabyte values quoted in a message.
 
 Most tests parse and validate only; a few run the tiny pair of tests/test_train_kit.py for two steps.
 """
@@ -15,7 +15,7 @@ import yaml
 import kdistill
 from kdistill.config import RunConfig, load_config
 from kdistill.errors import UserError
-from tests.test_train_kit import base_config, run_cli, write_config
+from tests.test_train_kit import base_config, one_error_line, run_cli, write_config
 
 PATHS = ["teacher.path=t", "student.path=s"]
 BIG = "x" * (2 << 20)  # a 2 MiB value
@@ -146,3 +146,63 @@ def _escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+# -- a megabyte value is never a megabyte message ---------------------------------------------------
+def _bounded(message: str) -> None:
+    assert "\n" not in message and len(message) <= 1000, len(message)
+    assert "x" * 201 not in message  # no value quoted beyond about 200 characters
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"kd.divergence={BIG}",
+        f"output.report_to=[{BIG}]",
+        f"student.lora.targets=[{BIG}]",
+        f"runtime.device={BIG}",
+        f"kd.layer_map=[[{','.join(['1'] * 500_000)}]]",
+        f"teachers={BIG}",
+        BIG,
+        f"{BIG}=1",
+        f"kd.{BIG}=1",
+    ],
+    ids=["choice", "list", "lora", "device", "layer_map", "sections", "no_equals", "key", "field"],
+)
+def test_a_two_megabyte_override_is_quoted_in_a_short_line(capsys, override):
+    rc, _, err = run_cli(capsys, "plan", *PATHS, override, "--json")
+    assert rc == 2
+    _bounded(one_error_line(err))
+
+
+def test_a_two_megabyte_config_field_is_quoted_in_a_short_line(tmp_path):
+    for section, field in [("kd", "divergence"), ("runtime", "device"), ("student", "init")]:
+        cfg = base_config(tmp_path / "run")
+        cfg[section][field] = BIG
+        with pytest.raises(UserError) as e:
+            kdistill.distill(cfg)
+        _bounded(str(e.value))
+        assert str(e.value).startswith(f"{section}.{field} is 'xxx")
+
+
+def test_a_two_megabyte_data_record_is_quoted_in_a_short_line(tmp_path, capsys):
+    from kdistill.data.chat import read_conversations
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": BIG}]}) + "\n")
+    with pytest.raises(UserError) as e:
+        read_conversations(path)
+    _bounded(str(e.value))
+    assert str(e.value).startswith(f"{path}:1: messages[0] (xxx")
+    cfg = write_config(tmp_path, steps=2)
+    rc, _, err = run_cli(capsys, "run", str(cfg), f"data.train=[{path}]", "--quiet")
+    assert rc == 2
+    _bounded(one_error_line(err))
+
+
+def test_every_user_error_is_bounded_however_it_is_built():
+    message = str(UserError(f"{BIG} is {BIG!r} and " + "word " * 500_000 + "expected the end"))
+    _bounded(message)
+    assert message.endswith("expected the end")
+    path = "/" + "/".join(["folder"] * 40) + "/model.safetensors"  # a long path keeps its file name
+    assert str(UserError(f"{path}: truncated")).endswith("/model.safetensors: truncated")

@@ -97,7 +97,7 @@ class LoraConfig:
         for t in self.targets:
             if t not in LORA_TARGETS:
                 raise UserError(
-                    f"student.lora.targets has '{t}', expected some of: {', '.join(LORA_TARGETS)}"
+                    f"student.lora.targets has {short_repr(t)}, expected some of: {', '.join(LORA_TARGETS)}"
                 )
         if len(set(self.targets)) != len(self.targets):
             raise UserError(f"student.lora.targets lists a name twice: {', '.join(self.targets)}")
@@ -215,7 +215,7 @@ class KDConfig:
         for i, pair in enumerate(self.layer_map):
             if len(pair) != 2 or any(x < 0 for x in pair):
                 raise UserError(
-                    f"kd.layer_map[{i}] is {pair}, expected a pair [teacher_layer, student_layer] of "
+                    f"kd.layer_map[{i}] is {short_repr(pair)}, expected a pair [teacher_layer, student_layer] of "
                     "layer indices >= 0"
                 )
         _choice("kd.hidden_loss", self.hidden_loss, ("mse", "cosine"))
@@ -302,7 +302,7 @@ class OutputConfig:
         for name in self.report_to:
             if name not in TRACKERS:
                 raise UserError(
-                    f"output.report_to has '{name}', expected a list of: {', '.join(TRACKERS)} (or [] for none)"
+                    f"output.report_to has {short_repr(name)}, expected a list of: {', '.join(TRACKERS)} (or [] for none)"
                 )
 
 
@@ -353,7 +353,9 @@ class RuntimeConfig:
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise UserError(f"runtime.device is '{self.device}', expected auto, cpu, cuda or cuda:N")
+            raise UserError(
+                f"runtime.device is {short_repr(self.device)}, expected auto, cpu, cuda or cuda:N"
+            )
         _choice("runtime.dtype", self.dtype, ("auto", *LONG_NAMES))
         _choice("runtime.precision", self.precision, ("auto", "fp8"))
         _choice("runtime.kernels", self.kernels, ("auto", "triton", "reference"))
@@ -562,7 +564,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     item = (typing.get_args(hint) or (str,))[0]
     if origin is list and item is not str:  # a list of sections (teachers) or of lists (kd.layer_map)
         if not isinstance(value, list):
-            raise UserError(f"{where} is {value!r}, expected a list")
+            raise UserError(f"{where} is {short_repr(value)}, expected a list")
         return [_coerce_item(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is list:
         if isinstance(value, str):
@@ -605,12 +607,12 @@ def _coerce_item(value: Any, hint: Any, where: str) -> Any:
     """One item of a list field: a section (a mapping of its fields) or a value of the item's type."""
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
-            raise UserError(f"{where} is {value!r}, expected a mapping of its fields")
+            raise UserError(f"{where} is {short_repr(value)}, expected a mapping of its fields")
         obj = hint()
         _apply(obj, value, f"{where}.")
         return obj
     if typing.get_origin(hint) is list and not isinstance(value, list):
-        raise UserError(f"{where} is {value!r}, expected a list")
+        raise UserError(f"{where} is {short_repr(value)}, expected a list")
     return _coerce(value, hint, where)
 
 
@@ -640,10 +642,10 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'kd.temperature=2' -> (['kd', 'temperature'], 2): values parsed as YAML scalars."""
     if "=" not in text:
-        raise UserError(f"override '{text}' is not of the form key=value (e.g. kd.temperature=2)")
+        raise UserError(f"override {short_repr(text)} is not of the form key=value (e.g. kd.temperature=2)")
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
-        raise UserError(f"override '{text}' has an empty key")
+        raise UserError(f"override {short_repr(text)} has an empty key")
     try:
         value = parse_yaml(raw, where=f"override '{cut(key, 80)}'") if raw.strip() else ""
     except UserError:
