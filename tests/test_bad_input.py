@@ -53,12 +53,17 @@ def test_the_word_valued_fields_are_found():
 
 
 @pytest.mark.parametrize("field,word", WORD_FIELDS)
-def test_a_documented_word_works_unquoted_in_an_override_and_in_a_file(tmp_path, field, word):
+def test_a_documented_word_works_unquoted_in_an_override_and_in_a_file(tmp_path, capsys, field, word):
     section, name = field.split(".")
     assert getattr(getattr(load_config(None, [*PATHS, f"{field}={word}"]).validate(), section), name) == word
     path = tmp_path / "run.yaml"
     path.write_text(f"{section}:\n  {name}: {word}\n")  # unquoted, as the README writes it
     assert getattr(getattr(load_config(path, PATHS).validate(), section), name) == word
+    presets = ["teacher.path=qwen2.5-1.5b", "student.path=qwen2.5-0.5b"]  # the command line, end to end
+    rc, out, err = run_cli(capsys, "plan", str(path), *presets, "--json")
+    assert rc == 0, err
+    rc, out, err = run_cli(capsys, "plan", *presets, f"{field}={word}", "--json")
+    assert rc == 0, err
 
 
 def test_boolean_fields_still_take_every_yaml_spelling(tmp_path):
