@@ -82,8 +82,8 @@ def test_a_path_spelled_like_a_boolean_stays_its_text():
 
 
 def test_template_variables_keep_yaml_booleans_and_quoted_words(tmp_path):
-    cfg = load_config(None, [*PATHS, "data.template_kwargs={a: no, b: 'no', c: on, d: false}"]).validate()
-    assert cfg.data.template_kwargs == {"a": False, "b": "no", "c": True, "d": False}
+    cfg = load_config(None, [*PATHS, "data.template_kwargs={a: no, b: 'no', c: on, d: false, on: 1}"])
+    assert cfg.validate().data.template_kwargs == {"a": False, "b": "no", "c": True, "d": False, "on": 1}
 
 
 # -- values a config file cannot hold ----------------------------------------------------------------

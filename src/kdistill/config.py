@@ -215,8 +215,8 @@ class KDConfig:
         for i, pair in enumerate(self.layer_map):
             if len(pair) != 2 or any(x < 0 for x in pair):
                 raise UserError(
-                    f"kd.layer_map[{i}] is {short_repr(pair)}, expected a pair [teacher_layer, student_layer] of "
-                    "layer indices >= 0"
+                    f"kd.layer_map[{i}] is {short_repr(pair)}, expected a pair [teacher_layer, "
+                    "student_layer] of layer indices >= 0"
                 )
         _choice("kd.hidden_loss", self.hidden_loss, ("mse", "cosine"))
         for name in ("hidden_weight", "attention_weight"):
@@ -302,7 +302,8 @@ class OutputConfig:
         for name in self.report_to:
             if name not in TRACKERS:
                 raise UserError(
-                    f"output.report_to has {short_repr(name)}, expected a list of: {', '.join(TRACKERS)} (or [] for none)"
+                    f"output.report_to has {short_repr(name)}, expected a list of: {', '.join(TRACKERS)} "
+                    "(or [] for none)"
                 )
 
 

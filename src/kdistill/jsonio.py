@@ -284,9 +284,10 @@ _WORD_TAG = "tag:kdistill,2024:word"
 
 
 def plain_value(value: Any) -> Any:
-    """A parsed YAML value in plain types: a `YamlWord` becomes its boolean, a date or datetime its ISO
-    text (what a template would print for it); lists and mappings are walked. Other values are returned
-    as they are (the writable-type check refuses what JSON or YAML cannot hold)."""
+    """A parsed YAML value in plain types: a `YamlWord` becomes its boolean (as a mapping key, its text),
+    a date or datetime its ISO text (what a template would print for it); lists and mappings are walked.
+    Other values are returned as they are (the writable-type check refuses what JSON or YAML cannot
+    hold)."""
     if isinstance(value, YamlWord):
         return value.truth
     if isinstance(value, datetime.date):  # datetime.datetime is a date too
@@ -294,7 +295,9 @@ def plain_value(value: Any) -> Any:
     if isinstance(value, list):
         return [plain_value(v) for v in value]
     if isinstance(value, dict):
-        return {plain_value(k): plain_value(v) for k, v in value.items()}
+        return {
+            (str(k) if isinstance(k, YamlWord) else plain_value(k)): plain_value(v) for k, v in value.items()
+        }
     return value
 
 

@@ -10,9 +10,9 @@ kdistill did not write, never one of the run's inputs, never half-written.
 
 The marker `.kdistill-output` ({"kdistill_output": KIND, "created": ...}) says which kind of output
 kdistill wrote there; a folder holding nothing but the marker's temp file (its writer killed before the
-rename) counts as empty. An existing target is replaced only when it carries the marker of the same kind (or
-`legacy(out)` vouches for it: an output written before markers existed, inside a folder kdistill owns);
-anything else is refused, whatever the options. A target that is, or contains, one of the inputs
+rename) counts as empty. An existing target is replaced only when it carries the marker of the same kind
+(or `legacy(out)` vouches for it: an output written before markers existed, inside a folder kdistill
+owns); anything else is refused, whatever the options. A target that is, or contains, one of the inputs
 (student.path, a teacher, the run directory) is refused too.
 
 Temp folders are named `.<name>.tmp-<pid>-<hex>` and the previous output, while it is swapped,
