@@ -135,6 +135,7 @@ def build_config(config: ConfigLike = None, *overrides: str, **keywords: Any) ->
     """A RunConfig from a RunConfig, a dict, a YAML path or None (the demo), plus overrides (not validated)."""
     overrides = tuple(_overrides(overrides))
     if isinstance(config, RunConfig):
+        config.check_values()  # before to_dict, which deep-copies every value
         cfg = load_config(None, list(overrides), base=config.to_dict())
     elif isinstance(config, dict):
         cfg = load_config(None, list(overrides), base=config)

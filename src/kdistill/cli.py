@@ -153,40 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many scored tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = sub.add_parser(
-        "generate", help="answer prompts with a model (greedy by default, CUDA graphs on a GPU)"
-    )
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
-    p.add_argument(
-        "--messages", metavar="FILE", help="JSONL of conversations to answer (last turn: user or tool)"
-    )
-    p.add_argument("--chat", action="store_true", help="render prompts with the model's chat template")
-    p.add_argument(
-        "--chat-template", metavar="PATH", default=None, help="a .jinja file to render with instead"
-    )
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="one JSON line per answer, as each finishes")
-    p.add_argument("--out", metavar="FILE", help="write answers to this JSONL (resumable, with a manifest)")
-    p.add_argument(
-        "--samples-per-prompt", type=int, default=1, help="answers per prompt, 1 to 1024 (default: 1)"
-    )
-    p.add_argument("--batch-size", type=int, default=32, help="rows decoded at once (default: %(default)s)")
-    p.add_argument(
-        "--max-length", type=int, default=None, help="cache slots per row: prompt + new tokens (default: fit)"
-    )
-    p.add_argument(
-        "--kernel-pack",
-        metavar="DIR",
-        default=None,
-        help="load the decode kernels from this kernel pack (kdistill kernels build --out) on a GPU",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_generate_parser(sub)
 
     p = sub.add_parser("data", help="data tools")
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
@@ -238,6 +205,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """`kdistill generate`: its prompts, sampling, batching and output options."""
+    p = sub.add_parser(
+        "generate", help="answer prompts with a model (greedy by default, CUDA graphs on a GPU)"
+    )
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
+    p.add_argument(
+        "--messages", metavar="FILE", help="JSONL of conversations to answer (last turn: user or tool)"
+    )
+    p.add_argument("--chat", action="store_true", help="render prompts with the model's chat template")
+    p.add_argument(
+        "--chat-template", metavar="PATH", default=None, help="a .jinja file to render with instead"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON line per answer, as each finishes")
+    p.add_argument("--out", metavar="FILE", help="write answers to this JSONL (resumable, with a manifest)")
+    p.add_argument(
+        "--samples-per-prompt", type=int, default=1, help="answers per prompt, 1 to 1024 (default: 1)"
+    )
+    p.add_argument("--batch-size", type=int, default=32, help="rows decoded at once (default: %(default)s)")
+    p.add_argument(
+        "--max-length", type=int, default=None, help="cache slots per row: prompt + new tokens (default: fit)"
+    )
+    p.add_argument(
+        "--kernel-pack",
+        metavar="DIR",
+        default=None,
+        help="load the decode kernels from this kernel pack (kdistill kernels build --out) on a GPU",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

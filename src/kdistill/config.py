@@ -26,6 +26,7 @@ errors that name the key and the closest valid one.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import os
@@ -36,7 +37,7 @@ from typing import Any
 
 from kdistill.dtypes import LONG_NAMES
 from kdistill.errors import UserError
-from kdistill.jsonio import check_seed, cut, parse_yaml, read_yaml, short_repr
+from kdistill.jsonio import check_seed, cut, parse_yaml, plain_value, read_yaml, short_repr
 from kdistill.rundir import check_path_value
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
@@ -96,7 +97,7 @@ class LoraConfig:
         for t in self.targets:
             if t not in LORA_TARGETS:
                 raise UserError(
-                    f"student.lora.targets has '{t}', expected some of: {', '.join(LORA_TARGETS)}"
+                    f"student.lora.targets has {short_repr(t)}, expected some of: {', '.join(LORA_TARGETS)}"
                 )
         if len(set(self.targets)) != len(self.targets):
             raise UserError(f"student.lora.targets lists a name twice: {', '.join(self.targets)}")
@@ -214,8 +215,8 @@ class KDConfig:
         for i, pair in enumerate(self.layer_map):
             if len(pair) != 2 or any(x < 0 for x in pair):
                 raise UserError(
-                    f"kd.layer_map[{i}] is {pair}, expected a pair [teacher_layer, student_layer] of "
-                    "layer indices >= 0"
+                    f"kd.layer_map[{i}] is {short_repr(pair)}, expected a pair [teacher_layer, "
+                    "student_layer] of layer indices >= 0"
                 )
         _choice("kd.hidden_loss", self.hidden_loss, ("mse", "cosine"))
         for name in ("hidden_weight", "attention_weight"):
@@ -301,7 +302,8 @@ class OutputConfig:
         for name in self.report_to:
             if name not in TRACKERS:
                 raise UserError(
-                    f"output.report_to has '{name}', expected a list of: {', '.join(TRACKERS)} (or [] for none)"
+                    f"output.report_to has {short_repr(name)}, expected a list of: {', '.join(TRACKERS)} "
+                    "(or [] for none)"
                 )
 
 
@@ -352,7 +354,9 @@ class RuntimeConfig:
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise UserError(f"runtime.device is '{self.device}', expected auto, cpu, cuda or cuda:N")
+            raise UserError(
+                f"runtime.device is {short_repr(self.device)}, expected auto, cpu, cuda or cuda:N"
+            )
         _choice("runtime.dtype", self.dtype, ("auto", *LONG_NAMES))
         _choice("runtime.precision", self.precision, ("auto", "fp8"))
         _choice("runtime.kernels", self.kernels, ("auto", "triton", "reference"))
@@ -385,6 +389,7 @@ class RunConfig:
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def validate(self, need_paths: bool = True) -> RunConfig:
+        self.check_values()
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             parts = section if isinstance(section, list) else [section]  # `teachers` is a list of entries
@@ -413,6 +418,25 @@ class RunConfig:
                     "the --out folder of kdistill kernels build"
                 )
         return self
+
+    def check_values(self) -> None:
+        """Every value is one config.yaml, manifest.json and state.json can hold (see `check_writable`),
+        checked before anything is written; a one-line error names the field otherwise."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            parts = section if isinstance(section, list) else [section]
+            for i, part in enumerate(parts):
+                name = f"{f.name}[{i}]" if isinstance(section, list) else f.name
+                if not dataclasses.is_dataclass(part):
+                    check_writable(part, name)
+                    continue
+                for g in dataclasses.fields(part):
+                    value = getattr(part, g.name)
+                    if dataclasses.is_dataclass(value):  # student.lora
+                        for h in dataclasses.fields(value):
+                            check_writable(getattr(value, h.name), f"{name}.{g.name}.{h.name}")
+                    else:
+                        check_writable(value, f"{name}.{g.name}")
 
     def _validate_teachers(self) -> None:
         """`teachers:` (several teachers) stands instead of teacher.path: the first teacher becomes
@@ -486,6 +510,32 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+WRITABLE = "a string, number, true/false, null, list or mapping with string keys (what config.yaml holds)"
+
+
+def check_writable(value: Any, where: str, depth: int = 0) -> None:
+    """Refuse, in one line naming the field, a value that JSON and YAML cannot hold as plain data: a set,
+    a date object, bytes, an arbitrary object, a mapping with a non-string key (exact types only: a str or
+    float subclass is refused too, since the YAML writer refuses it)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return
+    if depth > 64:
+        raise UserError(f"{where} is nested more than 64 levels deep, expected plain data")
+    if type(value) is list:
+        for i, v in enumerate(value):
+            check_writable(v, f"{where}[{i}]", depth + 1)
+        return
+    if type(value) is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                raise UserError(
+                    f"{where} has the key {short_repr(k)} (a Python {type(k).__name__}), expected string keys"
+                )
+            check_writable(v, f"{where}.{cut(k, 40)}", depth + 1)
+        return
+    raise UserError(f"{where} is {short_repr(value)} (a Python {type(value).__name__}), expected {WRITABLE}")
+
+
 # Integers beyond this are no sane step count, size or id; they would only overflow a tensor or a range.
 _INT_LIMIT = 2**62
 
@@ -522,7 +572,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     item = (typing.get_args(hint) or (str,))[0]
     if origin is list and item is not str:  # a list of sections (teachers) or of lists (kd.layer_map)
         if not isinstance(value, list):
-            raise UserError(f"{where} is {value!r}, expected a list")
+            raise UserError(f"{where} is {short_repr(value)}, expected a list")
         return [_coerce_item(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is list:
         if isinstance(value, str):
@@ -553,9 +603,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         except (TypeError, ValueError, OverflowError):
             raise UserError(f"{where} is {short_repr(value)}, expected a number") from None
     if hint is str:
-        if isinstance(value, dict | list):
+        if value is not None and not isinstance(value, str | int | float | datetime.date | os.PathLike):
             raise UserError(f"{where} is {short_repr(value)}, expected a string")
         return "" if value is None else str(value)
+    value = plain_value(value)  # a free-form value (template variables): yes/no/on/off are booleans here
+    check_writable(value, where)
     return value
 
 
@@ -563,12 +615,12 @@ def _coerce_item(value: Any, hint: Any, where: str) -> Any:
     """One item of a list field: a section (a mapping of its fields) or a value of the item's type."""
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
-            raise UserError(f"{where} is {value!r}, expected a mapping of its fields")
+            raise UserError(f"{where} is {short_repr(value)}, expected a mapping of its fields")
         obj = hint()
         _apply(obj, value, f"{where}.")
         return obj
     if typing.get_origin(hint) is list and not isinstance(value, list):
-        raise UserError(f"{where} is {value!r}, expected a list")
+        raise UserError(f"{where} is {short_repr(value)}, expected a list")
     return _coerce(value, hint, where)
 
 
@@ -598,10 +650,10 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'kd.temperature=2' -> (['kd', 'temperature'], 2): values parsed as YAML scalars."""
     if "=" not in text:
-        raise UserError(f"override '{text}' is not of the form key=value (e.g. kd.temperature=2)")
+        raise UserError(f"override {short_repr(text)} is not of the form key=value (e.g. kd.temperature=2)")
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
-        raise UserError(f"override '{text}' has an empty key")
+        raise UserError(f"override {short_repr(text)} has an empty key")
     try:
         value = parse_yaml(raw, where=f"override '{cut(key, 80)}'") if raw.strip() else ""
     except UserError:

@@ -264,6 +264,15 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def is_atomic_temp(entry: Path | str, name: str) -> bool:
+    """`entry` is the temp file `atomic_write_bytes` makes for a file called `name` in the same folder
+    (`.<name>.<8 random characters>.tmp`, as `tempfile.mkstemp` names it): kdistill's own, left behind
+    only by a writer killed before its rename."""
+    entry = Path(entry)
+    pattern = rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}\.tmp"
+    return re.fullmatch(pattern, entry.name) is not None and entry.is_file() and not entry.is_symlink()
+
+
 def atomic_write_text(path: Path | str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 

@@ -16,8 +16,10 @@ never becomes a huge message). No RecursionError, MemoryError-by-design or decod
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -266,8 +268,44 @@ def iter_jsonl(
 # YAML
 
 
+class YamlWord(str):
+    """A plain (unquoted) YAML 1.1 boolean word other than true/false: yes, no, on, off (in any of their
+    YAML spellings). It is a string, so a field whose values are words keeps what was written
+    (`runtime.cuda_graphs: off` is 'off', never 'False'); `plain_value` gives it its YAML 1.1 truth where
+    no field type says otherwise (free-form values such as template variables)."""
+
+    @property
+    def truth(self) -> bool:
+        return self.lower() in ("yes", "on")
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_WORD_TAG = "tag:kdistill,2024:word"
+
+
+def plain_value(value: Any) -> Any:
+    """A parsed YAML value in plain types: a `YamlWord` becomes its boolean (as a mapping key, its text),
+    a date or datetime its ISO text (what a template would print for it); lists and mappings are walked.
+    Other values are returned as they are (the writable-type check refuses what JSON or YAML cannot
+    hold)."""
+    if isinstance(value, YamlWord):
+        return value.truth
+    if isinstance(value, datetime.date):  # datetime.datetime is a date too
+        return value.isoformat()
+    if isinstance(value, list):
+        return [plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {
+            (str(k) if isinstance(k, YamlWord) else plain_value(k)): plain_value(v) for k, v in value.items()
+        }
+    return value
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys and bounds the size of the value after alias expansion."""
+    """SafeLoader that refuses duplicate keys and bounds the size of the value after alias expansion.
+
+    Booleans are true and false only (in their YAML spellings); yes, no, on and off are `YamlWord`s, so a
+    documented word value is never read as a boolean."""
 
     max_nodes = MAX_YAML_NODES
     max_depth = MAX_DEPTH
@@ -303,6 +341,16 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_yaml_map)
+# The resolver lists are copied: add_implicit_resolver would append to SafeLoader's own.
+_Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Loader.add_implicit_resolver(
+    _WORD_TAG, re.compile(r"^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF)$"), list("yYnNoO")
+)
+_Loader.add_constructor(_WORD_TAG, lambda loader, node: YamlWord(loader.construct_scalar(node)))
 
 
 def _check_graph(root: Any, where: str, max_nodes: int, max_depth: int) -> None:

@@ -9,8 +9,10 @@
 
 The memory model (bytes on one device, GPU path: bf16 teacher, fp32 student master weights with bf16
 autocast, AdamW; runtime.precision=fp8: the student's block linears keep fp8 inputs for backward) is
-written term by term in `estimate_memory`; docs/memory.md compares it with
-`torch.cuda.max_memory_allocated` on an H100.
+written term by term, one function per part of the step (`resident_memory`: weights and optimizer state;
+`forward_peak_memory`: the end of the student's forward; `layer_map_memory`, `on_policy_memory`,
+`eval_beside_graph_pool`), over the sizes `StepShape` derives once; `estimate_memory` adds them up and
+picks the peak phase. docs/memory.md compares it with `torch.cuda.max_memory_allocated` on an H100.
 """
 
 from __future__ import annotations
@@ -81,6 +83,63 @@ class Layout:
         return cls(world, teacher_sharded, choice == "blocks", student_kept, choice == "none")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What every memory term of one device's training step reads: the models, the config, the layout,
+    and the sizes derived from them once (see `estimate_memory`)."""
+
+    teacher: ModelSpec
+    student: ModelSpec
+    cfg: RunConfig
+    layout: Layout
+    extra_teachers: tuple[ModelSpec, ...]
+    gpu: bool
+    rows: int  # sequences per micro-batch on this device
+    n: int  # tokens per micro-batch on this device
+    act_bytes: int  # 2 (bf16 on a GPU) or 4 (fp32 on the CPU)
+    chunk: int  # tokens per KD-loss chunk
+    trainable: int  # parameters that train: the whole student, or a LoRA student's adapters
+    base_bytes: int  # bytes per weight of the student's base (fp32, or a LoRA base's dtype)
+    cached: bool  # teacher.cache: no teacher weights, the cached targets instead
+
+    @classmethod
+    def of(
+        cls,
+        teacher: ModelSpec,
+        student: ModelSpec,
+        cfg: RunConfig,
+        device: str = "cuda",
+        batch: int | None = None,
+        layout: Layout | None = None,
+        extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
+    ) -> StepShape:
+        gpu = device != "cpu"
+        rows = cfg.schedule.batch_size if batch is None else batch
+        n = rows * cfg.data.seq_len
+        lora = cfg.student.lora
+        return cls(
+            teacher=teacher,
+            student=student,
+            cfg=cfg,
+            layout=Layout.of(cfg.runtime.activation_checkpointing) if layout is None else layout,
+            extra_teachers=tuple(extra_teachers),
+            gpu=gpu,
+            rows=rows,
+            n=n,
+            act_bytes=2 if gpu else 4,
+            chunk=min(cfg.kd.chunk_size, n),
+            # A LoRA student: a frozen base (in lora.base_dtype, no gradient, no optimizer state, no cached
+            # autocast copy: autocast caches casts of trainable leaves only) and fp32 adapters that train.
+            trainable=(
+                student.lora_params(lora.rank, lora.targets)
+                if lora.enabled
+                else student.param_counts()["total"]
+            ),
+            base_bytes=(2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4,
+            cached=bool(cfg.teacher.cache),
+        )
+
+
 def estimate_memory(
     teacher: ModelSpec,
     student: ModelSpec,
@@ -102,38 +161,109 @@ def estimate_memory(
     one is whole. With checkpointing the student keeps each block's inputs and one block's activations.
 
     The peak is at the end of the student's forward pass, when everything below is live at once:
-    weights, AdamW state and autocast's bf16 weight copies; the student's saved activations; the
-    teacher's final hidden states; the KD head's gradient buffers for the hidden states and the
-    lm_head; and two [chunk x vocab] logits buffers of the chunk being computed (fp32, or bf16 with
-    kd.logits_dtype=compute). (The teacher's
-    own forward runs before the student's activations exist, and the student's gradients replace its
-    activations during the backward pass, so neither adds to this peak unless it is larger:
-    `optimizer_phase` covers the end of the backward pass.)
+    weights, AdamW state and autocast's bf16 weight copies (`resident_memory`); the student's saved
+    activations; the teacher's final hidden states; the KD head's gradient buffers for the hidden
+    states and the lm_head; and two [chunk x vocab] logits buffers of the chunk being computed (fp32,
+    or bf16 with kd.logits_dtype=compute) (`forward_peak_memory`). (The teacher's own forward runs
+    before the student's activations exist, and the student's gradients replace its activations during
+    the backward pass, so neither adds to this peak unless it is larger: `optimizer_phase` covers the
+    end of the backward pass, `on_policy_memory` the generation of on-policy steps.)
 
     `extra_teachers`: the other teachers of a mixture (`teachers:`): their weights, their final hidden
     states, and two more [chunk x vocab] fp32 buffers (the mixture's running logaddexp and the
     teacher being added).
     """
-    gpu = device != "cpu"
-    if layout is None:
-        layout = Layout.of(cfg.runtime.activation_checkpointing)
-    rows = cfg.schedule.batch_size if batch is None else batch
-    n = rows * cfg.data.seq_len  # tokens per micro-batch on this device
+    s = StepShape.of(teacher, student, cfg, device, batch, layout, extra_teachers)
+    w = s.layout.world
+    fixed = resident_memory(s)
+    forward_peak = forward_peak_memory(s)
+    if cfg.kd.layers_on:
+        fixed["layer_projections"], forward_peak["layer_map"] = layer_map_memory(s)
+    generation = on_policy_memory(s, fixed, forward_peak) if cfg.kd.generates else 0
+    optimizer_phase = s.trainable * 4 * 2 // w  # gradients plus AdamW's foreach temporaries
+    terms = {**fixed, **forward_peak}
+    live_forward = sum(forward_peak.values())
+    if optimizer_phase > live_forward and optimizer_phase >= generation:
+        terms = {**fixed, "gradients_and_optimizer_temporaries": optimizer_phase}
+    elif generation > live_forward:
+        terms = {**fixed, "generation_kv_cache_and_logits": generation}
+    if s.gpu and _graphed(cfg, w):
+        terms["eval_beside_graph_pool"] = eval_beside_graph_pool(s)
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def _teacher_weights(s: StepShape) -> int:
+    """Bytes of every teacher's whole weights in the compute dtype (the fp8 teacher's block linears at
+    1 byte per weight and 4 per output channel)."""
+    pt = sum(t.param_counts()["total"] for t in (s.teacher, *s.extra_teachers))
+    out = pt * s.act_bytes
+    if s.cfg.teacher.precision == "fp8":
+        for t in (s.teacher, *s.extra_teachers):
+            linear = t.num_layers * sum(a * b for a, b in t.linear_shapes().values())
+            channels = t.num_layers * sum(b for _, b in t.linear_shapes().values())
+            out -= linear * (s.act_bytes - 1) - channels * 4
+    return out
+
+
+def resident_memory(s: StepShape) -> dict[str, int]:
+    """The terms that stay through the whole step: the teachers' and the student's weights, AdamW's
+    state and the compute-dtype copies of the student's weights; under FSDP2 (world > 1) the sharded
+    states plus the gathered units in use (see `estimate_memory`)."""
+    student, lora, w = s.student, s.cfg.student.lora, s.layout.world
     ps = student.param_counts()["total"]
-    pt = teacher.param_counts()["total"]
-    act_bytes = 2 if gpu else 4
-    fp8_student = cfg.runtime.precision == "fp8"
-    coef = (ACT_COEF_GPU_FP8 if fp8_student else ACT_COEF_GPU) if gpu else ACT_COEF_CPU
+    student_bytes = ps * s.base_bytes + (s.trainable * 4 if lora.enabled else 0)
+    if w > 1:
+        if s.cached:
+            teacher_bytes = 0
+        elif s.layout.teacher_sharded:
+            pt = sum(t.param_counts()["total"] for t in (s.teacher, *s.extra_teachers))
+            teacher_bytes = _gathered(s.teacher, s.act_bytes) + pt * s.act_bytes // w
+        else:
+            teacher_bytes = _teacher_weights(s)
+        return {
+            "teacher_weights": teacher_bytes,
+            "student_weights": student_bytes // w,
+            "optimizer_state": s.trainable * 8 // w,
+            # a LoRA student is gathered as stored (its base in lora.base_dtype, the adapters fp32)
+            "student_gathered_units": _gathered(
+                student, s.base_bytes if lora.enabled else s.act_bytes, s.layout.student_kept
+            )
+            + (_gathered_adapters(student, lora, s.layout.student_kept) if lora.enabled else 0),
+        }
+    fixed = {
+        "teacher_weights": 0 if s.cached else _teacher_weights(s),
+        "student_weights": student_bytes,
+        "optimizer_state": s.trainable * 8,
+        "autocast_weight_copies": s.trainable * 2 if s.gpu else 0,
+    }
+    if s.cfg.runtime.precision == "fp8" and s.gpu:
+        # The block linears are quantised from the fp32 masters at each call, never cast by autocast:
+        # no bf16 copies of them. The stacked q/k/v and gate/up weights keep their fp8 W^T for backward
+        # (1 byte per weight, every layer); one GEMM's operands exist at a time on top: the fp32
+        # concatenation being quantised and its fp8 copy.
+        block_linears = student.num_layers * sum(a * b for a, b in student.linear_shapes().values())
+        fixed["autocast_weight_copies"] -= block_linears * 2
+        h, i = student.hidden_size, student.intermediate_size
+        stacked = (student.q_size + 2 * student.kv_size) * h + 2 * i * h  # per layer
+        widest = max((student.q_size + 2 * student.kv_size) * h, 2 * i * h, student.q_size * h)
+        fixed["fp8_weight_copies"] = student.num_layers * stacked + widest * (4 + 1)
+    return fixed
+
+
+def saved_per_token_layer(s: StepShape) -> float:
+    """Bytes the student keeps for backward per token and decoder layer (see ACT_COEF_GPU): a LoRA
+    student's frozen base keeps no GEMM input for a weight gradient, its adapters keep their own."""
+    student, lora = s.student, s.cfg.student.lora
+    fp8_student = s.cfg.runtime.precision == "fp8"
+    coef = (ACT_COEF_GPU_FP8 if fp8_student else ACT_COEF_GPU) if s.gpu else ACT_COEF_CPU
     per_tok_layer = (
         coef["hidden"] * student.hidden_size
         + coef["inter"] * student.intermediate_size
         + coef["q"] * student.q_size
         + coef["kv"] * student.kv_size
     )
-    vocab = student.vocab_size
-    chunk = min(cfg.kd.chunk_size, n)
-    lora = cfg.student.lora
-    if lora.enabled and gpu:
+    if lora.enabled and s.gpu:
         # A frozen base keeps no GEMM input for a weight gradient: the normed-input copies (6H of
         # coef["hidden"]) go. An adapter keeps its own input: with dropout, its dropout output and mask
         # (lora_activations below); without, the norm's output itself, once for the targets that share it
@@ -145,142 +275,114 @@ def estimate_memory(
             per_tok_layer += shared * student.hidden_size * 2
             if "down_proj" in lora.targets:  # its input, the SwiGLU output, kept for the adapter
                 per_tok_layer += student.intermediate_size * 2
-    cached = bool(cfg.teacher.cache)
-    # A LoRA student: a frozen base (in lora.base_dtype, no gradient, no optimizer state, no cached
-    # autocast copy: autocast caches casts of trainable leaves only) and fp32 adapters that train.
-    trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else ps
-    base_bytes = (2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4
-    pt += sum(t.param_counts()["total"] for t in extra_teachers)
-    teacher_bytes = pt * act_bytes
-    if cfg.teacher.precision == "fp8":  # the blocks' linears at 1 byte per weight, 4 per output channel
-        for t in (teacher, *extra_teachers):
-            linear = t.num_layers * sum(a * b for a, b in t.linear_shapes().values())
-            channels = t.num_layers * sum(b for _, b in t.linear_shapes().values())
-            teacher_bytes -= linear * (act_bytes - 1) - channels * 4
-    fixed = {
-        "teacher_weights": 0 if cached else teacher_bytes,
-        "student_weights": ps * base_bytes + (trainable * 4 if lora.enabled else 0),
-        "optimizer_state": trainable * 8,
-        "autocast_weight_copies": trainable * 2 if gpu else 0,
-    }
-    if fp8_student and gpu:
-        # The block linears are quantised from the fp32 masters at each call, never cast by autocast:
-        # no bf16 copies of them. The stacked q/k/v and gate/up weights keep their fp8 W^T for backward
-        # (1 byte per weight, every layer); one GEMM's operands exist at a time on top: the fp32
-        # concatenation being quantised and its fp8 copy.
-        block_linears = student.num_layers * sum(a * b for a, b in student.linear_shapes().values())
-        fixed["autocast_weight_copies"] -= block_linears * 2
-        h, i = student.hidden_size, student.intermediate_size
-        stacked = (student.q_size + 2 * student.kv_size) * h + 2 * i * h  # per layer
-        widest = max((student.q_size + 2 * student.kv_size) * h, 2 * i * h, student.q_size * h)
-        fixed["fp8_weight_copies"] = student.num_layers * stacked + widest * (4 + 1)
-    w = layout.world
-    if w > 1:  # FSDP2: sharded states plus the gathered units in use (see the docstring)
-        fixed = {
-            "teacher_weights": 0
-            if cached
-            else (
-                _gathered(teacher, act_bytes) + pt * act_bytes // w
-                if layout.teacher_sharded
-                else teacher_bytes
-            ),
-            "student_weights": (ps * base_bytes + (trainable * 4 if lora.enabled else 0)) // w,
-            "optimizer_state": trainable * 8 // w,
-            # a LoRA student is gathered as stored (its base in lora.base_dtype, the adapters fp32)
-            "student_gathered_units": _gathered(
-                student, base_bytes if lora.enabled else act_bytes, layout.student_kept
-            )
-            + (_gathered_adapters(student, lora, layout.student_kept) if lora.enabled else 0),
-        }
-    head_grad = 0 if lora.enabled else vocab * student.hidden_size * 4  # a frozen lm_head has none
-    if layout.checkpointing:
-        inputs = CKPT_INPUT_COEF["gpu" if gpu else "cpu"] * student.hidden_size
+    return per_tok_layer
+
+
+def student_activations(s: StepShape) -> int:
+    """The student's saved activations at the end of its forward: every layer's (`saved_per_token_layer`),
+    or with checkpointing every block's inputs and one block's activations being recomputed."""
+    student, n = s.student, s.n
+    per_tok_layer = saved_per_token_layer(s)
+    if s.layout.checkpointing:
+        inputs = CKPT_INPUT_COEF["gpu" if s.gpu else "cpu"] * student.hidden_size
         activations = n * student.num_layers * inputs + n * per_tok_layer
     else:
         activations = n * student.num_layers * per_tok_layer
-        if layout.swiglu_kept and swiglu_recomputed(cfg) and not lora.enabled:
+        if s.layout.swiglu_kept and swiglu_recomputed(s.cfg) and not s.cfg.student.lora.enabled:
             # the SwiGLU output kept for down_proj's weight gradient (a frozen down_proj has none)
-            activations += n * student.num_layers * student.intermediate_size * act_bytes
+            activations += n * student.num_layers * student.intermediate_size * s.act_bytes
+    return int(activations) + n * student.hidden_size * 4
+
+
+def forward_peak_memory(s: StepShape) -> dict[str, int]:
+    """The terms live at the end of the student's forward besides the resident ones (see
+    `estimate_memory`)."""
+    student, teacher, n, lora = s.student, s.teacher, s.n, s.cfg.student.lora
+    vocab = student.vocab_size
+    head_grad = 0 if lora.enabled else vocab * student.hidden_size * 4  # a frozen lm_head has none
     forward_peak = {
-        "student_activations": int(activations) + n * student.hidden_size * 4,
+        "student_activations": student_activations(s),
         # teacher.cache: the batch's cached targets instead (bf16 log-probs of an exact cache, the
         # largest mode) and no teacher at all
-        "teacher_hidden": n * vocab * 2 if cached else n * teacher.hidden_size * act_bytes,
+        "teacher_hidden": n * vocab * 2 if s.cached else n * teacher.hidden_size * s.act_bytes,
         "loss_gradients": n * student.hidden_size * 4 + head_grad,
         # fp32 logits, or the compute dtype's with kd.logits_dtype=compute on a GPU (a mixture's own
         # running buffers stay fp32)
-        "loss_chunk_logits": (2 * chunk * vocab * (act_bytes if cfg.kd.logits_dtype == "compute" else 4))
-        + (2 * chunk * vocab * 4 if extra_teachers else 0),
+        "loss_chunk_logits": (
+            2 * s.chunk * vocab * (s.act_bytes if s.cfg.kd.logits_dtype == "compute" else 4)
+        )
+        + (2 * s.chunk * vocab * 4 if s.extra_teachers else 0),
     }
-    if extra_teachers:
-        forward_peak["teacher_hidden"] += sum(n * t.hidden_size * act_bytes for t in extra_teachers)
+    if s.extra_teachers:
+        forward_peak["teacher_hidden"] += sum(n * t.hidden_size * s.act_bytes for t in s.extra_teachers)
     if lora.enabled:  # per adapter: x A^T saved for B's gradient, and dropout's output and mask
         shapes = student.linear_shapes()
         per_tok = sum(
-            lora.rank * act_bytes + (shapes[t][0] * (act_bytes + 1) if lora.dropout > 0 else 0)
+            lora.rank * s.act_bytes + (shapes[t][0] * (s.act_bytes + 1) if lora.dropout > 0 else 0)
             for t in lora.targets
         )
         forward_peak["lora_activations"] = n * student.num_layers * per_tok
-    kd = cfg.kd
-    if kd.layers_on:  # kd.layer_map: projections (fp32, trained), collected layer outputs, attention maps
-        pairs = len(kd.layer_map)
-        proj = (
-            pairs * student.hidden_size * teacher.hidden_size
-            if student.hidden_size != teacher.hidden_size
-            else 0
-        )
-        fixed["layer_projections"] = proj * (4 + 8 + 4)  # weights, AdamW moments, gradients
-        states = n * pairs * (student.hidden_size + teacher.hidden_size) * 4  # fp32 copies compared
-        # (B, H, T, T) fp32 scores, log-probs and the head-averaged map, student (kept for backward) and teacher
-        maps = rows * cfg.data.seq_len**2 * (student.num_heads + teacher.num_heads) * 4 * 3 * pairs
-        forward_peak["layer_map"] = states + (maps if kd.attention_weight > 0 else 0)
-    generation = 0
-    if kd.generates:  # kd.on_policy / kd.seq_kd: generation and scoring phases before the update
-        # every micro-batch's teacher hidden states are scored before the update and kept until it
-        forward_peak["scored_targets"] = (cfg.schedule.grad_accum - 1) * n * teacher.hidden_size * act_bytes
-        # the teacher writes the seq_kd completions; under torchrun a sharded one is gathered whole to write
-        teacher_gathered = kd.seq_kd > 0 and w > 1 and layout.teacher_sharded
-        if act_bytes == 2:  # on a GPU the decode engines keep bf16 copies of the writers' weights
-            fixed["decode_engine_weights"] = engine_weights(student, full=True)
-            if kd.seq_kd > 0:
-                fixed["decode_engine_weights"] += engine_weights(teacher, full=teacher_gathered)
-        elif w > 1:  # the eager path writes with a gathered whole copy of each sharded writer, kept
-            fixed["gathered_writers"] = (
-                ps + (teacher.param_counts()["total"] if teacher_gathered else 0)
-            ) * 4
-        generation = generation_memory(
-            [student, teacher] if kd.seq_kd > 0 else [student],
-            rows * cfg.schedule.grad_accum,
-            cfg.data.seq_len,
-            act_bytes,
-        )
-        if act_bytes == 2 and w > 1:
-            # refreshing the engine of a sharded writer gathers one parameter at a time in its stored dtype
-            # (the student's fp32 masters, a bf16 teacher) beside the engine's kept KV cache: at most an
-            # embedding at once
-            embed = student.vocab_size * student.hidden_size * 4
-            if teacher_gathered:
-                embed = max(embed, teacher.vocab_size * teacher.hidden_size * act_bytes)
-            generation += embed
-    optimizer_phase = trainable * 4 * 2 // w  # gradients plus AdamW's foreach temporaries
-    terms = {**fixed, **forward_peak}
-    live_forward = sum(forward_peak.values())
-    if optimizer_phase > live_forward and optimizer_phase >= generation:
-        terms = {**fixed, "gradients_and_optimizer_temporaries": optimizer_phase}
-    elif generation > live_forward:
-        terms = {**fixed, "generation_kv_cache_and_logits": generation}
-    if gpu and _graphed(cfg, w):
-        # runtime.cuda_graphs: the captured step's memory is the graph's private pool, which nothing
-        # else can reuse; the held-out eval between steps allocates beside it: the final hidden states
-        # of both models, one block's transient activations and two [chunk x vocab] fp32 logits buffers.
-        inter = max(student.intermediate_size, teacher.intermediate_size)
-        terms["eval_beside_graph_pool"] = (
-            n * (student.hidden_size + teacher.hidden_size) * act_bytes
-            + n * 3 * inter * act_bytes
-            + 2 * chunk * vocab * 4
-        )
-    terms["total"] = sum(terms.values())
-    return terms
+    return forward_peak
+
+
+def layer_map_memory(s: StepShape) -> tuple[int, int]:
+    """kd.layer_map: (the projections' bytes, fp32 and trained: weights, AdamW moments, gradients; the
+    forward's collected layer outputs and, with kd.attention_weight, attention maps)."""
+    student, teacher, kd = s.student, s.teacher, s.cfg.kd
+    pairs = len(kd.layer_map)
+    proj = (
+        pairs * student.hidden_size * teacher.hidden_size if student.hidden_size != teacher.hidden_size else 0
+    )
+    states = s.n * pairs * (student.hidden_size + teacher.hidden_size) * 4  # fp32 copies compared
+    # (B, H, T, T) fp32 scores, log-probs and the head-averaged map, student (kept for backward) and teacher
+    maps = s.rows * s.cfg.data.seq_len**2 * (student.num_heads + teacher.num_heads) * 4 * 3 * pairs
+    return proj * (4 + 8 + 4), states + (maps if kd.attention_weight > 0 else 0)
+
+
+def on_policy_memory(s: StepShape, fixed: dict[str, int], forward_peak: dict[str, int]) -> int:
+    """kd.on_policy / kd.seq_kd: the terms generation adds to `fixed` (decode engines' weights, or the
+    gathered writers) and to `forward_peak` (the scored targets kept until the update), and the bytes of
+    the generation phase before the update (returned)."""
+    student, teacher, kd, w, act_bytes = s.student, s.teacher, s.cfg.kd, s.layout.world, s.act_bytes
+    # every micro-batch's teacher hidden states are scored before the update and kept until it
+    forward_peak["scored_targets"] = (s.cfg.schedule.grad_accum - 1) * s.n * teacher.hidden_size * act_bytes
+    # the teacher writes the seq_kd completions; under torchrun a sharded one is gathered whole to write
+    teacher_gathered = kd.seq_kd > 0 and w > 1 and s.layout.teacher_sharded
+    if act_bytes == 2:  # on a GPU the decode engines keep bf16 copies of the writers' weights
+        fixed["decode_engine_weights"] = engine_weights(student, full=True)
+        if kd.seq_kd > 0:
+            fixed["decode_engine_weights"] += engine_weights(teacher, full=teacher_gathered)
+    elif w > 1:  # the eager path writes with a gathered whole copy of each sharded writer, kept
+        ps = student.param_counts()["total"]
+        fixed["gathered_writers"] = (ps + (teacher.param_counts()["total"] if teacher_gathered else 0)) * 4
+    generation = generation_memory(
+        [student, teacher] if kd.seq_kd > 0 else [student],
+        s.rows * s.cfg.schedule.grad_accum,
+        s.cfg.data.seq_len,
+        act_bytes,
+    )
+    if act_bytes == 2 and w > 1:
+        # refreshing the engine of a sharded writer gathers one parameter at a time in its stored dtype
+        # (the student's fp32 masters, a bf16 teacher) beside the engine's kept KV cache: at most an
+        # embedding at once
+        embed = student.vocab_size * student.hidden_size * 4
+        if teacher_gathered:
+            embed = max(embed, teacher.vocab_size * teacher.hidden_size * act_bytes)
+        generation += embed
+    return generation
+
+
+def eval_beside_graph_pool(s: StepShape) -> int:
+    """runtime.cuda_graphs: the captured step's memory is the graph's private pool, which nothing else
+    can reuse; the held-out eval between steps allocates beside it: the final hidden states of both
+    models, one block's transient activations and two [chunk x vocab] fp32 logits buffers."""
+    student, teacher, n = s.student, s.teacher, s.n
+    inter = max(student.intermediate_size, teacher.intermediate_size)
+    return (
+        n * (student.hidden_size + teacher.hidden_size) * s.act_bytes
+        + n * 3 * inter * s.act_bytes
+        + 2 * s.chunk * student.vocab_size * 4
+    )
 
 
 def _graphed(cfg: RunConfig, world: int) -> bool:

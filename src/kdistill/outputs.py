@@ -9,9 +9,10 @@ kdistill did not write, never one of the run's inputs, never half-written.
                                             # removed and a write fault is one line (fileio.write_guard)
 
 The marker `.kdistill-output` ({"kdistill_output": KIND, "created": ...}) says which kind of output
-kdistill wrote there. An existing target is replaced only when it carries the marker of the same kind (or
-`legacy(out)` vouches for it: an output written before markers existed, inside a folder kdistill owns);
-anything else is refused, whatever the options. A target that is, or contains, one of the inputs
+kdistill wrote there; a folder holding nothing but the marker's temp file (its writer killed before the
+rename) counts as empty. An existing target is replaced only when it carries the marker of the same kind
+(or `legacy(out)` vouches for it: an output written before markers existed, inside a folder kdistill
+owns); anything else is refused, whatever the options. A target that is, or contains, one of the inputs
 (student.path, a teacher, the run directory) is refused too.
 
 Temp folders are named `.<name>.tmp-<pid>-<hex>` and the previous output, while it is swapped,
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from kdistill import signals
 from kdistill.errors import UserError
-from kdistill.fileio import atomic_write_text, fsync_dir, write_guard
+from kdistill.fileio import atomic_write_text, fsync_dir, is_atomic_temp, write_guard
 from kdistill.rundir import RunLock, _read_small_json
 
 MARKER = ".kdistill-output"
@@ -92,7 +93,8 @@ def check_target(
     if not out.is_dir():
         return out
     try:
-        empty = not any(out.iterdir())
+        # empty, or holding only the temp file of a marker whose writer was killed (kdistill's own)
+        empty = all(is_atomic_temp(p, MARKER) for p in out.iterdir())
     except OSError as e:
         raise UserError(f"{_label(name, out)}: cannot read it ({e.strerror})") from None
     if empty:

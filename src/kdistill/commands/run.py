@@ -34,6 +34,7 @@ from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
 from kdistill.train.preflight import resolve_device
 from kdistill.train.recipe import train
+from kdistill.train.resume import check_steps_held
 from kdistill.train.rundir import (
     Claim,
     check_identity,
@@ -177,11 +178,16 @@ def resume_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     if not cfg_path.is_file():
         raise UserError(f"--resume {run_dir}: no config.yaml there (not a kdistill run directory)")
     cfg = load_config(cfg_path, [*([args.config] if args.config else []), *args.overrides]).validate()
-    if not ckpt.list_checkpoints(run_dir):
+    found = ckpt.list_checkpoints(run_dir)
+    if not found:
         raise UserError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    saved = load_config(cfg_path)
+    # before anything is loaded or written, when every checkpoint is past the steps asked for (the one
+    # resumed from, the newest loadable, is checked again once it is read)
+    if int(found[0].name.removeprefix("step-")) > cfg.schedule.steps:
+        check_steps_held(run_dir, found[-1].name, int(found[-1].name.removeprefix("step-")), saved, cfg)
     if os.environ.get("RANK", "0") == "0":
         check_identity(run_dir, cfg, args.allow_changes)
-    saved = load_config(cfg_path)
     if saved.schedule.steps != cfg.schedule.steps and not args.quiet and os.environ.get("RANK", "0") == "0":
         print(
             f"schedule.steps {saved.schedule.steps} -> {cfg.schedule.steps}: the learning-rate schedule follows "

@@ -32,11 +32,11 @@ from kdistill.config import RunConfig, load_config
 from kdistill.console import print_json, progress_bar
 from kdistill.data.batches import take
 from kdistill.errors import UserError
-from kdistill.fileio import atomic_write_json, file_sha256, write_guard
+from kdistill.fileio import atomic_write_json, file_sha256, is_atomic_temp, write_guard
 from kdistill.kernels import seal
 from kdistill.models.hf_io import load_model
 from kdistill.models.hub import resolve_run_models
-from kdistill.outputs import check_target, output_lock, read_output_marker, write_output_marker
+from kdistill.outputs import MARKER, check_target, output_lock, read_output_marker, write_output_marker
 from kdistill.train.loading import load_data
 from kdistill.train.preflight import check_models, resolve_device
 
@@ -127,11 +127,13 @@ def check_cache_target(cfg: RunConfig, out: Path) -> None:
 
 
 def clean_temps(out: Path) -> None:
-    """Remove what a killed writer left in the cache folder: shard temp folders and temp manifests (the
-    caller holds the lock: no live writer owns them)."""
+    """Remove what a killed writer left in the cache folder: shard temp folders, temp manifests and the
+    output marker's temp file (the caller holds the lock: no live writer owns them)."""
     for p in out.glob("*.tmp"):
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
+        elif is_atomic_temp(p, MARKER):
+            p.unlink(missing_ok=True)
     for p in out.glob(".manifest.json.*.tmp"):
         p.unlink(missing_ok=True)
 

@@ -334,29 +334,6 @@ def _compile(source: str, origin: str) -> Any:
                 _check_format(left, right, limit)
             return operator.mod(left, right)
 
-    class BudgetedRange:
-        # range() of the sandbox (at most MAX_RANGE items) whose iteration checks the budget
-        def __init__(self, *args: int) -> None:
-            self._r = jinja2.sandbox.safe_range(*args)
-
-        def __iter__(self) -> Iterator[int]:
-            for i, v in enumerate(self._r):
-                if i % 1024 == 1023:
-                    _check()
-                yield v
-
-        def __len__(self) -> int:
-            return len(self._r)
-
-        def __getitem__(self, i: Any) -> Any:
-            return self._r[i]
-
-        def __reversed__(self) -> Iterator[int]:
-            return reversed(self._r)
-
-        def __contains__(self, v: Any) -> bool:
-            return v in self._r
-
     # optimized=False: Jinja's optimizer evaluates constant expressions while compiling, where no
     # budget applies ('%999999999d' | format(1) would allocate gigabytes before the first rendering).
     env = BudgetedEnvironment(
@@ -367,7 +344,7 @@ def _compile(source: str, origin: str) -> Any:
     )
     for name, fn in list(env.filters.items()):
         env.filters[name] = _budgeted_filter(fn)
-    env.globals["range"] = BudgetedRange
+    env.globals["range"] = _BudgetedRange
     env.filters["tojson"] = _budgeted_filter(tojson)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -379,6 +356,33 @@ def _compile(source: str, origin: str) -> Any:
         raise UserError(f"{origin}: chat template line {e.lineno}: {e.message}") from None
     except jinja2.TemplateError as e:
         raise UserError(f"{origin}: chat template does not compile: {e}") from None
+
+
+class _BudgetedRange:
+    """range() of the sandbox (at most MAX_RANGE items) whose iteration checks the budget."""
+
+    def __init__(self, *args: int) -> None:
+        import jinja2.sandbox
+
+        self._r = jinja2.sandbox.safe_range(*args)
+
+    def __iter__(self) -> Iterator[int]:
+        for i, v in enumerate(self._r):
+            if i % 1024 == 1023:
+                _check()
+            yield v
+
+    def __len__(self) -> int:
+        return len(self._r)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._r[i]
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(self._r)
+
+    def __contains__(self, v: Any) -> bool:
+        return v in self._r
 
 
 def _check_format(fmt: str, values: Any, limit: int) -> None:

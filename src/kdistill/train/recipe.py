@@ -328,7 +328,8 @@ def train_loop(run: Run) -> tuple[str, int, dict[str, Any]]:
         run.metrics.close()
     if status == "completed":
         last_eval = evaluator(step)
-        save(run, step)
+        if step > run.start_step:  # a resume from the last step's checkpoint: it is kept as written
+            save(run, step)
     run.eval_log.close()
     return status, step, last_eval
 

@@ -117,8 +117,6 @@ def restore_state(
         if onpolicy is not None:  # KeyError for a checkpoint of a run that did not generate
             onpolicy.load_state_dict(state["onpolicy"])
         start_step = state["step"]
-        # a checkpoint past schedule.steps (a run extended with --resume schedule.steps=N, resumed with
-        # the older count): its training is complete, and the run goes straight to its export
         if type(start_step) is not int or start_step < 0:
             raise ValueError(f"step {start_step!r}")
         counters.update({k: type(v)(state["counters"][k]) for k, v in counters.items()})
@@ -135,12 +133,26 @@ def restore_state(
         # A damaged or foreign checkpoint: names, shapes or state that do not fit this run.
         what = str(e).splitlines()[0][:200] if str(e) else e.__class__.__name__
         raise UserError(f"{path}: checkpoint does not match this run ({cut(what, 200)})") from None
+    saved = load_config(run_dir / "config.yaml")
+    check_steps_held(run_dir, path.name, start_step, saved, cfg)
     if dist.is_main():
         print(f"resuming from {path} (step {start_step})", file=sys.stderr)
         # the checkpoint fits: overrides given with --resume (schedule.steps=N) become the run's config,
         # so that a later plain --resume (after a killed export) continues with them
-        record_resume_overrides(run_dir, load_config(run_dir / "config.yaml"), cfg)
+        record_resume_overrides(run_dir, saved, cfg)
     return start_step
+
+
+def check_steps_held(run_dir: Path, name: str, step: int, saved: RunConfig, cfg: RunConfig) -> None:
+    """A checkpoint is never edited after it is written, so a resume cannot ask for fewer steps than
+    checkpoint `name` (at `step`) holds: one line. (A plain --resume whose config.yaml predates recorded
+    overrides, and so names fewer steps than a checkpoint of an extended run, is no such request: it
+    goes straight to the export of that checkpoint.)"""
+    if step > cfg.schedule.steps and cfg.schedule.steps != saved.schedule.steps:
+        raise UserError(
+            f"--resume {run_dir}: schedule.steps is {cfg.schedule.steps}, but {name} holds step {step}; "
+            f"give schedule.steps={step} or more (a checkpoint is never cut back)"
+        )
 
 
 def _load_full(
