@@ -18,7 +18,7 @@ when given directly) + ":LINE" (":row N" for Parquet); or data.heldout paths giv
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,18 @@ def _tokenize(
 
 
 def prepare_chat_data(
-    cfg: Any, tokenizer: Any, template: ChatTemplate, *, seed: int = 0, require_heldout: bool = True
+    cfg: Any,
+    tokenizer: Any,
+    template: ChatTemplate,
+    *,
+    seed: int = 0,
+    require_heldout: bool = True,
+    pack_train: Callable[[list[Conversation]], PackedRows] | None = None,
 ) -> PreparedData:
     """Read, render, mask, split and pack the conversations of `cfg` (a DataConfig).
+
+    `pack_train`: packs the training conversations in place of rendering them with `template` alone
+    (kd.cross_tokenizer: both models' renderings, aligned; kdistill.data.cross_chat).
 
     Returns PreparedData whose .train and .heldout are PackedRows; stats add packing_efficiency
     (real tokens / slots of the training rows), conversations, truncated and dropped counts.
@@ -124,8 +133,13 @@ def prepare_chat_data(
         split, need_held = "hash", require_heldout and frac > 0
     ignore = -100
     kwargs = dict(getattr(cfg, "template_kwargs", None) or {})
-    train_tok = _tokenize(train_convs, template, tokenizer, cfg.train_on, int(cfg.max_tokens or 0), kwargs)
-    train = pack_conversations(train_tok, seq_len, pad_id=pad, ignore_index=ignore)
+    if pack_train is not None:
+        train = pack_train(train_convs)
+    else:
+        train_tok = _tokenize(
+            train_convs, template, tokenizer, cfg.train_on, int(cfg.max_tokens or 0), kwargs
+        )
+        train = pack_conversations(train_tok, seq_len, pad_id=pad, ignore_index=ignore)
     held_tok = _tokenize(held_convs, template, tokenizer, cfg.train_on, 0, kwargs)
     heldout = pack_conversations(held_tok, seq_len, pad_id=pad, ignore_index=ignore)
     if len(train) == 0:

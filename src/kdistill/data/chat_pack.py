@@ -65,6 +65,8 @@ class PackedRows:
     conversations: int = 0
     truncated: int = 0
     dropped: int = 0
+    # per row, the index (in the list packed) of each conversation in it, in order
+    members: list[list[int]] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -104,8 +106,12 @@ def pack_conversations(
     pad_id: int = 0,
     ignore_index: int = -100,
     truncate: bool = True,
+    sizes: Sequence[int] | None = None,
 ) -> PackedRows:
     """Pack tokenized conversations into rows of `seq_len` tokens (see the module docstring).
+
+    `sizes`: the room each conversation takes in a row, when more than its tokens (a cross-tokenizer
+    run packs by the longer of its two tokenizations, so the teacher's side fits a row too).
 
     Raises:
         UserError: seq_len < 2; or, with truncate=False, a conversation longer than seq_len (named).
@@ -113,8 +119,9 @@ def pack_conversations(
     if seq_len < 2:
         raise UserError(f"seq_len is {seq_len}, expected at least 2 to pack conversations")
     pieces: list[tuple[np.ndarray, np.ndarray, str]] = []  # (ids, labels, source)
+    index: list[int] = []  # the conversation of each piece
     truncated = dropped = 0
-    for c in convs:
+    for k, c in enumerate(convs):
         ids, labels = c.input_ids, c.labels(ignore_index)
         if len(ids) > seq_len:
             if not truncate:
@@ -132,12 +139,13 @@ def pack_conversations(
             dropped += 1
             continue
         pieces.append((ids, labels, c.source))
+        index.append(k)
 
     # Online best fit: `free` holds (room left, row) sorted, for the rows still open.
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []
     for i, (ids, _, _) in enumerate(pieces):
-        n = len(ids)
+        n = min(max(len(ids), sizes[index[i]]), seq_len) if sizes is not None else len(ids)
         j = bisect.bisect_left(free, (n, -1))
         if j < len(free):
             room, r = free.pop(j)
@@ -181,6 +189,7 @@ def pack_conversations(
         conversations=len(pieces),
         truncated=truncated,
         dropped=dropped,
+        members=[[index[i] for i in row] for row in rows],
     )
 
 

@@ -36,6 +36,9 @@ class CrossTokenizer:
     student_tok: Any
     teacher_tok: Any
     teacher_max_len: int
+    # packed conversations: the teacher's side of the training rows (kdistill.data.cross_chat.AlignedRows),
+    # rendered and aligned once when the data is read; None for raw text (aligned per batch here)
+    rows: Any = None
 
     def teacher_batch(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(teacher ids (B, Lt) padded with 0, teacher position per student position (B, T))."""

@@ -15,6 +15,8 @@ gradients; none of the sources knows about the others:
                            fetched by the batch's dataset rows before the forward is queued
     CrossTokenizerTargets  a teacher with another tokenizer: its hidden states at the positions aligned
                            by character offsets (the ULD loss)
+    CrossChatTargets       the same over conversations: the teacher runs on its own rendering of them
+                           (kdistill.data.cross_chat), positions paired by the learned messages' text
 
 The batch itself may come from the data or from the student (kdistill.train.onpolicy: the student's
 samples of the data's prompts, graded by any live source). Extra terms (kd.layer_map's hidden-state
@@ -32,6 +34,7 @@ import torch
 
 from kdistill import dispatch
 from kdistill.config import RunConfig
+from kdistill.data.cross_chat import T_DOC, T_IDS, T_PAIR, T_POS, AlignedRows
 from kdistill.models.decoder import Decoder
 from kdistill.ops import kd_sparse
 from kdistill.ops.onpolicy_loss import sampled_reverse_kl
@@ -223,6 +226,38 @@ class CrossTokenizerTargets(TargetSource):
         return Targets(hidden=rows, weight=self.teacher.lm_head_weight, aligned=True)
 
 
+class CrossChatTargets(TargetSource):
+    """Conversations across tokenizers (kd.cross_tokenizer over packed conversations): the teacher runs
+    on its own rendering of the batch's conversations (kdistill.data.cross_chat.AlignedRows, packed
+    like the student's rows, documents masked), and its hidden states at the positions paired with the
+    batch's labelled ones are the targets of the ULD loss."""
+
+    def __init__(self, teacher: Decoder, rows: AlignedRows) -> None:
+        self.teacher, self.rows = teacher, rows
+        self.teachers = [teacher]
+
+    def fetch(self, indices: np.ndarray, rows: slice | None, device: torch.device) -> torch.Tensor | None:
+        side = torch.from_numpy(np.ascontiguousarray(self.rows.teacher[indices]))  # (B, 4, T)
+        if rows is not None:
+            side = side[rows]
+        return side.to(device, non_blocking=True)
+
+    def targets(
+        self, batch: MicroBatch, cfg: RunConfig, amp: contextlib.AbstractContextManager, extras: Any = None
+    ) -> Targets:
+        assert batch.cached is not None, "CrossChatTargets needs the batch's teacher rows (fetch) first"
+        valid = batch.labels != cfg.kd.ignore_index  # (B, T)
+        if cfg.kd.alpha == 0 or not bool(valid.any()):
+            return Targets(aligned=True)
+        side = batch.cached
+        with torch.no_grad(), amp:
+            t_hidden = self.teacher(side[:, T_IDS], side[:, T_POS], side[:, T_DOC])  # (B, Tt, Ht)
+        pairs = side[:, T_PAIR]  # (B, T)
+        b_idx = torch.arange(len(pairs), device=pairs.device)[:, None].expand_as(pairs)
+        rows = t_hidden[b_idx[valid], pairs[valid]].float()  # (n, Ht)
+        return Targets(hidden=rows, weight=self.teacher.lm_head_weight, aligned=True)
+
+
 def target_source(
     teacher: Decoder | None,
     *,
@@ -235,6 +270,8 @@ def target_source(
         return CachedTargets(cache)
     if cross is not None:
         assert teacher is not None
+        if cross.rows is not None:  # packed conversations, each model rendering its own
+            return CrossChatTargets(teacher, cross.rows)
         return CrossTokenizerTargets(teacher, cross)
     if mixture is not None:
         return Mixture(mixture)
@@ -268,7 +305,7 @@ def batch_loss(
     kd = cfg.kd
     if targets.aligned:
         with amp:
-            s_hidden = student(batch.input_ids)  # (B, T, Hs)
+            s_hidden = student(batch.input_ids, *batch.docs)  # (B, T, Hs)
         return uld_loss(s_hidden, student.lm_head_weight, targets.hidden, targets.weight, batch.labels, cfg)
     s_states: dict[int, torch.Tensor] = {}
     s_qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
