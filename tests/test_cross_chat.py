@@ -314,3 +314,23 @@ def test_conversations_across_tokenizers_refuse_train_on_all_and_a_student_witho
         capsys, "run", str(path), f"student.path={bare}", "output.dir=" + str(tmp_path / "r2"), "--quiet"
     )
     assert rc == 2 and one_error_line(err).startswith(f"{bare}: no chat template")
+
+
+def test_an_answer_one_template_rewrites_is_aligned_through_its_matching_text():
+    """The teacher's template trims the answer (` four ` -> `four`), the student's does not: the student's
+    positions still meet the teacher's at the answer's start, its text and its end-of-turn."""
+    s_tpl, s_tok, t_tpl, t_tok = _sides()
+    record = {
+        "messages": [{"role": "user", "content": "two plus two?"}, {"role": "assistant", "content": " four "}]
+    }
+    ac = align_conversation(_conv(record), s_tpl, s_tok, t_tpl, t_tok)
+    s_ids, t_ids = ac.student.input_ids.tolist(), ac.teacher_ids.tolist()
+    assert "<|im_start|>assistant\n four <|im_end|>" in ac.student.text
+    assert t_tok.decode(t_ids).endswith("<|end_header_id|>\n\nfour<|eot_id|>")
+    learned = [i for i in range(len(s_ids) - 1) if ac.student.trained[i + 1]]
+    _, t_ends = t_tok.encode_offsets(t_tok.decode(t_ids))
+    t_start = t_tok.decode(t_ids).rindex("\n\nfour") + 2
+    assert t_ends[ac.pairs[learned[0]]] == t_start  # both before the answer
+    assert s_ids[learned[-1] + 1] == s_tok.token_to_id("<|im_end|>")
+    assert t_ids[ac.pairs[learned[-1]] + 1] == t_tok.token_to_id("<|eot_id|>")  # both before the end-of-turn
+    assert all(a <= b for a, b in zip(ac.pairs[learned], ac.pairs[learned][1:]))  # in order

@@ -149,14 +149,14 @@ def align_conversation(
     target = student.trained[1:]  # position i predicts token i + 1
     for sa, ta in zip(s_answers, t_answers):
         body = offset_map(s_text[sa.start : sa.body_end], t_text[ta.start : ta.body_end])
-        mine = np.flatnonzero(target & (starts[1:] < sa.end) & (ends[1:] > sa.start))
+        # the positions whose next token is learned in this answer: it overlaps the answer's span (the
+        # rule tokenize_conversation marks learned tokens by)
+        a, b, s1, e1 = sa.start, sa.end, starts[1:], ends[1:]
+        mine = np.flatnonzero(target & (((e1 > a) & (s1 < b)) | ((s1 == e1) & (s1 >= a) & (s1 < b))))
         if len(mine):
             points = _to_teacher(ends[mine], sa, ta, body)
             pairs[mine] = align_ends(points.tolist(), t_ends.tolist())
-    # a learned token outside every answer (a zero-width one at a span's edge): its nearest partner
-    rest = np.flatnonzero(target & (pairs[:-1] < 0))
-    if len(rest):
-        pairs[rest] = align_ends(ends[rest].tolist(), t_ends.tolist())
+    assert not (target & (pairs[:-1] < 0)).any(), f"{conv.source}: a learned token outside every answer"
     return AlignedConversation(student, t_ids, pairs)
 
 
