@@ -120,23 +120,40 @@ def _dense_uld(s_logits: torch.Tensor, t_logits: torch.Tensor, temperature: floa
     return sum(abs(a - b) for a, b in zip(p, q))
 
 
-def test_loss_of_packed_conversations_equals_a_dense_reference():
+def _dense_exact(
+    s_logits: torch.Tensor, t_logits: torch.Tensor, vmap: np.ndarray, t: float, div: str
+) -> float:
+    """The exact term at one position: D over the shared tokens (same text) plus one bucket for the rest."""
+    q, p = torch.softmax(s_logits / t, -1).tolist(), torch.softmax(t_logits / t, -1).tolist()
+    s_idx = [i for i in range(len(vmap)) if vmap[i] >= 0]
+    qb, pb = [q[i] for i in s_idx], [p[int(vmap[i])] for i in s_idx]
+    qb, pb = qb + [1 - sum(qb)], pb + [1 - sum(pb)]
+    a, b = (pb, qb) if div == "forward_kl" else (qb, pb)
+    return sum(x * math.log(x / y) for x, y in zip(a, b) if x > 0)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
+def test_loss_of_packed_conversations_equals_a_dense_reference(divergence):
+    from kdistill.data.align import vocab_map
     from kdistill.data.batches import take
     from kdistill.models.hf_io import load_model
+    from kdistill.train.cross_tok import CrossTokenizer
     from kdistill.train.targets import CrossChatTargets, MicroBatch, batch_loss
     from tests.tiny import load_hf
 
     p = cross_pair()
     s_tpl, s_tok, t_tpl, t_tok = _sides()
+    vmap = vocab_map(s_tok, t_tok)
     convs = [_conv(r, f"c:{i}") for i, r in enumerate(conversations(9))]
     seq_len = 80
-    rows = pack_aligned(convs, s_tpl, s_tok, t_tpl, t_tok, seq_len)
+    rows = pack_aligned(convs, s_tpl, s_tok, t_tpl, t_tok, seq_len, vmap=vmap)
     assert any(len(m) > 1 for m in rows.members)  # rows hold several conversations
     cfg = RunConfig()
     cfg.kd.cross_tokenizer, cfg.kd.alpha, cfg.kd.temperature, cfg.kd.chunk_size = True, 0.6, 2.0, 7
+    cfg.kd.divergence, cfg.kd.uld_weight, cfg.kd.exact_weight = divergence, 0.7, 1.5
     teacher = load_model(p.teacher, device=torch.device("cpu"), dtype=torch.float32).eval()
     student = load_model(p.student, device=torch.device("cpu"), dtype=torch.float32)
-    source = CrossChatTargets(teacher, rows)
+    source = CrossChatTargets(teacher, CrossTokenizer(s_tok, t_tok, 256, rows=rows, vmap=vmap))
     idx = np.arange(min(3, len(rows)))
     ids, labels, pos, doc = take(rows, idx)
     batch = MicroBatch(ids, labels, pos, doc, cached=source.fetch(idx, None, torch.device("cpu")))
@@ -144,10 +161,10 @@ def test_loss_of_packed_conversations_equals_a_dense_reference():
 
     # dense: each conversation alone through transformers' own models, full logits
     hf_s, hf_t = load_hf(p.student), load_hf(p.teacher)
-    ce, uld, n = 0.0, 0.0, 0
+    ce, uld, exact, n, n_exact = 0.0, 0.0, 0.0, 0, 0
     for r in idx:
         for k in rows.members[r]:
-            ac, _ = fit_row(align_conversation(convs[k], s_tpl, s_tok, t_tpl, t_tok), seq_len)
+            ac, _ = fit_row(align_conversation(convs[k], s_tpl, s_tok, t_tpl, t_tok, vmap=vmap), seq_len)
             s_ids = torch.as_tensor(ac.student.input_ids)[None]
             t_ids = torch.as_tensor(ac.teacher_ids)[None]
             with torch.no_grad():
@@ -156,14 +173,20 @@ def test_loss_of_packed_conversations_equals_a_dense_reference():
                 target = int(ac.student.input_ids[i + 1])
                 ce -= float(torch.log_softmax(s_logits[i].double(), -1)[target])
                 uld += _dense_uld(s_logits[i].double(), t_logits[ac.pairs[i]].double(), 2.0)
+                if ac.exact[i]:
+                    s_i, t_j = s_logits[i].double(), t_logits[ac.pairs[i]].double()
+                    exact += _dense_exact(s_i, t_j, vmap, 2.0, divergence)
+                    n_exact += 1
                 n += 1
     assert n == got.tokens == int((labels != -100).sum())
+    assert 0 < n_exact < n  # some positions map one to one, not all
+    kd = 0.7 * uld / n + 1.5 * 4.0 * exact / n
     assert math.isclose(float(got.ce), ce / n, rel_tol=1e-5)
-    assert math.isclose(float(got.kd), uld / n, rel_tol=1e-5)
-    assert math.isclose(float(got.loss.detach()), 0.4 * ce / n + 0.6 * uld / n, rel_tol=1e-5)
+    assert math.isclose(float(got.kd), kd, rel_tol=1e-5)
+    assert math.isclose(float(got.loss.detach()), 0.4 * ce / n + 0.6 * kd, rel_tol=1e-5)
     # the teacher rows of the batch lay out each conversation's own teacher tokens
     first = rows.members[0][0]
-    ac, _ = fit_row(align_conversation(convs[first], s_tpl, s_tok, t_tpl, t_tok), seq_len)
+    ac, _ = fit_row(align_conversation(convs[first], s_tpl, s_tok, t_tpl, t_tok, vmap=vmap), seq_len)
     assert rows.teacher[0, T_IDS, : len(ac.teacher_ids)].tolist() == ac.teacher_ids.tolist()
     assert rows.teacher[0, T_PAIR, : len(ac.pairs)].tolist() == ac.pairs.tolist()
 
@@ -258,6 +281,7 @@ def test_the_kernel_plan_covers_a_conversation_step_across_tokenizers(dtype, alp
     from kdistill.kernels import plan as plan_mod
     from kdistill.kernels import seal as cache
     from kdistill.models.decoder import build_decoder
+    from kdistill.train.cross_tok import CrossTokenizer
     from kdistill.train.step import heldout_eval
     from kdistill.train.targets import CrossChatTargets, MicroBatch, batch_loss
     from tests.test_contract import TORCH, make_run, make_spec
@@ -278,7 +302,7 @@ def test_the_kernel_plan_covers_a_conversation_step_across_tokenizers(dtype, alp
         build_decoder(teacher_spec, dtype=TORCH[prec.teacher_weights], seed=0).eval().requires_grad_(False)
     )
     student = build_decoder(student_spec, dtype=TORCH[prec.student_weights], seed=1)
-    source = CrossChatTargets(teacher, rows)
+    source = CrossChatTargets(teacher, CrossTokenizer(s_tok, t_tok, 256, rows=rows))
     idx = np.arange(2)
     batch = take(rows, idx)
     amp = torch.autocast("cpu", dtype=TORCH[prec.compute], enabled=prec.autocast)
@@ -334,3 +358,120 @@ def test_an_answer_one_template_rewrites_is_aligned_through_its_matching_text():
     assert s_ids[learned[-1] + 1] == s_tok.token_to_id("<|im_end|>")
     assert t_ids[ac.pairs[learned[-1]] + 1] == t_tok.token_to_id("<|eot_id|>")  # both before the end-of-turn
     assert all(a <= b for a, b in zip(ac.pairs[learned], ac.pairs[learned][1:]))  # in order
+
+
+def _completion_side(rows, where, seq_len: int = 96):
+    from kdistill.data.align import vocab_map
+    from kdistill.data.cross_chat import CompletionSide
+
+    p = cross_pair()
+    s_tok, t_tok = load_tokenizer(p.student), load_tokenizer(p.teacher)
+    stops = {s_tok.token_to_id("<|im_end|>")}
+    return CompletionSide(
+        where, stops, s_tok, load_chat_template(p.teacher), t_tok, None, seq_len, vocab_map(s_tok, t_tok)
+    )
+
+
+def test_a_completion_written_as_the_data_has_it_is_aligned_as_the_data_is():
+    """On-policy across tokenizers: a completion whose tokens are the student's own tokenization of the
+    data's answer (then its end-of-turn) is paired and marked exact as the conversation itself is."""
+    from kdistill.data.align import vocab_map
+    from kdistill.data.cross_chat import cross_prompt_pool
+
+    s_tpl, s_tok, t_tpl, t_tok = _sides()
+    vmap = vocab_map(s_tok, t_tok)
+    record = {
+        "messages": [
+            {"role": "user", "content": "two plus two?"},
+            {"role": "assistant", "content": "four thanks paris"},
+        ]
+    }
+    rows = pack_aligned([_conv(record)], s_tpl, s_tok, t_tpl, t_tok, 96, vmap=vmap)
+    prompts, where = cross_prompt_pool(rows)
+    (_, ac), prompt = rows.aligned[0], prompts[0]
+    assert where[0][1] == 1 and ac.student.input_ids[: len(prompt)].tolist() == prompt
+    completion = ac.student.input_ids[len(prompt) :].tolist()  # the answer, <|im_end|>, "\n"
+    t_ids, pairs, exact = _completion_side(rows, where).row(0, completion)
+    learned = np.arange(len(prompt) - 1, len(prompt) - 1 + len(completion) - 1)  # "\n" after the stop: none
+    assert (
+        t_ids[: len(ac.teacher_ids)].tolist() == ac.teacher_ids.tolist()
+    )  # the data's: cut at its last partner
+    assert pairs[:-1].tolist() == ac.pairs[learned].tolist()
+    assert exact[:-1].tolist() == ac.exact[learned].tolist() and exact[:-1].any()
+
+
+def test_a_completion_in_other_tokens_pairs_by_its_text_and_is_exact_only_where_the_tokens_agree():
+    from kdistill.data.cross_chat import cross_prompt_pool
+
+    s_tpl, s_tok, t_tpl, t_tok = _sides()
+    record = {"messages": [{"role": "user", "content": "hello?"}, {"role": "assistant", "content": "fine"}]}
+    rows = pack_aligned([_conv(record)], s_tpl, s_tok, t_tpl, t_tok, 96)
+    _, where = cross_prompt_pool(rows)
+    side = _completion_side(rows, where)
+    text = " paris four"
+    chars = [s_tok.encode(c)[0] for c in text]  # one token per character: not the student's own merges
+    im_end = s_tok.token_to_id("<|im_end|>")
+    t_ids, pairs, exact = side.row(0, chars + [im_end])
+    t_text = t_tok.decode(t_ids.tolist())
+    assert t_text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\nparis four<|eot_id|>")  # trimmed
+    _, t_ends = t_tok.encode_offsets(t_text)
+    start = t_text.rindex("\n\nparis four") + 2
+    assert t_ends[pairs[0]] == start  # the first character: predicted where the teacher's answer begins
+    assert t_ids[pairs[-1] + 1] == t_tok.token_to_id(
+        "<|eot_id|>"
+    )  # the stop: before the teacher's end-of-turn
+    for c, tok in enumerate(chars):  # exact: the same point, and the teacher's next token is this character
+        j = pairs[c]
+        want = j + 1 < len(t_ids) and t_tok.decode([int(t_ids[j + 1])]) == s_tok.decode([tok])
+        rel = len(text[:c].lstrip())  # where this character starts in the trimmed answer
+        want = want and t_ends[j] == start + rel and t_ends[j + 1] == start + rel + len(text[c].strip())
+        assert bool(exact[c]) == bool(want), c
+    assert not exact[-1]  # <|im_end|> and <|eot_id|> are not the same text
+
+
+def test_on_policy_across_tokenizers_refuses_teacher_completions_and_the_sampled_loss():
+    from kdistill.config import load_config
+
+    base = {"kd": {"cross_tokenizer": True, "on_policy": 0.5, "seq_kd": 0.5, "max_new_tokens": 4}}
+    with pytest.raises(UserError, match="kd.seq_kd and kd.cross_tokenizer cannot be combined"):
+        load_config(None, base=base).validate(need_paths=False)
+    base = {
+        "kd": {
+            "cross_tokenizer": True,
+            "on_policy": 1.0,
+            "on_policy_loss": "sampled_reverse_kl",
+            "max_new_tokens": 4,
+        }
+    }
+    with pytest.raises(UserError, match="kd.on_policy_loss=sampled_reverse_kl and kd.cross_tokenizer"):
+        load_config(None, base=base).validate(need_paths=False)
+    with pytest.raises(UserError, match="kd.exact_weight is -1.0, expected a finite number >= 0"):
+        load_config(None, base={"kd": {"exact_weight": -1.0}}).validate(need_paths=False)
+
+
+def test_an_on_policy_run_across_tokenizers_resumes_after_a_kill_to_the_same_samples_and_weights(tmp_path):
+    def metrics(run_dir):
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        drop = ("tokens_per_s", "gen_s", "score_s", "update_s")
+        return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+
+    straight, killed = tmp_path / "a", tmp_path / "b"
+    for d in (straight, killed):
+        d.mkdir()
+        cfg = _config(d, steps=4, checkpoint_every=2, eval_every=0)
+        cfg["kd"].update(on_policy=0.7, max_new_tokens=12, divergence="reverse_kl")
+        (d / "run.yaml").write_text(yaml.safe_dump(cfg))
+    r = run_proc(["run", str(straight / "run.yaml"), "--quiet"], timeout=180)
+    assert r.returncode == 0, r.stderr
+    r = run_proc(["run", str(killed / "run.yaml"), "--quiet"], timeout=180, KDISTILL_TEST_KILL_AT="3")
+    assert r.returncode != 0 and not (killed / "run" / "summary.json").exists()
+    r = run_proc(["run", "--resume", str(killed / "run"), "--quiet"], timeout=180)
+    assert r.returncode == 0, r.stderr
+    rows = metrics(straight / "run")
+    assert {r.get("policy", "data") for r in rows} == {"on_policy", "data"}  # both kinds of steps ran
+    assert metrics(killed / "run") == rows
+    s = read_summary(straight / "run")
+    assert s["on_policy"]["on_policy_steps"] >= 1 and s["on_policy"]["sample_kl"] > 0
+    a = student_weights(straight / "run" / "student" / "model.safetensors")
+    b = student_weights(killed / "run" / "student" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

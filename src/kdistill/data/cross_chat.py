@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kdistill.data.align import align_ends
+from kdistill.data.align import align_ends, exact_positions
 from kdistill.data.chat import (
     Answer,
     Conversation,
@@ -52,8 +52,8 @@ from kdistill.errors import UserError
 
 log = logging.getLogger("kdistill.data")
 
-# the rows of AlignedRows.teacher: teacher ids, their positions, their documents, the pairs
-T_IDS, T_POS, T_DOC, T_PAIR = range(4)
+# the rows of AlignedRows.teacher: teacher ids, their positions, their documents, the pairs, exact
+T_IDS, T_POS, T_DOC, T_PAIR, T_EXACT = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +65,16 @@ class AlignedConversation:
         teacher_ids: (m,) int64 token ids of the teacher's rendering (its own template and tokenizer).
         pairs: (n,) int64, per student position, the teacher position graded against it; -1 where the
             student position has no label.
+        exact: (n,) bool, the paired positions whose text maps one to one (the same point of the text
+            and the same next token: kdistill.data.align.exact_positions).
+        first_answer: the message index of the first learned answer (-1: none).
     """
 
     student: TokenizedConversation
     teacher_ids: np.ndarray
     pairs: np.ndarray
+    exact: np.ndarray
+    first_answer: int = -1
 
 
 def offset_map(a: str, b: str) -> np.ndarray:
@@ -117,9 +122,11 @@ def align_conversation(
     t_tok: Any,
     train_on: str = "assistant",
     template_kwargs: Mapping[str, Any] | None = None,
+    vmap: np.ndarray | None = None,
 ) -> AlignedConversation:
     """Render `conv` with each model's template, tokenize each with its own tokenizer, and pair every
-    learned student position with a teacher position (see the module docstring).
+    learned student position with a teacher position (see the module docstring). vmap: student id ->
+    teacher id of the same text (kdistill.data.align.vocab_map), for the exact positions (none without).
 
     Raises:
         UserError: train_on=all (the templates' own text has no counterpart to align), or a template
@@ -144,8 +151,10 @@ def align_conversation(
     t_ids, _, t_ends = _offsets(t_tok, t_text)
     n = len(ids)
     pairs = np.full(n, -1, dtype=np.int64)
+    exact = np.zeros(n, dtype=bool)
+    first = s_answers[0].message if s_answers else -1
     if n < 2 or not len(t_ids):
-        return AlignedConversation(student, t_ids, pairs)
+        return AlignedConversation(student, t_ids, pairs, exact, first)
     target = student.trained[1:]  # position i predicts token i + 1
     for sa, ta in zip(s_answers, t_answers):
         body = offset_map(s_text[sa.start : sa.body_end], t_text[ta.start : ta.body_end])
@@ -156,8 +165,11 @@ def align_conversation(
         if len(mine):
             points = _to_teacher(ends[mine], sa, ta, body)
             pairs[mine] = align_ends(points.tolist(), t_ends.tolist())
+            if vmap is not None:
+                nxt = _to_teacher(ends[mine + 1], sa, ta, body)
+                exact[mine] = exact_positions(ids[mine + 1], points, nxt, pairs[mine], t_ids, t_ends, vmap)
     assert not (target & (pairs[:-1] < 0)).any(), f"{conv.source}: a learned token outside every answer"
-    return AlignedConversation(student, t_ids, pairs)
+    return AlignedConversation(student, t_ids, pairs, exact, first)
 
 
 def fit_row(ac: AlignedConversation, seq_len: int) -> tuple[AlignedConversation, bool]:
@@ -175,18 +187,24 @@ def fit_row(ac: AlignedConversation, seq_len: int) -> tuple[AlignedConversation,
     need = int(pairs.max()) + 1 if len(pairs) else 0
     cut = n < len(s.input_ids) or bool((s.trained[1:n] != trained[1:]).any())
     student = dataclasses.replace(s, input_ids=s.input_ids[:n], trained=trained)
-    return AlignedConversation(student, ac.teacher_ids[:need], pairs), cut
+    exact = ac.exact[:n] & (pairs >= 0) & (pairs + 1 < need)  # its partner's next token is kept too
+    fitted = dataclasses.replace(
+        ac, student=student, teacher_ids=ac.teacher_ids[:need], pairs=pairs, exact=exact
+    )
+    return fitted, cut
 
 
 @dataclasses.dataclass
 class AlignedRows(PackedRows):
-    """Packed student rows (PackedRows) with the teacher's side of each: teacher (R, 4, seq_len) int64,
+    """Packed student rows (PackedRows) with the teacher's side of each: teacher (R, 5, seq_len) int64,
     its rows T_IDS (teacher token ids, padding 0), T_POS (positions, restarting per conversation),
-    T_DOC (conversation per token, -1 on padding) and T_PAIR (per student position, the teacher
-    position of the same row graded against it; -1 without a label)."""
+    T_DOC (conversation per token, -1 on padding), T_PAIR (per student position, the teacher
+    position of the same row graded against it; -1 without a label) and T_EXACT (1 where that pair's
+    text maps one to one). `aligned`: the conversations packed (by `members`), in their order."""
 
-    teacher: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 4, 0), dtype=np.int64))
+    teacher: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 5, 0), dtype=np.int64))
     teacher_tokens: int = 0  # teacher tokens placed (padding excluded)
+    aligned: list[tuple[Conversation, AlignedConversation]] = dataclasses.field(default_factory=list)
 
 
 def pack_aligned(
@@ -202,18 +220,20 @@ def pack_aligned(
     train_on: str = "assistant",
     template_kwargs: Mapping[str, Any] | None = None,
     max_tokens: int = 0,
+    vmap: np.ndarray | None = None,
 ) -> AlignedRows:
     """Align every conversation (align_conversation), fit each to a row (fit_row) and pack them by the
     longer of their two tokenizations; the teacher's side of each row is laid out like the student's."""
     fitted: list[AlignedConversation] = []
+    used: list[Conversation] = []
     total = truncated = 0
     for conv in convs:
         if max_tokens and total >= max_tokens:
             break
-        ac, cut = fit_row(
-            align_conversation(conv, s_template, s_tok, t_template, t_tok, train_on, template_kwargs), seq_len
-        )
+        ac = align_conversation(conv, s_template, s_tok, t_template, t_tok, train_on, template_kwargs, vmap)
+        ac, cut = fit_row(ac, seq_len)
         fitted.append(ac)
+        used.append(conv)
         total += len(ac.student)
         truncated += cut
     for line in warn_unrendered([ac.student for ac in fitted], s_template):
@@ -222,7 +242,7 @@ def pack_aligned(
         [ac.student for ac in fitted], seq_len, pad_id=pad_id, ignore_index=ignore_index,
         sizes=[len(ac.teacher_ids) for ac in fitted],
     )  # fmt: skip
-    teacher = np.zeros((len(packed), 4, seq_len), dtype=np.int64)
+    teacher = np.zeros((len(packed), 5, seq_len), dtype=np.int64)
     teacher[:, T_DOC] = -1
     teacher[:, T_PAIR] = -1
     placed = 0
@@ -235,6 +255,7 @@ def pack_aligned(
             teacher[r, T_POS, t_at : t_at + m] = np.arange(m)
             teacher[r, T_DOC, t_at : t_at + m] = d
             teacher[r, T_PAIR, s_at : s_at + n] = np.where(ac.pairs >= 0, ac.pairs + t_at, -1)
+            teacher[r, T_EXACT, s_at : s_at + n] = ac.exact
             s_at, t_at = s_at + n, t_at + m
         teacher[r, T_POS, t_at:] = np.arange(seq_len - t_at)
         placed += t_at
@@ -242,4 +263,96 @@ def pack_aligned(
     assert bool((teacher[:, T_PAIR][learned] >= 0).all()), "a learned position without a teacher partner"
     fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(PackedRows)}
     fields["truncated"] = truncated
-    return AlignedRows(**fields, teacher=teacher, teacher_tokens=placed)
+    return AlignedRows(**fields, teacher=teacher, teacher_tokens=placed, aligned=list(zip(used, fitted)))
+
+
+def cross_prompt_pool(rows: AlignedRows) -> tuple[list[list[int]], list[tuple[Conversation, int]]]:
+    """On-policy prompts of packed conversations across tokenizers: the student's tokens of each
+    conversation up to its first learned token (as kdistill.train.onpolicy.prompt_pool takes them, in
+    the same order), and beside each, its conversation and the message index of that answer: what the
+    teacher renders the student's completion after."""
+    prompts: list[list[int]] = []
+    where: list[tuple[Conversation, int]] = []
+    for r, members in enumerate(rows.members):
+        doc, labels, ids = rows.doc_ids[r], rows.labels[r], rows.input_ids[r]
+        for d, k in enumerate(members):
+            at = np.flatnonzero(doc == d)
+            learned = at[labels[at] != rows.ignore_index]
+            if len(learned):
+                conv, ac = rows.aligned[k]
+                prompts.append([int(t) for t in ids[at[0] : learned[0] + 1]])
+                where.append((conv, ac.first_answer))
+    return prompts, where
+
+
+@dataclasses.dataclass
+class CompletionSide:
+    """What the teacher needs to grade the student's completions of conversations (on-policy across
+    tokenizers): the prompts' conversations (cross_prompt_pool), the student's stop tokens, the
+    teacher's template and tokenizer, the template variables, the row width and the vocabulary map."""
+
+    where: list[tuple[Conversation, int]]
+    stops: set[int]
+    s_tok: Any
+    t_template: ChatTemplate
+    t_tok: Any
+    template_kwargs: Mapping[str, Any] | None
+    seq_len: int
+    vmap: np.ndarray
+
+    def row(self, prompt: int, completion: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(teacher ids (m,), the teacher position paired with the position before each completion
+        token (len(completion),), exact (len(completion),) bool) of one completion of prompt `prompt`.
+
+        The completion's text (its tokens before the first stop token, decoded by the student's
+        tokenizer) becomes the answer of the prompt's conversation, rendered by the teacher's template;
+        the answer's offsets in both are matched as for conversations (module docstring): the position
+        before token c ends where tokens 0..c-1 end in the text, the one before a stop token at the end of
+        the text (the teacher's before its end-of-turn). Teacher renderings longer than seq_len keep
+        their last seq_len tokens."""
+        conv, k = self.where[prompt]
+        stop = next((c for c, t in enumerate(completion) if t in self.stops), len(completion))
+        body = completion[:stop]
+        text = self.s_tok.decode(body)
+        ends = np.array([len(self.s_tok.decode(body[: c + 1])) for c in range(len(body))], dtype=np.int64)
+        ends = np.clip(np.maximum.accumulate(ends), 0, len(text)) if len(ends) else ends
+        answer = {"role": "assistant", "content": text}
+        conv = Conversation(
+            messages=(*conv.messages[:k], answer), train=(False,) * k + (True,),
+            source=f"{conv.source} (a completion)", tools=conv.tools,
+        )  # fmt: skip
+        specials = special_token_strings(self.t_tok)
+        t_text, (ta,) = locate_answers(
+            conv, self.t_template, specials, self.template_kwargs, "last_assistant"
+        )
+        t_ids, _, t_ends = _offsets(self.t_tok, t_text)
+        body_map = offset_map(text, t_text[ta.start : ta.body_end])
+        n = len(completion)
+        before = np.concatenate([[0], ends])[:n] if n else np.zeros(0, dtype=np.int64)  # rel. end, position c
+        before = np.concatenate([before, np.full(max(n - len(before), 0), len(text))]).astype(np.int64)
+        points = ta.start + body_map[before]
+        after = np.concatenate([ends, np.full(max(n - len(ends), 0), -1)])[:n]  # next token's end, or stop
+        nxt = np.where(after >= 0, ta.start + body_map[np.clip(after, 0, len(text))], ta.end)
+        pairs = np.asarray(align_ends(points.tolist(), t_ends.tolist()), dtype=np.int64)
+        exact = exact_positions(
+            np.asarray(completion, dtype=np.int64), points, nxt, pairs, t_ids, t_ends, self.vmap
+        )
+        cut = max(len(t_ids) - self.seq_len, 0)  # the prompt's start, when the rendering is too long
+        return t_ids[cut:], np.maximum(pairs - cut, 0), exact & (pairs - cut >= 0)
+
+    def rows(self, prompts: Sequence[int], labels: np.ndarray, ignore_index: int) -> np.ndarray:
+        """(B, 5, seq_len) int64: the teacher's side of generated rows (labels (B, seq_len): the
+        completion tokens at the positions before them), laid out as AlignedRows.teacher."""
+        out = np.zeros((len(prompts), 5, self.seq_len), dtype=np.int64)
+        out[:, T_DOC] = -1
+        out[:, T_PAIR] = -1
+        for b, p in enumerate(prompts):
+            at = np.flatnonzero(labels[b] != ignore_index)
+            t_ids, pairs, exact = self.row(int(p), [int(t) for t in labels[b][at]])
+            m = len(t_ids)
+            out[b, T_IDS, :m] = t_ids
+            out[b, T_POS] = np.concatenate([np.arange(m), np.arange(self.seq_len - m)])
+            out[b, T_DOC, :m] = 0
+            out[b, T_PAIR, at] = pairs
+            out[b, T_EXACT, at] = exact
+        return out

@@ -21,6 +21,7 @@ import torch
 
 from kdistill.config import RunConfig
 from kdistill.data import PreparedData, prepare_data
+from kdistill.data.align import vocab_map
 from kdistill.data.chat import Conversation
 from kdistill.data.chat_data import is_conversation_data, prepare_chat_data
 from kdistill.data.chat_template import ChatTemplate, load_chat_template, template_mismatch
@@ -81,9 +82,10 @@ def cross_chat_packer(cfg: RunConfig, tok: Tokenizer) -> Callable[[list[Conversa
     t_template = load_chat_template(cfg.teacher.path)
     t_tok = load_tokenizer(cfg.teacher.path)
     pad = tok.eos_id if tok.eos_id is not None else 0
+    vmap = vocab_map(tok, t_tok)  # the exact positions' next tokens: the same text in both vocabularies
     return lambda convs: pack_aligned(
         convs, s_template, tok, t_template, t_tok, int(d.seq_len), pad_id=pad, train_on=d.train_on,
-        template_kwargs=d.template_kwargs, max_tokens=int(d.max_tokens or 0),
+        template_kwargs=d.template_kwargs, max_tokens=int(d.max_tokens or 0), vmap=vmap,
     )  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from kdistill.console import progress_bar
 from kdistill.data import Batcher, heldout_batches
 from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import load_chat_template
-from kdistill.data.cross_chat import AlignedRows
+from kdistill.data.cross_chat import AlignedRows, CompletionSide, cross_prompt_pool
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json, write_guard
@@ -172,9 +172,11 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
-    prompts = None
+    prompts, where = None, None
     if cfg.kd.generates:  # kd.on_policy / kd.seq_kd: the data's prompts, refused before any prewarm
         prompts = prompt_pool(data.train)
+        if isinstance(data.train, AlignedRows):  # across tokenizers: each prompt's conversation too
+            prompts, where = cross_prompt_pool(data.train)
     stage(
         t_start,
         quiet,
@@ -230,7 +232,8 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     onpolicy = None
     if prompts is not None:
         template = chat_template(cfg) if data.documents else None
-        stops = stop_token_ids(cfg.teacher.path, tok, template)
+        writer_dir = cfg.student.path if cfg.kd.cross_tokenizer else cfg.teacher.path  # the tokenizer's model
+        stops = stop_token_ids(writer_dir, tok, template)
         pad = tok.eos_id if tok.eos_id is not None else 0
         onpolicy = OnPolicy(cfg, prompts, stops, pad, device, rows=rows)
         stage(t_start, quiet, f"on-policy: {len(prompts)} prompts, {onpolicy.describe()}")
@@ -249,9 +252,15 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     cross = None
     if cfg.kd.cross_tokenizer:  # conversations: the teacher's side was rendered and aligned with the data
         aligned = data.train if isinstance(data.train, AlignedRows) else None
+        t_tok = load_tokenizer(cfg.teacher.path)
         cross = CrossTokenizer(
-            tok, load_tokenizer(cfg.teacher.path), teacher_spec.max_position_embeddings, rows=aligned
+            tok, t_tok, teacher_spec.max_position_embeddings, rows=aligned, ignore_index=cfg.kd.ignore_index
         )
+        if where is not None and onpolicy is not None:  # the teacher grades the student's completions
+            cross.completions = CompletionSide(
+                where, onpolicy.stop_ids, tok, load_chat_template(cfg.teacher.path), t_tok,
+                cfg.data.template_kwargs, cfg.data.seq_len, cross.vmap,
+            )  # fmt: skip
     graph = StepGraph(device) if graphs else None
     ctx = StepContext(
         cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross, onpolicy=onpolicy, graph=graph
