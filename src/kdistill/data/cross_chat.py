@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kdistill.data.align import align_ends, exact_positions
+from kdistill.data.align import align_ends, exact_positions, token_ends
 from kdistill.data.chat import (
     Answer,
     Conversation,
@@ -313,8 +313,10 @@ class CompletionSide:
         conv, k = self.where[prompt]
         stop = next((c for c, t in enumerate(completion) if t in self.stops), len(completion))
         body = completion[:stop]
-        text = self.s_tok.decode(body)
-        ends = np.array([len(self.s_tok.decode(body[: c + 1])) for c in range(len(body))], dtype=np.int64)
+        # where each token ends in the text: its offsets when re-encoding the text gives these very tokens,
+        # else the lengths of decoded prefixes (tokens the student's tokenizer would have merged otherwise)
+        text, token_end = token_ends(self.s_tok, body) if body else ("", [])
+        ends = np.asarray(token_end, dtype=np.int64)
         ends = np.clip(np.maximum.accumulate(ends), 0, len(text)) if len(ends) else ends
         answer = {"role": "assistant", "content": text}
         conv = Conversation(
