@@ -95,14 +95,19 @@ def test_each_model_renders_its_own_template_and_the_same_answers_pair_up():
 
 
 def test_a_conversation_longer_than_a_row_is_cut_on_both_sides():
+    from kdistill.data.align import vocab_map
+
     s_tpl, s_tok, t_tpl, t_tok = _sides()
-    ac = align_conversation(_conv(conversations(2)[1]), s_tpl, s_tok, t_tpl, t_tok)
+    ac = align_conversation(
+        _conv(conversations(2)[1]), s_tpl, s_tok, t_tpl, t_tok, vmap=vocab_map(s_tok, t_tok)
+    )
     seq_len = len(ac.student.input_ids) - 5
     fitted, cut = fit_row(ac, seq_len)
     assert cut and len(fitted.student.input_ids) == seq_len and len(fitted.teacher_ids) <= seq_len
     learned = np.flatnonzero(fitted.student.labels(-100) != -100)
     assert len(learned) and (fitted.pairs[learned] >= 0).all() and (fitted.pairs[learned] < seq_len).all()
-    assert (fitted.pairs[learned] == ac.pairs[learned]).all()
+    assert (fitted.pairs[learned] == ac.pairs[learned]).all() and ac.exact.any()
+    assert (fitted.exact[learned] == ac.exact[learned]).all() and not fitted.exact[fitted.pairs < 0].any()
     assert int(fitted.pairs.max()) == len(fitted.teacher_ids) - 1  # the teacher side ends at its last partner
 
 

@@ -187,7 +187,7 @@ def fit_row(ac: AlignedConversation, seq_len: int) -> tuple[AlignedConversation,
     need = int(pairs.max()) + 1 if len(pairs) else 0
     cut = n < len(s.input_ids) or bool((s.trained[1:n] != trained[1:]).any())
     student = dataclasses.replace(s, input_ids=s.input_ids[:n], trained=trained)
-    exact = ac.exact[:n] & (pairs >= 0) & (pairs + 1 < need)  # its partner's next token is kept too
+    exact = ac.exact[:n] & (pairs >= 0)  # (the partner's logits do not need its next token in the row)
     fitted = dataclasses.replace(
         ac, student=student, teacher_ids=ac.teacher_ids[:need], pairs=pairs, exact=exact
     )
