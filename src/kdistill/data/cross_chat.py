@@ -1,10 +1,13 @@
 """Conversations across tokenizers (kd.cross_tokenizer): each model renders a conversation with its own
 chat template, and the learned messages' text aligns the two renderings.
 
-    ac = align_conversation(conv, s_template, s_tok, t_template, t_tok)   # an AlignedConversation
+    ac = align_conversation(conv, s_template, s_tok, t_template, t_tok, vmap=vmap)   # AlignedConversation
     ac.student.input_ids, ac.teacher_ids        # the two tokenizations of the conversation
-    ac.pairs[i]                                 # teacher position graded against student position i
+    ac.pairs[i], ac.exact[i]                    # teacher position graded against student position i, and
+                                                # whether their text maps one to one (the exact term)
     rows = pack_aligned(convs, ...)             # AlignedRows: the student's PackedRows + the teacher's side
+    prompts, where = cross_prompt_pool(rows)    # on-policy: the student's prompts and their conversations
+    side = CompletionSide(where, stops, ...)    # the teacher's side of the student's completions
 
 The learned spans are the same messages in both renderings, each found by that template's own render
 diffs (kdistill.data.chat.locate_answers), never by searching the text. Within an answer the two
@@ -23,6 +26,9 @@ Packing: a conversation takes the room of the longer of its two tokenizations, s
 a row is never longer than data.seq_len either (the memory plan counts it so). A conversation longer
 than a row is cut: the student's side to seq_len tokens, and a learned position whose teacher partner
 falls beyond seq_len is no longer learned; what the teacher needs is its tokens up to the last partner.
+
+On-policy (CompletionSide): a completion's text (decoded by the student's tokenizer) becomes the answer
+of its prompt's conversation, rendered by the teacher's template, and is aligned the same way.
 """
 
 from __future__ import annotations
