@@ -499,3 +499,54 @@ def test_the_exact_term_has_the_gradient_of_its_value(divergence):
     t = torch.randn(3, 6, generator=g, dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda x: exact_rows(x, t, shared, cfg), (s,), eps=1e-6, atol=1e-6)
     assert (exact_rows(s, t, shared, cfg) >= -1e-12).all()
+
+
+def test_the_kernel_plan_covers_an_on_policy_step_across_tokenizers():
+    """An on-policy step across tokenizers: the teacher scores the student's completions on its own rows
+    of data.seq_len tokens, the student trains on them: every key launched is planned and prewarmed."""
+    from kdistill.data.align import vocab_map
+    from kdistill.data.cross_chat import CompletionSide, cross_prompt_pool
+    from kdistill.kernels import contract, runtime
+    from kdistill.kernels import plan as plan_mod
+    from kdistill.kernels import seal as cache
+    from kdistill.models.decoder import build_decoder
+    from kdistill.train.cross_tok import CrossTokenizer
+    from kdistill.train.onpolicy import completion_rows
+    from kdistill.train.targets import CrossChatTargets, MicroBatch, batch_loss
+    from tests.test_contract import TORCH, make_run, make_spec
+
+    s_tpl, s_tok, t_tpl, t_tok = _sides()
+    arch, seq = "sm_90", 40
+    run = make_run(dtype="bfloat16", batch=2, seq=seq, alpha=1.0, chunk=8)
+    run.kd.cross_tokenizer, run.kd.on_policy, run.kd.max_new_tokens = True, 1.0, 8
+    vmap = vocab_map(s_tok, t_tok)
+    rows = pack_aligned(
+        [_conv(r, f"c:{i}") for i, r in enumerate(conversations(4))], s_tpl, s_tok, t_tpl, t_tok, seq
+    )
+    prompts, where = cross_prompt_pool(rows)
+    cross = CrossTokenizer(s_tok, t_tok, 256, rows=rows, vmap=vmap)
+    cross.completions = CompletionSide(
+        where, {s_tok.token_to_id("<|im_end|>")}, s_tok, t_tpl, t_tok, None, seq, vmap
+    )
+    completions = [s_tok.encode(" paris four"), s_tok.encode(" two") + [s_tok.token_to_id("<|im_end|>")]]
+    ids, labels = completion_rows(prompts[:2], completions, seq, 0, -100)
+    teacher_spec = make_spec(
+        "llama", hidden=48, inter=64, heads=6, tied=False, vocab=t_tok.vocab_size, llama3=True
+    )
+    student_spec = make_spec(vocab=s_tok.vocab_size)
+    prec = plan_mod.precision(run, arch, False)
+    teacher = (
+        build_decoder(teacher_spec, dtype=TORCH[prec.teacher_weights], seed=0).eval().requires_grad_(False)
+    )
+    student = build_decoder(student_spec, dtype=TORCH[prec.student_weights], seed=1)
+    source = CrossChatTargets(teacher, cross)
+    amp = torch.autocast("cpu", dtype=TORCH[prec.compute], enabled=prec.autocast)
+    with runtime.using(mode="reference", arch=arch), runtime.recording(deep=True) as rec:
+        micro = MicroBatch(ids, labels, cached=source.generated([0, 1], labels, torch.device("cpu")))
+        batch_loss(student, micro, source, run, amp).loss.backward()
+    plan = plan_mod.required_kernels(teacher_spec, student_spec, run, arch, documents=True)
+    warm = cache.prewarm(plan, "cpu", dry=True)
+    assert warm.failed == []
+    teacher_sdpa = [k for k in rec.keys() if k.op == "sdpa" and k["HQ"] == 6]
+    assert teacher_sdpa and all(k["T"] == seq and not k["grad"] for k in teacher_sdpa)
+    assert contract.check(rec.launches, plan, warm.specializations) == []
