@@ -113,3 +113,17 @@ def test_cross_tokenizer_config_errors(tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
     assert rc != 0 and "kd.cross_tokenizer needs the student's tokenizer" in one_error_line(err)
+
+
+def test_on_policy_across_tokenizers_on_raw_text_is_one_line(tmp_path, capsys):
+    cfg = base_config(tmp_path / "run", steps=2)
+    cfg["student"] = {"path": str(other_student())}
+    cfg["kd"].update(cross_tokenizer=True, on_policy=1.0, max_new_tokens=4)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 2 and "needs conversation data" in one_error_line(err)
+    assert (
+        not (tmp_path / "run" / "summary.json").exists()
+        or read_summary(tmp_path / "run")["status"] != "completed"
+    )

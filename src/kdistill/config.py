@@ -8,7 +8,8 @@ A run config is YAML with these sections (every field has a default except the m
                lora: {rank, alpha, dropout, targets, base_dtype}}
     data:     {train: [PATH, ...], heldout: [PATH, ...], heldout_fraction, seq_len, max_tokens}
     kd:       {alpha, temperature, divergence, beta, chunk_size, logits_dtype, ignore_index, layer_map,
-               hidden_weight, hidden_loss, attention_weight, cross_tokenizer, on_policy, seq_kd, on_policy_loss,
+               hidden_weight, hidden_loss, attention_weight, cross_tokenizer, uld_weight, exact_weight, on_policy,
+               seq_kd, on_policy_loss,
                sample_temperature, max_new_tokens, samples_per_prompt}
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
@@ -184,6 +185,8 @@ class KDConfig:
     attention_weight: float = 0.0  # attention-map transfer on the mapped layers (0: off)
     # Teacher and student with different tokenizers: ULD loss over character-aligned positions
     cross_tokenizer: bool = False
+    uld_weight: float = 1.0  # kd.cross_tokenizer: the ULD term's weight in the KD term
+    exact_weight: float = 1.0  # kd.cross_tokenizer: the exact term's (positions whose text maps one to one)
     # On-policy distillation (kdistill.train.onpolicy): the fraction of optimizer steps whose completions
     # the current student writes for the data's prompts (GKD's lambda); the rest train on the data.
     on_policy: float = 0.0
@@ -196,6 +199,9 @@ class KDConfig:
     def validate(self) -> None:
         if not 0 <= self.alpha <= 1:
             raise UserError(f"kd.alpha is {self.alpha}, expected a number in [0, 1]")
+        for name in ("uld_weight", "exact_weight"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise UserError(f"kd.{name} is {getattr(self, name)}, expected a finite number >= 0")
         for name in ("on_policy", "seq_kd"):
             if not 0 <= getattr(self, name) <= 1:
                 raise UserError(f"kd.{name} is {getattr(self, name)}, expected a number in [0, 1]")
@@ -482,9 +488,15 @@ class RunConfig:
                 raise UserError(
                     f"{what} needs a live teacher, but teacher.cache is set: a cache cannot score new samples"
                 )
-            if kd.cross_tokenizer:
+            if kd.cross_tokenizer and kd.seq_kd > 0:
                 raise UserError(
-                    f"{what} and kd.cross_tokenizer cannot be combined (one tokenizer writes and grades)"
+                    "kd.seq_kd and kd.cross_tokenizer cannot be combined (the teacher's completions are in "
+                    "its own tokens; kd.on_policy grades the student's across tokenizers)"
+                )
+            if kd.cross_tokenizer and kd.on_policy_loss != "divergence":
+                raise UserError(
+                    f"kd.on_policy_loss={kd.on_policy_loss} and kd.cross_tokenizer cannot be combined (the "
+                    "teacher has no log-prob of the student's token); use divergence"
                 )
             if kd.layers_on:
                 raise UserError(

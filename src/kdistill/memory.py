@@ -315,6 +315,20 @@ def forward_peak_memory(s: StepShape) -> dict[str, int]:
     }
     if s.extra_teachers:
         forward_peak["teacher_hidden"] += sum(n * t.hidden_size * s.act_bytes for t in s.extra_teachers)
+    if s.cfg.kd.cross_tokenizer:
+        # The teacher's hidden states count its own tokenization at data.seq_len tokens a row: packed
+        # conversations are packed by the longer of their two tokenizations (kdistill.data.cross_chat).
+        # Its rows at the aligned positions are copied to fp32 for the ULD term, which (train/cross_tok.py)
+        # per chunk of aligned rows holds both models' fp32 logits, softmax and sorted copies (values
+        # and int64 indices) over their own vocabularies, both padded to the larger and their |p - q|;
+        # the student's CE head (two chunk x Vs buffers) runs before it, not beside it. The exact term
+        # (kd.exact_weight) adds both models' log-softmax over the same logits and its gathers of them.
+        vt = teacher.vocab_size
+        uld = s.chunk * ((vocab + vt) * (3 * 4 + 8) + max(vocab, vt) * 3 * 4)
+        if s.cfg.kd.exact_weight > 0:
+            uld += s.chunk * (vocab + vt) * 4 * 2
+        forward_peak["loss_chunk_logits"] = max(forward_peak["loss_chunk_logits"], uld)
+        forward_peak["teacher_aligned_rows"] = n * teacher.hidden_size * 4
     if lora.enabled:  # per adapter: x A^T saved for B's gradient, and dropout's output and mask
         shapes = student.linear_shapes()
         per_tok = sum(

@@ -18,7 +18,7 @@ when given directly) + ":LINE" (":row N" for Parquet); or data.heldout paths giv
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,14 @@ def prepare_chat_data(
     seed: int = 0,
     require_heldout: bool = True,
     prompts: bool = False,
+    pack_train: Callable[[list[Conversation]], PackedRows] | None = None,
 ) -> PreparedData:
     """Read, render, mask, split and pack the conversations of `cfg` (a DataConfig). prompts: mark
     where each training conversation's prompt ends (PackedRows.prompt_ends) for on-policy steps, which
     train_on=all needs (the held-out side's are marked for the run's samples).
+
+    `pack_train`: packs the training conversations in place of rendering them with `template` alone
+    (kd.cross_tokenizer: both models' renderings, aligned; kdistill.data.cross_chat).
 
     Returns PreparedData whose .train and .heldout are PackedRows; stats add packing_efficiency
     (real tokens / slots of the training rows), conversations, truncated and dropped counts.
@@ -162,8 +166,15 @@ def prepare_chat_data(
     train_prompts: list[int] | None = [] if every and prompts else None
     held_prompts: list[int] | None = [] if every else None
     max_tokens = int(cfg.max_tokens or 0)
-    train_tok = _tokenize(train_convs, template, tokenizer, cfg.train_on, max_tokens, kwargs, train_prompts)
-    train = pack_conversations(train_tok, seq_len, pad_id=pad, ignore_index=ignore, prompt_lens=train_prompts)
+    if pack_train is not None:  # across tokenizers (train_on=all is refused there)
+        train = pack_train(train_convs)
+    else:
+        train_tok = _tokenize(
+            train_convs, template, tokenizer, cfg.train_on, max_tokens, kwargs, train_prompts
+        )
+        train = pack_conversations(
+            train_tok, seq_len, pad_id=pad, ignore_index=ignore, prompt_lens=train_prompts
+        )
     held_tok = _tokenize(held_convs, template, tokenizer, cfg.train_on, 0, kwargs, held_prompts)
     heldout = pack_conversations(held_tok, seq_len, pad_id=pad, ignore_index=ignore, prompt_lens=held_prompts)
     if len(train) == 0:

@@ -70,6 +70,8 @@ class PackedRows:
     truncated: int = 0
     dropped: int = 0
     prompt_ends: np.ndarray | None = None
+    # per row, the index (in the list packed) of each conversation in it, in order
+    members: list[list[int]] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -110,9 +112,13 @@ def pack_conversations(
     ignore_index: int = -100,
     truncate: bool = True,
     prompt_lens: Sequence[int] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> PackedRows:
     """Pack tokenized conversations into rows of `seq_len` tokens (see the module docstring).
     prompt_lens: per conversation, the tokens of its prompt (recorded as PackedRows.prompt_ends).
+
+    `sizes`: the room each conversation takes in a row, when more than its tokens (a cross-tokenizer
+    run packs by the longer of its two tokenizations, so the teacher's side fits a row too).
 
     Raises:
         UserError: seq_len < 2; or, with truncate=False, a conversation longer than seq_len (named).
@@ -121,8 +127,9 @@ def pack_conversations(
         raise UserError(f"seq_len is {seq_len}, expected at least 2 to pack conversations")
     pieces: list[tuple[np.ndarray, np.ndarray, str]] = []  # (ids, labels, source)
     kept_prompts: list[int] = []  # the prompt's tokens of each piece (prompt_lens given)
+    index: list[int] = []  # the conversation of each piece
     truncated = dropped = 0
-    for n_conv, c in enumerate(convs):
+    for k, c in enumerate(convs):
         ids, labels = c.input_ids, c.labels(ignore_index)
         if len(ids) > seq_len:
             if not truncate:
@@ -141,13 +148,14 @@ def pack_conversations(
             continue
         pieces.append((ids, labels, c.source))
         if prompt_lens is not None:
-            kept_prompts.append(max(1, min(int(prompt_lens[n_conv]), len(ids))))
+            kept_prompts.append(max(1, min(int(prompt_lens[k]), len(ids))))
+        index.append(k)
 
     # Online best fit: `free` holds (room left, row) sorted, for the rows still open.
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []
     for i, (ids, _, _) in enumerate(pieces):
-        n = len(ids)
+        n = min(max(len(ids), sizes[index[i]]), seq_len) if sizes is not None else len(ids)
         j = bisect.bisect_left(free, (n, -1))
         if j < len(free):
             room, r = free.pop(j)
@@ -195,6 +203,7 @@ def pack_conversations(
         truncated=truncated,
         dropped=dropped,
         prompt_ends=prompt_ends,
+        members=[[index[i] for i in row] for row in rows],
     )
 
 

@@ -339,6 +339,13 @@ def required_kernels(
                 out |= model_kernels(spec, arch, prec, w, grad=False, batch=rows, seq=prompt, masked=True)
             else:
                 out |= generation_kernels(spec, arch, "bf16", batch=rows, prompt_len=prompt, max_len=t + 1)
+        if documents:  # generated rows are not packed: the update's forward attends without documents,
+            # as does the scoring of one tokenizer's live teacher (across tokenizers it scores its own
+            # packed rendering: masked, above)
+            plain = dict(m, masked=False)
+            out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, **plain)
+            if not cached and not getattr(kd, "cross_tokenizer", False):
+                out |= model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **plain)
     return out
 
 

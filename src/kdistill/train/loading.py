@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kdistill.config import RunConfig
 from kdistill.data import PreparedData, prepare_data
+from kdistill.data.align import vocab_map
+from kdistill.data.chat import Conversation
 from kdistill.data.chat_data import is_conversation_data, prepare_chat_data
 from kdistill.data.chat_template import ChatTemplate, load_chat_template, template_mismatch
+from kdistill.data.cross_chat import AlignedRows, pack_aligned
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.models import fp8
@@ -30,7 +34,7 @@ from kdistill.models.fp8_train import convert_student_to_fp8
 from kdistill.models.hf_io import has_weights, load_model
 from kdistill.models.lora import apply_lora
 from kdistill.models.spec import ModelSpec
-from kdistill.models.tokenizer import Tokenizer
+from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 from kdistill.teacher_cache import TeacherCache, run_identity
 from kdistill.train import distributed as dist
 from kdistill.train.corpus import expand_data_paths
@@ -45,7 +49,10 @@ def load_data(cfg: RunConfig, tok: Tokenizer) -> PreparedData:
         cfg.data, train=expand_data_paths(cfg.data.train), heldout=expand_data_paths(cfg.data.heldout)
     )
     if is_conversation_data(data_cfg.train):
-        return prepare_chat_data(data_cfg, tok, chat_template(cfg), seed=0, prompts=cfg.kd.generates)
+        pack = cross_chat_packer(cfg, tok) if cfg.kd.cross_tokenizer else None
+        return prepare_chat_data(
+            data_cfg, tok, chat_template(cfg), seed=0, prompts=cfg.kd.generates, pack_train=pack
+        )
     with dist.main_first():
         return prepare_data(data_cfg, tok, seed=0)
 
@@ -69,9 +76,28 @@ def open_teacher_cache(cfg: RunConfig, tok: Tokenizer, data: PreparedData) -> Te
     return cache
 
 
+def cross_chat_packer(cfg: RunConfig, tok: Tokenizer) -> Callable[[list[Conversation]], AlignedRows]:
+    """kd.cross_tokenizer over conversations: packs the training conversations rendered by both models,
+    the student's with its template (chat_template) and tokenizer `tok`, the teacher's with its own
+    template and tokenizer, aligned by the learned messages' text (kdistill.data.cross_chat)."""
+    s_template, d = chat_template(cfg), cfg.data
+    t_template = load_chat_template(cfg.teacher.path)
+    t_tok = load_tokenizer(cfg.teacher.path)
+    pad = tok.eos_id if tok.eos_id is not None else 0
+    vmap = vocab_map(tok, t_tok)  # the exact positions' next tokens: the same text in both vocabularies
+    return lambda convs: pack_aligned(
+        convs, s_template, tok, t_template, t_tok, int(d.seq_len), pad_id=pad, train_on=d.train_on,
+        template_kwargs=d.template_kwargs, max_tokens=int(d.max_tokens or 0), vmap=vmap,
+    )  # fmt: skip
+
+
 def chat_template(cfg: RunConfig) -> ChatTemplate:
     """The template conversations are rendered with: data.chat_template when set, else the teacher's.
-    A student directory whose own template differs gets a warning naming both."""
+    A student directory whose own template differs gets a warning naming both. With kd.cross_tokenizer
+    this is the student's side (data.chat_template, else the student's own template): the teacher
+    renders with its own (cross_chat_packer)."""
+    if cfg.kd.cross_tokenizer:
+        return load_chat_template(cfg.student.path, cfg.data.chat_template or None)
     template = load_chat_template(cfg.teacher.path, cfg.data.chat_template or None)
     student_dir = Path(cfg.student.path)
     if not cfg.data.chat_template and student_dir.is_dir():

@@ -101,9 +101,11 @@ def prompt_pool(train: Any) -> Sequence[list[int]]:
 
 
 def rollout_stop_ids(cfg: RunConfig, tokenizer: Any, template: Any) -> set[int]:
-    """The stop tokens of generated steps: the teacher's EOS ids and, for conversations, the template's
-    end-of-turn token rendered with data.template_kwargs (the variables the data is rendered with)."""
-    return stop_token_ids(cfg.teacher.path, tokenizer, template, cfg.data.template_kwargs)
+    """The stop tokens of generated steps: the writer's EOS ids (the teacher's; across tokenizers the
+    student's, whose tokens the completions are) and, for conversations, the template's end-of-turn token
+    rendered with data.template_kwargs (the variables the data is rendered with)."""
+    writer = cfg.student.path if cfg.kd.cross_tokenizer else cfg.teacher.path
+    return stop_token_ids(writer, tokenizer, template, cfg.data.template_kwargs)
 
 
 def generator_seed(seed: int, rank: int) -> int:
@@ -134,6 +136,7 @@ class OnPolicy:
         self.pad_id = pad_id
         self.device = device
         self.rows = rows
+        self.last_prompts: list[list[int]] = []  # the pool's prompt of each row of the last generation
         self.per_micro = sched.batch_size // kd.samples_per_prompt  # prompts per micro-batch
         # the prompts of a whole step are drawn at once, in a resumable shuffled order of their own
         self.batcher = Batcher(np.arange(len(prompts)), self.per_micro * sched.grad_accum, sched.seed)
@@ -176,12 +179,15 @@ class OnPolicy:
         docstring)."""
         idx = self.batcher.next_indices()
         spp = self.cfg.kd.samples_per_prompt
-        prompts = [self.prompts[i][-self.prompt_len :] for i in idx.tolist() for _ in range(spp)]
+        which = [i for i in idx.tolist() for _ in range(spp)]  # the pool's index of each row's prompt
         b = self.cfg.schedule.batch_size
         if self.rows is not None:  # this process's rows of each micro-batch, micro-batch after micro-batch
             r = self.rows
-            prompts = [p for i in range(0, len(prompts), b) for p in prompts[i : i + b][r]]
+            which = [p for i in range(0, len(which), b) for p in which[i : i + b][r]]
             b = r.stop - r.start
+        prompts = [self.prompts[i][-self.prompt_len :] for i in which]
+        self.last_prompts = [which[i : i + b] for i in range(0, len(which), b)]  # per micro-batch
+        if self.rows is not None:
             if self.engines is None and dist.is_sharded(writer):
                 writer = self.copies[id(writer)] = dist.gathered_copy(writer, self.copies.get(id(writer)))
         out = rollout(
@@ -334,9 +340,12 @@ def generated_accumulate(
     if kind == "on_policy":
         step_cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, alpha=1.0))
         objective = cfg.kd.on_policy_loss
+    # a source that needs more of generated rows than their tokens (across tokenizers: the teacher's own
+    # rendering of each completion) makes it here, on the host
+    sides = [ctx.source.generated(p, labels, ctx.device) for p, (_, labels) in zip(op.last_prompts, micro)]
     batches = [
-        MicroBatch(ids.to(ctx.device), labels.to(ctx.device), n_tokens=n)
-        for (ids, labels), n in zip(micro, counts)
+        MicroBatch(ids.to(ctx.device), labels.to(ctx.device), n_tokens=n, cached=side)
+        for (ids, labels), n, side in zip(micro, counts, sides)
     ]
     scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
     _sync(ctx.device)

@@ -37,6 +37,7 @@ from kdistill.console import progress_bar
 from kdistill.data import Batcher, heldout_batches
 from kdistill.data.chat_pack import PackedRows
 from kdistill.data.chat_template import load_chat_template
+from kdistill.data.cross_chat import AlignedRows, CompletionSide, cross_prompt_pool
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json, write_guard
@@ -171,9 +172,16 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
-    prompts = None
+    prompts, where = None, None
     if cfg.kd.generates:  # kd.on_policy / kd.seq_kd: the data's prompts, refused before any prewarm
         prompts = prompt_pool(data.train)
+        if isinstance(data.train, AlignedRows):  # across tokenizers: each prompt's conversation too
+            prompts, where = cross_prompt_pool(data.train)
+        elif cfg.kd.cross_tokenizer:
+            raise UserError(
+                "kd.on_policy with kd.cross_tokenizer needs conversation data: the teacher renders each "
+                "completion in its prompt's conversation with its own chat template (data.train is raw text)"
+            )
     stage(
         t_start,
         quiet,
@@ -246,10 +254,17 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         eval_log = MetricsWriter(run_dir / "eval.jsonl", keep_until_step=keep)
     dist.barrier()
     cross = None
-    if cfg.kd.cross_tokenizer:
-        if data.documents:
-            raise UserError("kd.cross_tokenizer runs on text data, not packed conversations")
-        cross = CrossTokenizer(tok, load_tokenizer(cfg.teacher.path), teacher_spec.max_position_embeddings)
+    if cfg.kd.cross_tokenizer:  # conversations: the teacher's side was rendered and aligned with the data
+        aligned = data.train if isinstance(data.train, AlignedRows) else None
+        t_tok = load_tokenizer(cfg.teacher.path)
+        cross = CrossTokenizer(
+            tok, t_tok, teacher_spec.max_position_embeddings, rows=aligned, ignore_index=cfg.kd.ignore_index
+        )
+        if where is not None and onpolicy is not None:  # the teacher grades the student's completions
+            cross.completions = CompletionSide(
+                where, onpolicy.stop_ids, tok, load_chat_template(cfg.teacher.path), t_tok,
+                cfg.data.template_kwargs, cfg.data.seq_len, cross.vmap,
+            )  # fmt: skip
     graph = StepGraph(device) if graphs else None
     ctx = StepContext(
         cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross, onpolicy=onpolicy, graph=graph
@@ -473,9 +488,10 @@ class Samples:
     def stops(self) -> set[int]:
         tok, cfg = self.run.tokenizer, self.run.cfg
         template = None
+        model = cfg.student.path if cfg.kd.cross_tokenizer else cfg.teacher.path  # whose template renders
         if isinstance(self.run.held.sequences, PackedRows):
-            template = load_chat_template(cfg.teacher.path, cfg.data.chat_template or None)
-        return stop_token_ids(cfg.teacher.path, tok, template, cfg.data.template_kwargs)
+            template = load_chat_template(model, cfg.data.chat_template or None)
+        return stop_token_ids(model, tok, template, cfg.data.template_kwargs)
 
     def __call__(self, step: int) -> None:
         if not self.prompts:
@@ -553,7 +569,9 @@ def export_student(run: Run) -> None:
     """The student as a Hugging Face directory in run_dir/student (rank 0 under torchrun); a LoRA
     student's adapters in PEFT's layout in run_dir/adapter (`kdistill export --merge` folds them in),
     under torchrun gathered whole (collective) and written by rank 0."""
-    out, source = run.run_dir / "student", Path(run.cfg.teacher.path)
+    # the tokenizer files (and template) of the model whose tokenizer the student has
+    out = run.run_dir / "student"
+    source = Path(run.cfg.student.path if run.cfg.kd.cross_tokenizer else run.cfg.teacher.path)
     template = exported_chat_template(run.cfg, run.data_stats.get("format") == "conversations")
     if has_lora(run.ctx.student):
         student, adapter = run.ctx.student, run.run_dir / "adapter"

@@ -15,6 +15,8 @@ gradients; none of the sources knows about the others:
                            fetched by the batch's dataset rows before the forward is queued
     CrossTokenizerTargets  a teacher with another tokenizer: its hidden states at the positions aligned
                            by character offsets (the ULD loss)
+    CrossChatTargets       the same over conversations: the teacher runs on its own rendering of them
+                           (kdistill.data.cross_chat), positions paired by the learned messages' text
 
 The batch itself may come from the data or from the student (kdistill.train.onpolicy: the student's
 samples of the data's prompts, graded by any live source). Extra terms (kd.layer_map's hidden-state
@@ -32,6 +34,7 @@ import torch
 
 from kdistill import dispatch
 from kdistill.config import RunConfig
+from kdistill.data.cross_chat import T_DOC, T_EXACT, T_IDS, T_PAIR, T_POS
 from kdistill.models.decoder import Decoder
 from kdistill.ops import kd_sparse
 from kdistill.ops.onpolicy_loss import sampled_reverse_kl
@@ -90,6 +93,8 @@ class Targets:
     mode: str = "exact"
     k: int = 0
     aligned: bool = False
+    exact: torch.Tensor | None = None  # aligned: (n,) bool, the rows of the exact term
+    shared: Any = None  # aligned: the tokens both vocabularies share (cross_tok.SharedVocab)
     states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
@@ -105,6 +110,13 @@ class TargetSource:
     def fetch(self, indices: np.ndarray, rows: slice | None, device: torch.device) -> torch.Tensor | None:
         """What the source needs of the batch's dataset rows `indices` before the forward (a cache's
         rows on the device, this process's `rows` of them under torchrun); None for a live teacher."""
+        return None
+
+    def generated(
+        self, prompts: list[int], labels: torch.Tensor, device: torch.device
+    ) -> torch.Tensor | None:
+        """What the source needs of generated rows (the prompt pool's indices `prompts`, the rows' labels
+        (B, T) on the host: the completion tokens) before they are scored; None for a live teacher."""
         return None
 
     def targets(
@@ -213,14 +225,61 @@ class CrossTokenizerTargets(TargetSource):
         valid = batch.labels != cfg.kd.ignore_index  # (B, T)
         if cfg.kd.alpha == 0:
             return Targets(aligned=True)
-        t_ids, pairs = self.cross.teacher_batch(batch.input_ids)  # (B, Lt), (B, T)
+        t_ids, pairs, exact = self.cross.teacher_batch(batch.input_ids)  # (B, Lt), (B, T), (B, T)
         if not bool(valid.any()):
             return Targets(aligned=True)
         with torch.no_grad(), amp:
             t_hidden = self.teacher(t_ids)  # (B, Lt, Ht)
         b_idx = torch.arange(len(t_ids), device=t_ids.device)[:, None].expand_as(pairs)
         rows = t_hidden[b_idx[valid], pairs[valid]].float()  # (n, Ht)
-        return Targets(hidden=rows, weight=self.teacher.lm_head_weight, aligned=True)
+        weight = self.teacher.lm_head_weight
+        shared = self.cross.shared(weight.shape[0], weight.device)
+        return Targets(hidden=rows, weight=weight, aligned=True, exact=exact[valid], shared=shared)
+
+
+class CrossChatTargets(TargetSource):
+    """Conversations across tokenizers (kd.cross_tokenizer over packed conversations): the teacher runs
+    on its own rendering of the batch's conversations (kdistill.data.cross_chat.AlignedRows, packed
+    like the student's rows, documents masked), and its hidden states at the positions paired with the
+    batch's labelled ones are the targets of the ULD loss."""
+
+    def __init__(self, teacher: Decoder, cross: CrossTokenizer) -> None:
+        self.teacher, self.cross, self.rows = teacher, cross, cross.rows
+        self.teachers = [teacher]
+
+    def fetch(self, indices: np.ndarray, rows: slice | None, device: torch.device) -> torch.Tensor | None:
+        side = torch.from_numpy(np.ascontiguousarray(self.rows.teacher[indices]))  # (B, 5, T)
+        if rows is not None:
+            side = side[rows]
+        return side.to(device, non_blocking=True)
+
+    def generated(
+        self, prompts: list[int], labels: torch.Tensor, device: torch.device
+    ) -> torch.Tensor | None:
+        """On-policy: the teacher's side of the student's completions (kdistill.data.cross_chat.
+        CompletionSide: each completion's text rendered by the teacher's template after its prompt)."""
+        side = self.cross.completions
+        assert side is not None, "CrossChatTargets scores generated rows once given their CompletionSide"
+        rows = side.rows(prompts, labels.numpy(), self.cross.ignore_index)
+        return torch.from_numpy(rows).to(device, non_blocking=True)
+
+    def targets(
+        self, batch: MicroBatch, cfg: RunConfig, amp: contextlib.AbstractContextManager, extras: Any = None
+    ) -> Targets:
+        assert batch.cached is not None, "CrossChatTargets needs the batch's teacher rows (fetch) first"
+        valid = batch.labels != cfg.kd.ignore_index  # (B, T)
+        if cfg.kd.alpha == 0 or not bool(valid.any()):
+            return Targets(aligned=True)
+        side = batch.cached
+        with torch.no_grad(), amp:
+            t_hidden = self.teacher(side[:, T_IDS], side[:, T_POS], side[:, T_DOC])  # (B, Tt, Ht)
+        pairs = side[:, T_PAIR]  # (B, T)
+        b_idx = torch.arange(len(pairs), device=pairs.device)[:, None].expand_as(pairs)
+        rows = t_hidden[b_idx[valid], pairs[valid]].float()  # (n, Ht)
+        weight = self.teacher.lm_head_weight
+        shared = self.cross.shared(weight.shape[0], weight.device)
+        exact = side[:, T_EXACT][valid] > 0  # (n,)
+        return Targets(hidden=rows, weight=weight, aligned=True, exact=exact, shared=shared)
 
 
 def target_source(
@@ -235,6 +294,8 @@ def target_source(
         return CachedTargets(cache)
     if cross is not None:
         assert teacher is not None
+        if cross.rows is not None:  # packed conversations, each model rendering its own
+            return CrossChatTargets(teacher, cross)
         return CrossTokenizerTargets(teacher, cross)
     if mixture is not None:
         return Mixture(mixture)
@@ -268,8 +329,11 @@ def batch_loss(
     kd = cfg.kd
     if targets.aligned:
         with amp:
-            s_hidden = student(batch.input_ids)  # (B, T, Hs)
-        return uld_loss(s_hidden, student.lm_head_weight, targets.hidden, targets.weight, batch.labels, cfg)
+            s_hidden = student(batch.input_ids, *batch.docs)  # (B, T, Hs)
+        return uld_loss(
+            s_hidden, student.lm_head_weight, targets.hidden, targets.weight, batch.labels, cfg,
+            targets.exact, targets.shared,
+        )  # fmt: skip
     s_states: dict[int, torch.Tensor] = {}
     s_qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     if extras is not None:
