@@ -54,6 +54,7 @@ def decode_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TWO_PASS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -69,6 +70,19 @@ def decode_linear_kernel(
     sumsq = tl.zeros((BLOCK_M,), tl.float32)
     KS: tl.constexpr = K // SPLIT_K
     k_lo = pid_k * KS
+    if TWO_PASS:  # the prologue's statistics and the new residual first (x is small: from L2), then a
+        # main loop of loads and dots alone, which the compiler can pipeline
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xmask = rmask[:, None] & (kk < K)[None, :]
+            xoffs = rows64[:, None] * K + kk[None, :]
+            x = tl.load(X + xoffs, mask=xmask, other=0.0).to(tl.float32)
+            for s in tl.static_range(NDELTA):
+                x += tl.load(DELTA + s * M * K + xoffs, mask=xmask, other=0.0).to(tl.float32)
+            if NDELTA > 0:
+                if pid_n == 0:
+                    tl.store(XO + xoffs, x.to(XO.dtype.element_ty), mask=xmask)
+            sumsq += tl.sum(x * x, axis=1)
     for k0 in range(0, KS, BLOCK_K):
         kk = k_lo + k0 + tl.arange(0, BLOCK_K)
         kmask = kk < k_lo + KS
@@ -78,10 +92,12 @@ def decode_linear_kernel(
         if NDELTA > 0:
             for s in tl.static_range(NDELTA):
                 x += tl.load(DELTA + s * M * K + xoffs, mask=xmask, other=0.0).to(tl.float32)
-            if pid_n == 0:  # the new residual, once per row
-                tl.store(XO + xoffs, x.to(XO.dtype.element_ty), mask=xmask)
+            if not TWO_PASS:
+                if pid_n == 0:  # the new residual, once per row
+                    tl.store(XO + xoffs, x.to(XO.dtype.element_ty), mask=xmask)
         if NORM:
-            sumsq += tl.sum(x * x, axis=1)
+            if not TWO_PASS:
+                sumsq += tl.sum(x * x, axis=1)
             x = x * tl.load(LN + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
         xb = x.to(W.dtype.element_ty)
         wmask = cmask[:, None] & kmask[None, :]
@@ -136,7 +152,7 @@ def policy(*, n: int, k: int, rows: int, ndelta: int, norm: bool, eps: float, ep
     """The tiles first tried (the sweep varies BLOCK_N, BLOCK_K, SPLIT_K and the stages around them)."""
     return dict(
         N=n, NDELTA=ndelta, NORM=norm, EPS=eps, EPI=epilogue, SPLIT_K=1,
-        BLOCK_M=min(64, max(16, triton.next_power_of_2(rows))), BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4,
+        BLOCK_M=min(64, max(16, triton.next_power_of_2(rows))), BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4, TWO_PASS=False,
     )  # fmt: skip
 
 
@@ -208,9 +224,11 @@ def variants(base: dict, kind: str, k: int) -> list[dict]:
         for bk in (64, 128, 256):
             for split in (1, 2, 4) if kind in ("o", "down", "qkv_plain") else (1,):
                 for stages in (3, 4):
-                    t = {**base, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_stages": stages}
-                    if k % (split * bk) == 0 and t not in out:
-                        out.append(t)
+                    for two in (False, True) if base["NORM"] else (False,):
+                        t = {**base, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_stages": stages}
+                        t["TWO_PASS"] = two
+                        if k % (split * bk) == 0 and t not in out:
+                            out.append(t)
     return out
 
 
@@ -300,7 +318,10 @@ def bench_shape(preset: str, kind: str, rows: int, layers: int, tune: bool) -> l
 
 
 def _tiles(key: dict) -> str:
-    return f"N{key['BLOCK_N']}/K{key['BLOCK_K']}/S{key['SPLIT_K']}/st{key['num_stages']}/M{key['BLOCK_M']}"
+    two = "/2pass" if key.get("TWO_PASS") else ""
+    return (
+        f"N{key['BLOCK_N']}/K{key['BLOCK_K']}/S{key['SPLIT_K']}/st{key['num_stages']}/M{key['BLOCK_M']}{two}"
+    )
 
 
 def main() -> None:
