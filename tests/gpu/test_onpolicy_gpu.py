@@ -73,3 +73,40 @@ def test_strict_two_gpu_on_policy_run_under_torchrun(tmp_path):
     assert summary["world_size"] == 2 and summary["layout"]["teacher_sharded"]
     # every generated step: both processes' samples, 2 micro-batches of 4 rows
     assert all(r["completions"] == 8 for r in rows if "policy" in r)
+
+
+def test_a_strict_on_policy_run_with_8192_new_tokens(tmp_path, capsys):
+    """Reasoning-length completions: up to 8,192 new tokens a row (sampled, so rows stop at EOS at very
+    different lengths), scored and trained at that length, with nothing compiled after the seal and the
+    memory plan's generation phase (the KV cache of every row at data.seq_len slots) covering the run."""
+    from tests.tiny import make_tiny_model
+
+    shape = dict(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=8448,
+    )  # fmt: skip
+    teacher = make_tiny_model(
+        tmp_path, "qwen2", tied=True, seed=1, name="teacher-8k", num_hidden_layers=4, **shape
+    )
+    student = make_tiny_model(
+        tmp_path, "qwen2", tied=True, seed=2, name="student-8k", num_hidden_layers=2, **shape
+    )
+    cfg = _config(tmp_path, "divergence")
+    cfg["teacher"] = {"path": str(teacher)}
+    cfg["student"] = {"path": str(student)}
+    cfg["data"]["seq_len"] = 8192 + 64
+    cfg["kd"].update(on_policy=1.0, seq_kd=0.0, max_new_tokens=8192, sample_temperature=1.0)
+    cfg["schedule"].update(steps=2, batch_size=4, grad_accum=1)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed" and summary["jit_after_prewarm"] == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    gen = [r for r in rows if r.get("policy") == "on_policy"]
+    assert gen and all(r["jit_after_prewarm"] == 0 for r in rows)
+    print(
+        "8k on-policy:", {k: summary.get(k) for k in ("planned_memory_gib", "peak_memory_gib", "on_policy")}
+    )
+    assert summary["planned_memory_gib"] >= summary["peak_memory_gib"] * 0.85
