@@ -30,7 +30,8 @@ rows of each micro-batch (`rows`, the slice of the batch off-policy steps take),
 of its own (seeded from the run's seed and its rank; every process's state goes in the checkpoint). The
 writer is whole on every process while it writes, and writing has no collective, so processes that
 stop early wait for nobody: the decode engine (GPU) gathers a sharded writer's weights into its own copy
-once per generation (kdistill.decode.full_value), the eager path (CPU) writes with a gathered plain copy
+once per generation (kdistill.decode.copy_whole: a few bucketed all-gathers in bf16, each parameter
+written straight into the engine's rows), the eager path (CPU) writes with a gathered plain copy
 (distributed.gathered_copy). Then one all-reduce of the completion-token counts: each process's loss is
 weighted by its share of the micro-batch's tokens over all processes (as off-policy steps weigh theirs),
 so the gradient is that of the loss over every process's samples, normalised by all their completion
