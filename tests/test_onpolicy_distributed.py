@@ -5,7 +5,7 @@ teacher-written, data, on-policy), sampled at temperature 1 with a generator per
 (and for the teacher-written step the sharded teacher) writes through a gathered copy on every process,
 each process its own rows. Then the checkpoint it wrote at step 2 is resumed on 2 processes, as a run
 interrupted after it would be, and must end with the uninterrupted run's metrics, weights and
-generator states, bit for bit.
+generator states, bit for bit. Every generated step's metrics line has each process's phase times.
 
 That the loss of a step over 2 processes equals one process's over the same rows, with unequal completion
 tokens per process, is tested in tests/test_onpolicy.py (the two processes emulated, exactly).
@@ -82,6 +82,13 @@ def test_two_processes_write_their_own_samples_and_report_every_phase(runs):
         assert 1 <= r["completion_len"] <= 6 and 0 <= r["eos_fraction"] <= 1
         assert r["completion_tokens"] == round(r["completion_len"] * 8)
         assert r["gen_s"] > 0 and r["score_s"] > 0 and r["update_s"] >= 0
+        # every process's phases, gathered to rank 0: one entry per rank, rank 0's as its own columns
+        phases = r["phase_s"]
+        assert list(phases) == ["generate", "wait", "score", "update"]
+        assert all(len(v) == 2 and min(v) >= 0 for v in phases.values())
+        assert all(g > 0 for g in phases["generate"]) and all(s > 0 for s in phases["score"])
+        assert phases["generate"][0] + phases["wait"][0] == pytest.approx(r["gen_s"])
+        assert phases["score"][0] == r["score_s"] and phases["update"][0] == r["update_s"]
     on = next(r for r in generated if r["policy"] == "on_policy")
     assert on["sample_kl"] == on["kd"] == on["loss"]  # alpha = 1: the divergence alone
     op = summary["on_policy"]

@@ -267,6 +267,18 @@ def loss_weight(tokens: int, total: int) -> tuple[float, int]:
     return tokens * _INFO.world / total, total
 
 
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Every process's few floats (as many on each), in rank order, on every process: one all-gather of
+    a float64 tensor on the backend's device; [values] when not distributed."""
+    if not active():
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    everyone = torch.empty(_INFO.world * len(values), dtype=torch.float64, device=mine.device)  # flat: gloo
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
+    gather(everyone, mine)
+    return everyone.view(_INFO.world, len(values)).tolist()
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every process's `obj` (JSON-like: lists, numbers), in rank order, on every process; [obj] alone."""
     if not active():

@@ -62,6 +62,7 @@ from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
 from kdistill.train.targets import MicroBatch, batch_loss
 
 KINDS = ("data", "on_policy", "seq_kd")
+PHASES = ("generate", "wait", "score", "update")  # metrics.jsonl's phase_s: each process's seconds of each
 log = logging.getLogger("kdistill")
 
 
@@ -266,6 +267,7 @@ class GeneratedStats:
     completion_tokens: int
     completions: int
     eos: int
+    written_s: float = 0.0  # this process's own generation, before the phases' boundary (gen_s's start)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -276,7 +278,17 @@ class GeneratedStats:
             "eos_fraction": self.eos / max(self.completions, 1),
             "completion_tokens": self.completion_tokens,
             "completions": self.completions,
+            "written_s": self.written_s,
         }
+
+    @staticmethod
+    def phases(row: dict[str, Any], seconds: float) -> list[float]:
+        """This process's [generate, wait, score, update] seconds of a generated step that took `seconds`
+        (its metrics row, update_s not yet set): its own generation, the wait at the phases' boundary for
+        the other processes' (0 in one process), the teacher's scoring and the rest of the step."""
+        generate = row["written_s"]
+        return [generate, max(row["gen_s"] - generate, 0.0), row["score_s"],
+                max(seconds - row["gen_s"] - row["score_s"], 0.0)]  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
@@ -300,6 +312,7 @@ def generated_accumulate(
     vocab = ctx.student.lm_head_weight.shape[0]
     counts = [label_count(labels.flatten(), vocab, cfg.kd.ignore_index) for _, labels in micro]
     samples = [out.tokens, len(out.completions), sum(out.stopped)]
+    written = time.perf_counter()  # this process's generation done; next, the wait for the others
     if multi:  # every process's token counts (the losses' weights) and samples; the phases' boundary too
         summed = dist.all_reduce_sum([float(c) for c in counts + samples])
         totals, samples = [int(c) for c in summed[: len(counts)]], [int(c) for c in summed[len(counts) :]]
@@ -334,7 +347,8 @@ def generated_accumulate(
         rows.append(values)
         tokens += int(r.tokens)
         faults.at(f"{step + 1}.{i + 1}")
-    stats = GeneratedStats(kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2])
+    mine = (written if multi else t1) - t0  # one process waits for nobody: its generation is gen_s
+    stats = GeneratedStats(kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2], mine)
     stacked = torch.stack(rows)  # (M, 3), or (M, 4) with the token counts under torchrun
     if not multi:
         return stacked, tokens, stats, None

@@ -64,7 +64,7 @@ from kdistill.train.loading import (
     load_models,
     open_teacher_cache,
 )
-from kdistill.train.onpolicy import OnPolicy, prompt_pool
+from kdistill.train.onpolicy import PHASES, GeneratedStats, OnPolicy, prompt_pool
 from kdistill.train.optim import make_optimizer
 from kdistill.train.preflight import (
     check_fp8_layout,
@@ -383,7 +383,12 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         row["profiled"] = True
     if out.generated and run.ctx.onpolicy is not None:  # a generated step: its phases and samples
         row.update(out.generated)
-        row["update_s"] = max(seconds - row["gen_s"] - row["score_s"], 0.0)
+        # every process's phases, gathered to every process (one small collective; rank 0 writes them)
+        mine = GeneratedStats.phases(row, seconds)
+        del row["written_s"]
+        row["update_s"] = mine[3]
+        ranks = dist.all_gather_floats(mine)
+        row["phase_s"] = {name: [r[i] for r in ranks] for i, name in enumerate(PHASES)}
         if row["policy"] == "on_policy":
             row["sample_kl"] = out.kd  # the divergence to the teacher per token of the student's samples
         run.ctx.onpolicy.record(row, seconds)
