@@ -264,6 +264,7 @@ def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int
         "update_s": sum(r["update_s"] for r in timed) / len(timed),
         "phase_s_per_rank": phases,
         "mean_completion_len": tokens / sum(r["completions"] for r in timed),
+        "completions_per_step": sum(r["completions"] for r in timed) / len(timed),  # over all processes
         "layout": summary.get("layout"),
         "peak_memory_gib": summary.get("peak_memory_gib"),
         "planned_memory_gib": summary.get("planned_memory_gib"),
