@@ -20,12 +20,14 @@ import sys
 
 import torch
 import torch.distributed as tdist
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 from torch.distributed.tensor import DTensor
 
 from kdistill.decode import DecodeEngine, DecodeWeights, Sampling
 from kdistill.models.decoder import build_decoder
 from kdistill.train import distributed as dist
-from tests.test_contract import make_spec
+from kdistill.train.step import compute_loss
+from tests.test_contract import make_run, make_spec
 
 
 class Counter:
@@ -99,6 +101,72 @@ def one(tied: bool, dtype: torch.dtype | None) -> dict:
     }
 
 
+def _step(student: torch.nn.Module, teacher: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One forward and backward of the KD loss; the student's local gradients by name."""
+    g = torch.Generator().manual_seed(dist.info().rank)
+    ids = torch.randint(0, 41, (2, 8), generator=g)
+    labels = torch.randint(0, 41, (16,), generator=g)
+    r = compute_loss(
+        student, teacher, ids, labels, make_run(batch=2, seq=8, chunk=4), torch.autocast("cpu", enabled=False)
+    )
+    r.loss.backward()
+    return {n: p.grad.to_local().clone() for n, p in student.named_parameters()}
+
+
+def shared(dtype: torch.dtype | None) -> dict:
+    """A student kept gathered from forward to backward, gathered once (dist.unshard) before it writes,
+    as an on-policy step does: the engine built from the gathered student keeps its weights once FSDP
+    frees them after the backward; at the next step the refresh gathers nothing more, the update's
+    forward and backward gather nothing, and its gradients are those of a step that gathers for itself."""
+    spec = make_spec(hidden=24, inter=40, layers=2, vocab=41, tied=False, bias=True)
+    teacher = build_decoder(make_spec(hidden=32, layers=2, vocab=41), seed=0).eval().requires_grad_(False)
+    student, twin = build_decoder(spec, seed=3), build_decoder(spec, seed=3)
+    whole = copy.deepcopy(student)
+    for model in (student, twin):
+        dist.shard_student(model, keep_gathered=True)
+    # the first step: the engine built from the gathered student, then the update
+    dist.unshard(student)
+    engine = DecodeEngine(student, batch_size=2, max_len=24, cuda_graphs="off", dtype=dtype)
+    _step(student, teacher)
+    _step(twin, teacher)
+    first = DecodeWeights(whole, engine.dtype, torch.device("cpu"))
+    kept = all(torch.equal(a, b) for a, b in zip(_tensors(engine.weights), _tensors(first)))
+    # the weights change (as an optimizer step changes them), then the next step
+    for model in (student, twin):
+        model.zero_grad(set_to_none=True)
+        _change(model, sharded=True)
+    _change(whole, sharded=False)
+    gathers = {"n": 0}
+    unshard = param_group.FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):  # a real all-gather: not gathered yet, none in flight
+        if not self.is_unsharded and getattr(self, "_all_gather_result", None) is None:
+            gathers["n"] += 1
+        return unshard(self, *args, **kwargs)
+
+    param_group.FSDPParamGroup.unshard = counted
+    try:
+        dist.unshard(student)
+        before = gathers["n"]
+        with Counter() as refresh:
+            engine.refresh(student)
+        after_refresh = gathers["n"]
+        grads = _step(student, teacher)
+        in_step = gathers["n"] - after_refresh
+    finally:
+        param_group.FSDPParamGroup.unshard = unshard
+    expected = _step(twin, teacher)
+    final = DecodeWeights(whole, engine.dtype, torch.device("cpu"))
+    return {
+        "unshard_gathers": before,
+        "refresh_gathers": refresh.flat + refresh.per_tensor + after_refresh - before,
+        "step_gathers": in_step,
+        "same_gradients": all(torch.equal(grads[n], expected[n]) for n in expected),
+        "engine_kept": kept
+        and all(torch.equal(a, b) for a, b in zip(_tensors(engine.weights), _tensors(final))),
+    }
+
+
 def main(out: str) -> None:
     dist.init_from_env("cpu")
     results = {
@@ -106,6 +174,7 @@ def main(out: str) -> None:
         for tied in (True, False)
         for name, dtype in (("model_dtype", None), ("bf16", torch.bfloat16))
     }
+    results["shared"] = shared(None)
     everyone = dist.all_gather_object(results)
     if dist.is_main():
         with open(out, "w", encoding="utf-8") as f:

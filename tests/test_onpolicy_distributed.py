@@ -3,7 +3,8 @@
 One 2-process run with kd.on_policy = 0.5 and kd.seq_kd = 0.5 (seed 0 makes its 4 steps data,
 teacher-written, data, on-policy), sampled at temperature 1 with a generator per process: the student
 (and for the teacher-written step the sharded teacher) writes through a gathered copy on every process,
-each process its own rows. Then the checkpoint it wrote at step 2 is resumed on 2 processes, as a run
+each process its own rows; the student's blocks are kept gathered from forward to backward, so its one
+gather of the on-policy step (before it writes) serves its update too. Then the checkpoint it wrote at step 2 is resumed on 2 processes, as a run
 interrupted after it would be, and must end with the uninterrupted run's metrics, weights and
 generator states, bit for bit. Every generated step's metrics line has each process's phase times.
 
@@ -44,6 +45,8 @@ def _started() -> None:
     atexit.register(shutil.rmtree, tmp, True)
     cfg = _run_config(tmp, on_policy=0.5, seq_kd=0.5, max_new_tokens=6)
     cfg["schedule"].update(steps=4, checkpoint_every=2, grad_accum=2)
+    # the student kept gathered from forward to backward: gathered once per on-policy step, before it writes
+    cfg.setdefault("runtime", {})["student_reshard"] = "after_backward"
     background.start("onpolicy_distributed", lambda: _launches(tmp, _write(tmp, cfg)))
 
 
@@ -73,6 +76,9 @@ def test_two_processes_write_their_own_samples_and_report_every_phase(runs):
     summary = read_summary(two)
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert summary["jit_after_prewarm"] == 0
+    # the student's one gather of an on-policy step serves its writing and its update; the resume below is
+    # exact through it
+    assert summary["layout"]["student_kept"] is True
     rows = _metrics(two, ())
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes the metrics
     assert [r.get("policy", "data") for r in rows] == ["data", "seq_kd", "data", "on_policy"]

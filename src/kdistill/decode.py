@@ -42,6 +42,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from kdistill import dispatch
 from kdistill.errors import UserError
@@ -260,6 +261,9 @@ class DecodeWeights:
     def __init__(self, model: Decoder, dtype: torch.dtype, device: torch.device) -> None:
         self.spec: ModelSpec = model.spec
         self.dtype, self.device = dtype, device
+        # a model's own tensor in the engine's dtype is shared, not copied (a bf16 teacher), unless FSDP
+        # manages it: a sharded model's gathered tensors are freed when FSDP reshards it
+        self._share = not any(isinstance(m, FSDPModule) for m in model.modules())
         conv = self._convert
         body = model.model
         self.embed = conv(_full(body.embed_tokens.weight))
@@ -272,7 +276,8 @@ class DecodeWeights:
         ]
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=self.device, dtype=self.dtype).contiguous()
+        out = t.to(device=self.device, dtype=self.dtype).contiguous()
+        return out if self._share or out.data_ptr() != t.data_ptr() else out.clone()
 
     @torch.no_grad()
     def refresh(self, model: Decoder) -> None:

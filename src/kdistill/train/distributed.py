@@ -427,6 +427,16 @@ def check_lora_sharding(base_dtype: torch.dtype) -> None:
         )
 
 
+def unshard(model: torch.nn.Module) -> None:
+    """Gather every FSDP unit of a sharded model now (FSDP2's own all-gathers, one per unit, in the
+    compute dtype), all issued before the first is waited on. The parameters stay gathered until FSDP
+    frees them: its next forward gathers nothing (collective: every process calls it)."""
+    handles = [m.unshard(async_op=True) for m in model.modules() if isinstance(m, FSDPModule)]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Free the gathered parameters a forward without backward left behind: the root's (FSDP2 keeps
     them after forward) and, with the student's blocks kept gathered until backward, the blocks'."""

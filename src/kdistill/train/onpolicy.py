@@ -31,7 +31,9 @@ of its own (seeded from the run's seed and its rank; every process's state goes 
 writer is whole on every process while it writes, and writing has no collective, so processes that
 stop early wait for nobody: the decode engine (GPU) gathers a sharded writer's weights into its own copy
 once per generation (kdistill.decode.copy_whole: a few bucketed all-gathers in bf16, each parameter
-written straight into the engine's rows), the eager path (CPU) writes with a gathered plain copy
+written straight into the engine's rows; or, with the student's blocks kept gathered from forward to
+backward, FSDP's own gather of the whole student, which the update's forward then uses without
+gathering again), the eager path (CPU) writes with a gathered plain copy
 (distributed.gathered_copy). Then one all-reduce of the completion-token counts: each process's loss is
 weighted by its share of the micro-batch's tokens over all processes (as off-policy steps weigh theirs),
 so the gradient is that of the loss over every process's samples, normalised by all their completion
@@ -102,6 +104,7 @@ class OnPolicy:
         pad_id: int,
         device: torch.device,
         rows: slice | None = None,
+        student_kept: bool = False,
     ) -> None:
         kd, sched = cfg.kd, cfg.schedule
         self.cfg = cfg
@@ -110,6 +113,10 @@ class OnPolicy:
         self.pad_id = pad_id
         self.device = device
         self.rows = rows
+        # under torchrun with the student's blocks kept gathered from forward to backward
+        # (memory.Layout.student_kept): the student is gathered once before it writes and stays so for the
+        # update's forward, which then gathers nothing (one all-gather of the student per step, not two)
+        self.share_gather = rows is not None and student_kept
         self.per_micro = sched.batch_size // kd.samples_per_prompt  # prompts per micro-batch
         # the prompts of a whole step are drawn at once, in a resumable shuffled order of their own
         self.batcher = Batcher(np.arange(len(prompts)), self.per_micro * sched.grad_accum, sched.seed)
@@ -145,12 +152,12 @@ class OnPolicy:
         return "data"
 
     def generate(
-        self, writer: torch.nn.Module, amp: Any
+        self, writer: torch.nn.Module, amp: Any, trains: bool = False
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Rollout]:
         """One step's generation: grad_accum micro-batches (input_ids, labels) (batch_size, seq_len) on
         the host, and the rollout they came from; under torchrun this process's rows of each micro-batch
         (rows, seq_len) and its rollout of them (collective when the writer is sharded: see the module
-        docstring)."""
+        docstring). trains: the writer is the model this step updates (its gather may be shared)."""
         idx = self.batcher.next_indices()
         spp = self.cfg.kd.samples_per_prompt
         prompts = [self.prompts[i][-self.prompt_len :] for i in idx.tolist() for _ in range(spp)]
@@ -159,6 +166,8 @@ class OnPolicy:
             r = self.rows
             prompts = [p for i in range(0, len(prompts), b) for p in prompts[i : i + b][r]]
             b = r.stop - r.start
+            if trains and self.share_gather and dist.is_sharded(writer):
+                dist.unshard(writer)  # the copies below read whole tensors; the update's forward too
             if self.engines is None and dist.is_sharded(writer):
                 writer = self.copies[id(writer)] = dist.gathered_copy(writer, self.copies.get(id(writer)))
         out = rollout(
@@ -308,7 +317,7 @@ def generated_accumulate(
     multi = op.rows is not None
     writer = ctx.student if kind == "on_policy" else ctx.teacher
     t0 = time.perf_counter()
-    micro, out = op.generate(writer, ctx.amp)
+    micro, out = op.generate(writer, ctx.amp, trains=kind == "on_policy")
     vocab = ctx.student.lm_head_weight.shape[0]
     counts = [label_count(labels.flatten(), vocab, cfg.kd.ignore_index) for _, labels in micro]
     samples = [out.tokens, len(out.completions), sum(out.stopped)]

@@ -231,7 +231,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         template = chat_template(cfg) if data.documents else None
         stops = stop_token_ids(cfg.teacher.path, tok, template)
         pad = tok.eos_id if tok.eos_id is not None else 0
-        onpolicy = OnPolicy(cfg, prompts, stops, pad, device, rows=rows)
+        onpolicy = OnPolicy(cfg, prompts, stops, pad, device, rows=rows, student_kept=layout.student_kept)
         stage(t_start, quiet, f"on-policy: {len(prompts)} prompts, {onpolicy.describe()}")
     counters = new_counters()
     start_step = (
