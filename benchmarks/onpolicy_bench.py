@@ -20,7 +20,7 @@ its own process, so the peaks are its own). kdistill runs once per world size of
 under torchrun above one process, schedule.batch_size = prompts x world): its completion tokens per
 second over all processes, the scaling against its first world size (ideally the world size), and
 each phase's mean seconds per step on every rank, from metrics.jsonl's phase_s (generate: the rank's own
-generation; wait: for the slowest rank at the end of generation; score: the teacher; update: the rest),
+generation; score: the teacher on its rows; wait: then, for the slowest rank's samples; update: the rest),
 with the layout the run chose. TRL runs on one device only, as the anchor; it needs `trl` and `datasets`
 (and their pure-Python dependencies); a side that cannot run says why in its entry. One invocation writes
 one JSON with the card, versions, date and command. vLLM-based trainers are not measured (their engine is

@@ -349,7 +349,7 @@ def test_lambda_zero_is_the_off_policy_run_and_lambda_one_reports_its_phases(tmp
     assert all(r["policy"] == "on_policy" and r["completions"] == 4 for r in rows)
     assert all(1 <= r["completion_len"] <= 8 and 0 <= r["eos_fraction"] <= 1 for r in rows)
     assert all(r["gen_s"] > 0 and r["score_s"] > 0 and r["update_s"] >= 0 for r in rows)
-    for r in rows:  # one process: its own phases, no wait for another, generation as gen_s
+    for r in rows:  # one process: its own phases, no wait for another
         phases = r["phase_s"]
         assert list(phases) == ["generate", "wait", "score", "update"]
         assert phases["generate"] == [r["gen_s"]] and phases["wait"] == [0.0]

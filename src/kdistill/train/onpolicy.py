@@ -34,7 +34,8 @@ once per generation (kdistill.decode.copy_whole: a few bucketed all-gathers in b
 written straight into the engine's rows; or, with the student's blocks kept gathered from forward to
 backward, FSDP's own gather of the whole student, which the update's forward then uses without
 gathering again), the eager path (CPU) writes with a gathered plain copy
-(distributed.gathered_copy). Then one all-reduce of the completion-token counts: each process's loss is
+(distributed.gathered_copy). Each process scores its own rows, then one all-reduce of the completion-token
+counts (after scoring: a process that wrote faster scores while the others still write): each process's loss is
 weighted by its share of the micro-batch's tokens over all processes (as off-policy steps weigh theirs),
 so the gradient is that of the loss over every process's samples, normalised by all their completion
 tokens. Scoring and update are forwards of the sharded models at the same shapes on every process
@@ -64,7 +65,7 @@ from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
 from kdistill.train.targets import MicroBatch, batch_loss
 
 KINDS = ("data", "on_policy", "seq_kd")
-PHASES = ("generate", "wait", "score", "update")  # metrics.jsonl's phase_s: each process's seconds of each
+PHASES = ("generate", "wait", "score", "update")  # metrics.jsonl's phase_s: every process's seconds of each
 log = logging.getLogger("kdistill")
 
 
@@ -276,7 +277,7 @@ class GeneratedStats:
     completion_tokens: int
     completions: int
     eos: int
-    written_s: float = 0.0  # this process's own generation, before the phases' boundary (gen_s's start)
+    wait_s: float = 0.0  # for the other processes' samples, after scoring (0 in one process)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -287,17 +288,16 @@ class GeneratedStats:
             "eos_fraction": self.eos / max(self.completions, 1),
             "completion_tokens": self.completion_tokens,
             "completions": self.completions,
-            "written_s": self.written_s,
+            "wait_s": self.wait_s,
         }
 
     @staticmethod
     def phases(row: dict[str, Any], seconds: float) -> list[float]:
         """This process's [generate, wait, score, update] seconds of a generated step that took `seconds`
-        (its metrics row, update_s not yet set): its own generation, the wait at the phases' boundary for
-        the other processes' (0 in one process), the teacher's scoring and the rest of the step."""
-        generate = row["written_s"]
-        return [generate, max(row["gen_s"] - generate, 0.0), row["score_s"],
-                max(seconds - row["gen_s"] - row["score_s"], 0.0)]  # fmt: skip
+        (its metrics row, update_s not yet set): its generation, the wait after scoring for the other
+        processes' samples (0 in one process), the teacher's scoring, and the rest of the step."""
+        rest = max(seconds - row["gen_s"] - row["score_s"], 0.0)  # update_s: the wait and the update
+        return [row["gen_s"], row["wait_s"], row["score_s"], max(rest - row["wait_s"], 0.0)]
 
 
 def _sync(device: torch.device) -> None:
@@ -321,10 +321,6 @@ def generated_accumulate(
     vocab = ctx.student.lm_head_weight.shape[0]
     counts = [label_count(labels.flatten(), vocab, cfg.kd.ignore_index) for _, labels in micro]
     samples = [out.tokens, len(out.completions), sum(out.stopped)]
-    written = time.perf_counter()  # this process's generation done; next, the wait for the others
-    if multi:  # every process's token counts (the losses' weights) and samples; the phases' boundary too
-        summed = dist.all_reduce_sum([float(c) for c in counts + samples])
-        totals, samples = [int(c) for c in summed[: len(counts)]], [int(c) for c in summed[len(counts) :]]
     _sync(ctx.device)
     t1 = time.perf_counter()
     objective = "divergence"
@@ -339,6 +335,12 @@ def generated_accumulate(
     scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
     _sync(ctx.device)
     t2 = time.perf_counter()
+    # every process's token counts (the losses' weights) and samples, only now: a process that finished
+    # writing first has scored its rows (a whole teacher) while the others were still writing
+    if multi:
+        summed = dist.all_reduce_sum([float(c) for c in counts + samples])
+        totals, samples = [int(c) for c in summed[: len(counts)]], [int(c) for c in summed[len(counts) :]]
+    waited = time.perf_counter() - t2
     rows, tokens = [], 0
     acc = cfg.schedule.grad_accum
     for i, (b, targets) in enumerate(zip(batches, scored)):
@@ -356,8 +358,9 @@ def generated_accumulate(
         rows.append(values)
         tokens += int(r.tokens)
         faults.at(f"{step + 1}.{i + 1}")
-    mine = (written if multi else t1) - t0  # one process waits for nobody: its generation is gen_s
-    stats = GeneratedStats(kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2], mine)
+    stats = GeneratedStats(
+        kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2], waited if multi else 0.0
+    )
     stacked = torch.stack(rows)  # (M, 3), or (M, 4) with the token counts under torchrun
     if not multi:
         return stacked, tokens, stats, None

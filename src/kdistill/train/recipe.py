@@ -385,8 +385,8 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         row.update(out.generated)
         # every process's phases, gathered to every process (one small collective; rank 0 writes them)
         mine = GeneratedStats.phases(row, seconds)
-        del row["written_s"]
-        row["update_s"] = mine[3]
+        del row["wait_s"]
+        row["update_s"] = max(seconds - row["gen_s"] - row["score_s"], 0.0)
         ranks = dist.all_gather_floats(mine)
         row["phase_s"] = {name: [r[i] for r in ranks] for i, name in enumerate(PHASES)}
         if row["policy"] == "on_policy":
