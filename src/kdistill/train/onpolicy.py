@@ -33,9 +33,9 @@ stop early wait for nobody: the decode engine (GPU) gathers a sharded writer's w
 once per generation (kdistill.decode.copy_whole: a few bucketed all-gathers in bf16, each parameter
 written straight into the engine's rows; or, with the student's blocks kept gathered from forward to
 backward, FSDP's own gather of the whole student, which the update's forward then uses without
-gathering again), the eager path (CPU) writes with a gathered plain copy
-(distributed.gathered_copy). Each process scores its own rows, then one all-reduce of the completion-token
-counts (after scoring: a process that wrote faster scores while the others still write): each process's loss is
+gathering again), the eager path (CPU) writes with a gathered plain copy (distributed.gathered_copy).
+Each process scores its own rows, then one all-reduce of the completion-token counts (after scoring: a
+process that wrote faster scores while the others still write): each process's loss is
 weighted by its share of the micro-batch's tokens over all processes (as off-policy steps weigh theirs),
 so the gradient is that of the loss over every process's samples, normalised by all their completion
 tokens. Scoring and update are forwards of the sharded models at the same shapes on every process
