@@ -1,21 +1,30 @@
-"""On-policy distillation speed: TRL's GKDTrainer beside kdistill (kd.on_policy=1), same pair, same card.
+"""On-policy distillation speed: TRL's GKDTrainer beside kdistill (kd.on_policy=1), same pair, same card,
+and kdistill's weak scaling under torchrun (the same prompts per GPU on 1, 2, 4 GPUs).
 
-    python benchmarks/onpolicy_bench.py                           # Qwen2.5-1.5B -> 0.5B shapes, GPU
+    python benchmarks/onpolicy_bench.py                           # Qwen2.5-1.5B -> 0.5B shapes, 1 GPU
     python benchmarks/onpolicy_bench.py --json out.json --steps 8
-    python benchmarks/onpolicy_bench.py --device cpu --tiny       # a smoke check on the CPU
+    python benchmarks/onpolicy_bench.py --pair qwen2.5-1.5b:qwen2.5-0.5b --prompts 16 --new 1024 --nproc 1,2,4
+    python benchmarks/onpolicy_bench.py --pair qwen2.5-7b:qwen2.5-1.5b --prompts 4 --new 256 --nproc 1,2,4
+    python benchmarks/onpolicy_bench.py --device cpu --tiny --nproc 1,2 --only kdistill   # CPU smoke (gloo)
 
-Both sides train the same student from the same teacher (random weights at the presets' shapes, built
-here with transformers and saved once; no download) on the same prompts: batch 8 prompts of 128 tokens,
-128 new tokens sampled by the student at every step (lambda = 1), JSD(0.5) at temperature 0.9 over
-the full vocabulary, AdamW on an fp32 student under bf16 autocast, a bf16 teacher. The tokenizer is a
-word-level one built here (one token per word), so a prompt of 128 words is 128 tokens on both sides.
+Both sides train the same student from the same teacher (random weights at the presets' shapes of
+--pair TEACHER:STUDENT, built here with transformers and saved once; no download) on the same prompts:
+--prompts prompts per GPU of --prompt-len tokens, --new new tokens sampled by the student at every step
+(lambda = 1), JSD(0.5) at temperature 0.9 over the full vocabulary, AdamW on an fp32 student under bf16
+autocast, a bf16 teacher. The tokenizer is a word-level one built here (one token per word), so a prompt
+of 128 words is 128 tokens on both sides.
 
 Reported per side, after --warmup untimed steps: completion tokens per second through whole optimizer
 steps (generation, teacher scoring, update), seconds per step, and peak GPU memory (each side runs in
-its own process, so the peaks are its own). TRL needs `trl` and `datasets` (and their pure-Python
-dependencies); a side that cannot run says why in its entry. The JSON holds the card, versions, date
-and command. vLLM-based trainers are not measured (their engine is not installable on the benchmark
-machine).
+its own process, so the peaks are its own). kdistill runs once per world size of --nproc (`kdistill run`,
+under torchrun above one process, schedule.batch_size = prompts x world): its completion tokens per
+second over all processes, the scaling against its first world size (ideally the world size), and
+each phase's mean seconds per step on every rank, from metrics.jsonl's phase_s (generate: the rank's own
+generation; score: the teacher on its rows; wait: then, for the slowest rank's samples; update: the rest),
+with the layout the run chose. TRL runs on one device only, as the anchor; it needs `trl` and `datasets`
+(and their pure-Python dependencies); a side that cannot run says why in its entry. One invocation writes
+one JSON with the card, versions, date and command. vLLM-based trainers are not measured (their engine is
+not installable on the benchmark machine).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ import torch
 
 from kdistill.models.presets import PRESETS
 
+REPO = Path(__file__).resolve().parents[1]
+
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
@@ -51,16 +62,19 @@ TEMPLATE = (
 
 @dataclasses.dataclass
 class Shape:
-    batch: int = 8
+    batch: int = 8  # prompts per GPU (each completed once)
     prompt: int = 128
     new: int = 128
     steps: int = 6
     warmup: int = 2
     temperature: float = 0.9
+    teacher: str = "qwen2.5-1.5b"
+    student: str = "qwen2.5-0.5b"
 
 
-def build_assets(out: Path, tiny: bool, shape: Shape) -> Path:
-    """teacher/, student/ (config, safetensors, tokenizer with the template) and data.jsonl under out."""
+def build_assets(out: Path, tiny: bool, shape: Shape, rows: int) -> Path:
+    """teacher/, student/ (config, safetensors, tokenizer with the template) and data.jsonl (`rows`
+    prompts) under out."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -72,7 +86,7 @@ def build_assets(out: Path, tiny: bool, shape: Shape) -> Path:
         tokenizer_object=backend, eos_token=EOS, pad_token=EOS, unk_token="<unk>"
     )
     tok.chat_template = TEMPLATE
-    for role, preset in (("teacher", "qwen2.5-1.5b"), ("student", "qwen2.5-0.5b")):
+    for role, preset in (("teacher", shape.teacher), ("student", shape.student)):
         raw = dict(PRESETS[preset])
         for k in ("architectures", "torch_dtype", "layer_types", "max_window_layers"):
             raw.pop(k, None)
@@ -91,7 +105,7 @@ def build_assets(out: Path, tiny: bool, shape: Shape) -> Path:
         del model
     g = torch.Generator().manual_seed(0)
     with open(out / "data.jsonl", "w", encoding="utf-8") as f:
-        for _ in range(64 * shape.batch):
+        for _ in range(rows):
             words = torch.randint(0, WORDS, (shape.prompt + shape.new,), generator=g).tolist()
             text = [f"w{w}" for w in words]
             row = {"prompt": " ".join(text[: shape.prompt]), "completion": " ".join(text[shape.prompt :])}
@@ -185,49 +199,73 @@ def run_trl(assets: Path, device: str, shape: Shape) -> dict[str, Any]:
     }
 
 
-def run_kdistill(assets: Path, device: str, shape: Shape) -> dict[str, Any]:
-    """kdistill at kd.on_policy = 1 for warmup + steps steps; per-step phases from metrics.jsonl."""
-    import kdistill
-    from kdistill.commands.run import new_run
-    from kdistill.config import load_config
+def kdistill_config(assets: Path, work: Path, device: str, shape: Shape, world: int) -> dict[str, Any]:
+    """The run config of kdistill at kd.on_policy = 1 on `world` processes (shape.batch prompts each)."""
+    return {
+        "teacher": {"path": str(assets / "teacher")},
+        "student": {"path": str(assets / "student"), "init": "pretrained"},
+        "data": {
+            "train": [str(assets / "data.jsonl")],
+            "heldout_fraction": 0.01,
+            "seq_len": shape.prompt + shape.new + 8,
+            "chat_template": str(assets / "template.jinja"),
+            "cache_dir": str(work / "cache"),
+        },
+        "kd": {
+            "alpha": 1.0, "divergence": "jsd", "beta": 0.5, "temperature": shape.temperature,
+            "on_policy": 1.0, "max_new_tokens": shape.new,
+        },
+        "optim": {"lr": 1e-5, "warmup_steps": 0},
+        "schedule": {
+            "steps": shape.warmup + shape.steps, "batch_size": shape.batch * world, "eval_every": 0,
+            "eval_batches": 1, "checkpoint_every": 0, "sample_prompts": 0,
+        },
+        "output": {"dir": str(work / f"run-{world}"), "keep_checkpoints": 1},
+        "runtime": {"device": device},
+    }  # fmt: skip
 
-    with tempfile.TemporaryDirectory() as tmp:
-        base = {
-            "teacher": {"path": str(assets / "teacher")},
-            "student": {"path": str(assets / "student"), "init": "pretrained"},
-            "data": {
-                "train": [str(assets / "data.jsonl")],
-                "heldout_fraction": 0.01,
-                "seq_len": shape.prompt + shape.new + 8,
-                "chat_template": str(assets / "template.jinja"),
-                "cache_dir": str(Path(tmp) / "cache"),
-            },
-            "kd": {
-                "alpha": 1.0, "divergence": "jsd", "beta": 0.5, "temperature": shape.temperature,
-                "on_policy": 1.0, "max_new_tokens": shape.new,
-            },
-            "optim": {"lr": 1e-5, "warmup_steps": 0},
-            "schedule": {
-                "steps": shape.warmup + shape.steps, "batch_size": shape.batch, "eval_every": 0,
-                "eval_batches": 1, "checkpoint_every": 0, "sample_prompts": 0,
-            },
-            "output": {"dir": str(Path(tmp) / "run"), "keep_checkpoints": 1},
-            "runtime": {"device": device},
-        }  # fmt: skip
-        cfg = load_config(None, base=base).validate()
-        summary = new_run(cfg, quiet=True)
-        rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+
+def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int) -> dict[str, Any]:
+    """`kdistill run` at kd.on_policy = 1 on `world` processes (torchrun above one); per-step phases
+    from metrics.jsonl, rank 0's step times, completion tokens of every process."""
+    cfg_path = work / f"run-{world}.yaml"
+    cfg_path.write_text(json.dumps(kdistill_config(assets, work, device, shape, world)), encoding="utf-8")
+    launcher = [sys.executable]
+    if world > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone"]
+    proc = subprocess.run(
+        [*launcher, "-m", "kdistill", "run", str(cfg_path), "--quiet"],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
+    run_dir = work / f"run-{world}"
+    if proc.returncode != 0 or not (run_dir / "summary.json").is_file():
+        tail = [x for x in proc.stderr.splitlines() if x.strip()] or ["failed (no summary)"]
+        return {"error": tail[-1].strip()[-500:]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = rows[shape.warmup :]
     seconds = [r["gen_s"] + r["score_s"] + r["update_s"] for r in timed]
     tokens = sum(r["completion_tokens"] for r in timed)
+    phases = {
+        name: [sum(r["phase_s"][name][rank] for r in timed) / len(timed) for rank in range(world)]
+        for name in timed[0]["phase_s"]
+    }
     return {
-        "version": kdistill.__version__ if hasattr(kdistill, "__version__") else None,
+        "world_size": world,
         "seconds_per_step": sum(seconds) / len(seconds),
         "completion_tokens_per_s": tokens / sum(seconds),
         "gen_s": sum(r["gen_s"] for r in timed) / len(timed),
         "score_s": sum(r["score_s"] for r in timed) / len(timed),
         "update_s": sum(r["update_s"] for r in timed) / len(timed),
+        "phase_s_per_rank": phases,
         "mean_completion_len": tokens / sum(r["completions"] for r in timed),
+        "completions_per_step": sum(r["completions"] for r in timed) / len(timed),  # over all processes
+        "layout": summary.get("layout"),
         "peak_memory_gib": summary.get("peak_memory_gib"),
         "planned_memory_gib": summary.get("planned_memory_gib"),
         "jit_after_prewarm": summary.get("jit_after_prewarm"),
@@ -236,72 +274,105 @@ def run_kdistill(assets: Path, device: str, shape: Shape) -> dict[str, Any]:
 
 
 def provider_main(args: argparse.Namespace, shape: Shape) -> int:
-    """One side in this process: its result as one JSON line on stdout."""
-    fn = run_trl if args.provider == "trl" else run_kdistill
+    """TRL's side in this process: its result as one JSON line on stdout."""
     try:
-        out = fn(Path(args.assets), args.device, shape)
+        out = run_trl(Path(args.assets), args.device, shape)
     except ImportError as e:
         out = {"error": f"cannot import {e.name or e}: install trl and datasets to compare"}
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.Namespace, Shape, list[int]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke check)")
+    p.add_argument("--pair", default="qwen2.5-1.5b:qwen2.5-0.5b", help="TEACHER:STUDENT preset names")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per GPU and step")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
+    p.add_argument("--new", type=int, default=128, help="new tokens per completion")
+    p.add_argument("--nproc", default="1", help="kdistill's world sizes, comma-separated (torchrun above 1)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--only", choices=("trl", "kdistill"), help="run one side")
-    p.add_argument("--provider", choices=("trl", "kdistill"), help=argparse.SUPPRESS)
+    p.add_argument("--provider", choices=("trl",), help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
     args = p.parse_args()
-    shape = Shape(steps=args.steps, warmup=args.warmup)
+    teacher, _, student = args.pair.partition(":")
+    for name in (teacher, student):
+        if name not in PRESETS:
+            p.error(f"--pair {args.pair}: no preset {name!r} (one of {', '.join(sorted(PRESETS))})")
+    try:
+        worlds = sorted({int(x) for x in args.nproc.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--nproc {args.nproc}: expected world sizes such as 1,2,4")
+    if not worlds or min(worlds) < 1:
+        p.error(f"--nproc {args.nproc}: expected world sizes >= 1")
+    shape = Shape(
+        batch=args.prompts, prompt=args.prompt_len, new=args.new, steps=args.steps, warmup=args.warmup,
+        teacher=teacher, student=student,
+    )  # fmt: skip
     if args.tiny:
         shape = dataclasses.replace(shape, batch=2, prompt=16, new=8)
+    return args, shape, worlds
+
+
+def main() -> int:
+    args, shape, worlds = parse_args()
     if args.provider:
         return provider_main(args, shape)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        assets = build_assets(Path(tmp), args.tiny, shape)
-        for side in ("trl", "kdistill") if args.only is None else (args.only,):
+        rows = max(64 * shape.batch, 2 * shape.batch * max(worlds) * (shape.steps + shape.warmup))
+        assets = build_assets(Path(tmp), args.tiny, shape, rows)
+        if args.only in (None, "trl"):
             cmd = [
                 sys.executable,
                 __file__,
                 "--provider",
-                side,
+                "trl",
                 "--assets",
                 str(assets),
                 "--device",
                 args.device,
             ]
-            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (
-                ["--tiny"] if args.tiny else []
-            )
+            cmd += ["--pair", args.pair, "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len)]
+            cmd += ["--new", str(args.new), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--tiny"] if args.tiny else []
             proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             errors = [x for x in proc.stderr.splitlines() if "Error" in x] or ["failed (no result line)"]
-            results[side] = json.loads(line[7:]) if line else {"error": errors[-1].strip()}
-            print(f"{side}: {json.dumps(results[side])}", file=sys.stderr, flush=True)
-    speedup = None
-    if "completion_tokens_per_s" in results.get("trl", {}) and "completion_tokens_per_s" in results.get(
-        "kdistill", {}
-    ):
-        speedup = results["kdistill"]["completion_tokens_per_s"] / results["trl"]["completion_tokens_per_s"]
+            results["trl"] = json.loads(line[7:]) if line else {"error": errors[-1].strip()}
+            print(f"trl: {json.dumps(results['trl'])}", file=sys.stderr, flush=True)
+        if args.only in (None, "kdistill"):
+            results["kdistill"] = {}
+            for world in worlds:
+                out = run_kdistill(assets, Path(tmp), args.device, shape, world)
+                results["kdistill"][str(world)] = out
+                print(f"kdistill x{world}: {json.dumps(out)}", file=sys.stderr, flush=True)
+    rates = {w: r.get("completion_tokens_per_s") for w, r in results.get("kdistill", {}).items()}
+    base_world = str(worlds[0])
+    scaling = {
+        w: rate / rates[base_world] if rate and rates.get(base_world) else None for w, rate in rates.items()
+    }
+    trl_rate = results.get("trl", {}).get("completion_tokens_per_s")
     report = {
-        "benchmark": "on-policy distillation, whole steps",
-        "pair": "tiny" if args.tiny else "qwen2.5-1.5b -> qwen2.5-0.5b shapes (random weights)",
-        "shape": dataclasses.asdict(shape),
+        "benchmark": "on-policy distillation, whole steps, weak scaling",
+        "pair": "tiny" if args.tiny else f"{shape.teacher} -> {shape.student} shapes (random weights)",
+        "shape": {**dataclasses.asdict(shape), "prompts_per_gpu": shape.batch},
         "device": torch.cuda.get_device_name()
         if args.device.startswith("cuda")
         else platform.processor() or "cpu",
+        "gpus": torch.cuda.device_count() if args.device.startswith("cuda") else 0,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "results": results,
-        "kdistill_speedup": speedup,
+        # completion tokens per second against the first world size (weak scaling: ideally world / first)
+        "kdistill_scaling": {"against_world": worlds[0], **scaling},
+        "kdistill_speedup": rates.get(base_world) / trl_rate if trl_rate and rates.get(base_world) else None,
     }
     text = json.dumps(report, indent=2)
     print(text)

@@ -344,7 +344,7 @@ def _write(root: Path, cfg: dict, name: str = "run.yaml") -> Path:
     return path
 
 
-def _metrics(run_dir: Path, drop=("tokens_per_s", "gen_s", "score_s", "update_s")) -> list[dict]:
+def _metrics(run_dir: Path, drop=("tokens_per_s", "gen_s", "score_s", "update_s", "phase_s")) -> list[dict]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in drop} for r in rows]
 
@@ -369,6 +369,11 @@ def test_lambda_zero_is_the_off_policy_run_and_lambda_one_reports_its_phases(tmp
     assert all(r["policy"] == "on_policy" and r["completions"] == 4 for r in rows)
     assert all(1 <= r["completion_len"] <= 8 and 0 <= r["eos_fraction"] <= 1 for r in rows)
     assert all(r["gen_s"] > 0 and r["score_s"] > 0 and r["update_s"] >= 0 for r in rows)
+    for r in rows:  # one process: its own phases, no wait for another
+        phases = r["phase_s"]
+        assert list(phases) == ["generate", "wait", "score", "update"]
+        assert phases["generate"] == [r["gen_s"]] and phases["wait"] == [0.0]
+        assert phases["score"] == [r["score_s"]] and phases["update"] == [r["update_s"]]
     assert all(r["sample_kl"] == r["kd"] and r["loss"] == r["kd"] for r in rows)  # alpha = 1: the KL alone
     summary = read_summary(tmp_path / "one")
     op = summary["on_policy"]

@@ -3,9 +3,10 @@
 One 2-process run with kd.on_policy = 0.5 and kd.seq_kd = 0.5 (seed 0 makes its 4 steps data,
 teacher-written, data, on-policy), sampled at temperature 1 with a generator per process: the student
 (and for the teacher-written step the sharded teacher) writes through a gathered copy on every process,
-each process its own rows. Then the checkpoint it wrote at step 2 is resumed on 2 processes, as a run
+each process its own rows; the student's blocks are kept gathered from forward to backward, so its one
+gather of the on-policy step (before it writes) serves its update too. Then the checkpoint it wrote at step 2 is resumed on 2 processes, as a run
 interrupted after it would be, and must end with the uninterrupted run's metrics, weights and
-generator states, bit for bit.
+generator states, bit for bit. Every generated step's metrics line has each process's phase times.
 
 That the loss of a step over 2 processes equals one process's over the same rows, with unequal completion
 tokens per process, is tested in tests/test_onpolicy.py (the two processes emulated, exactly).
@@ -44,6 +45,8 @@ def _started() -> None:
     atexit.register(shutil.rmtree, tmp, True)
     cfg = _run_config(tmp, on_policy=0.5, seq_kd=0.5, max_new_tokens=6)
     cfg["schedule"].update(steps=4, checkpoint_every=2, grad_accum=2)
+    # the student kept gathered from forward to backward: gathered once per on-policy step, before it writes
+    cfg.setdefault("runtime", {})["student_reshard"] = "after_backward"
     background.start("onpolicy_distributed", lambda: _launches(tmp, _write(tmp, cfg)))
 
 
@@ -73,6 +76,9 @@ def test_two_processes_write_their_own_samples_and_report_every_phase(runs):
     summary = read_summary(two)
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert summary["jit_after_prewarm"] == 0
+    # the student's one gather of an on-policy step serves its writing and its update; the resume below is
+    # exact through it
+    assert summary["layout"]["student_kept"] is True
     rows = _metrics(two, ())
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes the metrics
     assert [r.get("policy", "data") for r in rows] == ["data", "seq_kd", "data", "on_policy"]
@@ -82,6 +88,13 @@ def test_two_processes_write_their_own_samples_and_report_every_phase(runs):
         assert 1 <= r["completion_len"] <= 6 and 0 <= r["eos_fraction"] <= 1
         assert r["completion_tokens"] == round(r["completion_len"] * 8)
         assert r["gen_s"] > 0 and r["score_s"] > 0 and r["update_s"] >= 0
+        # every process's phases, gathered to rank 0: one entry per rank, rank 0's as its own columns
+        phases = r["phase_s"]
+        assert list(phases) == ["generate", "wait", "score", "update"]
+        assert all(len(v) == 2 and min(v) >= 0 for v in phases.values())
+        assert all(g > 0 for g in phases["generate"]) and all(s > 0 for s in phases["score"])
+        assert phases["generate"][0] == r["gen_s"] and phases["score"][0] == r["score_s"]
+        assert phases["wait"][0] + phases["update"][0] == pytest.approx(r["update_s"])
     on = next(r for r in generated if r["policy"] == "on_policy")
     assert on["sample_kl"] == on["kd"] == on["loss"]  # alpha = 1: the divergence alone
     op = summary["on_policy"]

@@ -39,8 +39,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from kdistill import dispatch
 from kdistill.errors import UserError
@@ -123,6 +125,90 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 _full = full_value  # the short name the layer code below uses
 
 
+def _row_shard(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor sharded by rows over a one-dimensional mesh (FSDP2's parameters)."""
+    placements = getattr(t, "placements", None)
+    return placements is not None and len(placements) == 1 and placements[0].is_shard(0)
+
+
+def _row_counts(rows: int, world: int) -> list[int]:
+    """Rows of a tensor of `rows` rows on each of `world` processes when sharded by rows (torch.chunk's
+    split, which FSDP2 uses: ceil(rows / world) each, the last ones shorter or empty)."""
+    per = -(-rows // world)
+    return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
+@torch.no_grad()
+def copy_whole(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source's whole value into its destination (same shape, the destination's dtype).
+
+    Plain tensors are copied as they are. FSDP2 shards (DTensors sharded by rows on one mesh) are
+    gathered in buckets: every process flattens its shards of a bucket's tensors, cast to the
+    destinations' dtype (a bf16 engine gathers bf16: half the bytes of the fp32 masters), into one
+    buffer, one all-gather brings every process's buffer, and each process's rows land in their
+    destinations' rows. A bucket holds at most the largest tensor's bytes, so the gather's transient
+    memory stays that of gathering the largest tensor in fp32 (one all-gather per parameter, before).
+    A collective: every process calls it with the same tensors in the same order."""
+    sharded = [(src, dst) for src, dst in pairs if _row_shard(src)]
+    meshes = {id(src.device_mesh) for src, _ in sharded}  # type: ignore[attr-defined]
+    if len(meshes) > 1:  # not FSDP2's layout: each tensor gathered alone
+        sharded = []
+    for src, dst in pairs:
+        if sharded and _row_shard(src):
+            continue
+        value = full_value(src)
+        if value.data_ptr() != dst.data_ptr():  # an engine tensor may be the model's own (same dtype)
+            dst.copy_(value)
+    if not sharded:
+        return
+    cap = max(dst.numel() * dst.element_size() for _, dst in sharded)
+    bucket: list[tuple[torch.Tensor, torch.Tensor]] = []
+    size = 0
+    for src, dst in sharded:
+        nbytes = dst.numel() * dst.element_size()
+        if bucket and (size + nbytes > cap or dst.dtype != bucket[0][1].dtype):
+            _gather_bucket(bucket)
+            bucket, size = [], 0
+        bucket.append((src, dst))
+        size += nbytes
+    _gather_bucket(bucket)
+
+
+def _gather_bucket(bucket: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One all-gather of every process's shards of the bucket's tensors into their destinations."""
+    group = bucket[0][0].device_mesh.get_group()  # type: ignore[attr-defined]
+    world, rank = tdist.get_world_size(group), tdist.get_rank(group)
+    dtype, device = bucket[0][1].dtype, bucket[0][0].to_local().device  # type: ignore[attr-defined]
+    counts = [_row_counts(dst.shape[0], world) for _, dst in bucket]  # rows per process, per tensor
+    widths = [dst[0].numel() if dst.dim() > 1 else 1 for _, dst in bucket]  # elements per row
+    per_rank = [sum(c[r] * w for c, w in zip(counts, widths)) for r in range(world)]
+    length = max(per_rank)  # every process's buffer padded to the longest
+    local = []
+    for (src, _), c in zip(bucket, counts):
+        shard = src.to_local()  # type: ignore[attr-defined]
+        if shard.shape[0] != c[rank]:
+            raise RuntimeError(f"a shard has {shard.shape[0]} rows, expected {c[rank]} (not FSDP2's split)")
+        local.append(shard.detach().reshape(-1).to(dtype))
+    mine = torch.zeros(length, dtype=dtype, device=device)
+    if local:
+        flat = torch.cat(local)
+        mine[: flat.numel()].copy_(flat)
+    everyone = torch.empty(world * length, dtype=dtype, device=device)
+    # all_gather_single is all_gather_into_tensor's newer name (the older one warns where both exist)
+    gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+    gather(everyone, mine, group=group)
+    targets, sources = [], []
+    for r in range(world):
+        offset = r * length
+        for (_, dst), c, w in zip(bucket, counts, widths):
+            start, n = sum(c[:r]), c[r]
+            if n:
+                targets.append(dst[start : start + n])
+                sources.append(everyone[offset : offset + n * w].view(dst[start : start + n].shape))
+            offset += n * w
+    torch._foreach_copy_(targets, sources)
+
+
 def dense_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight (out, in), bias or None) of a linear layer as a plain matrix: an nn.Linear as is, a
     LoRA wrapper merged (W + scaling B A), an FP8 linear dequantised."""
@@ -175,6 +261,9 @@ class DecodeWeights:
     def __init__(self, model: Decoder, dtype: torch.dtype, device: torch.device) -> None:
         self.spec: ModelSpec = model.spec
         self.dtype, self.device = dtype, device
+        # a model's own tensor in the engine's dtype is shared, not copied (a bf16 teacher), unless FSDP
+        # manages it: a sharded model's gathered tensors are freed when FSDP reshards it
+        self._share = not any(isinstance(m, FSDPModule) for m in model.modules())
         conv = self._convert
         body = model.model
         self.embed = conv(_full(body.embed_tokens.weight))
@@ -187,12 +276,20 @@ class DecodeWeights:
         ]
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=self.device, dtype=self.dtype).contiguous()
+        out = t.to(device=self.device, dtype=self.dtype).contiguous()
+        return out if self._share or out.data_ptr() != t.data_ptr() else out.clone()
 
     @torch.no_grad()
     def refresh(self, model: Decoder) -> None:
         """Copy the model's current weights into these tensors (their addresses stay: a captured graph
-        reads the new values)."""
+        reads the new values). Each parameter goes straight into its rows of the engine's tensors (no
+        q/k/v or gate/up concatenation); an FSDP2-sharded model's shards are gathered a bucket at a time
+        (`copy_whole`: a few all-gathers per refresh, not one per parameter). A LoRA or FP8 layer is
+        merged or dequantised first (`dense_linear`), a parameter at a time."""
+        pairs = self._destinations(model)
+        if pairs is not None:
+            copy_whole(pairs)
+            return
         body = model.model
         self.embed.copy_(_full(body.embed_tokens.weight))
         if not model.spec.tie_word_embeddings:
@@ -202,6 +299,40 @@ class DecodeWeights:
             for name, value in _layer_tensors(block).items():
                 if value is not None:
                     getattr(layer, name).copy_(value)
+
+    def _destinations(self, model: Decoder) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """(parameter, the view of an engine tensor its whole value fills, of its shape) for every weight
+        the engine holds, or None when a linear layer is not a plain matrix (LoRA, FP8)."""
+        body, s = model.model, self.spec
+        pairs = [(body.embed_tokens.weight, self.embed), (body.norm.weight, self.norm)]
+        if not s.tie_word_embeddings:
+            pairs.append((model.lm_head.weight, self.lm_head))
+        q, kv, inter = s.q_size, s.kv_size, s.intermediate_size
+        for layer, block in zip(self.layers, body.layers):
+            a, m = block.self_attn, block.mlp
+            linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            if any(isinstance(x, LoraLinear | FP8Linear) for x in linears):
+                return None
+            pairs += [
+                (block.input_layernorm.weight, layer.ln1),
+                (a.q_proj.weight, layer.qkv[:q]),
+                (a.k_proj.weight, layer.qkv[q : q + kv]),
+                (a.v_proj.weight, layer.qkv[q + kv :]),
+                (a.o_proj.weight, layer.o),
+                (block.post_attention_layernorm.weight, layer.ln2),
+                (m.gate_proj.weight, layer.gate_up[:inter]),
+                (m.up_proj.weight, layer.gate_up[inter:]),
+                (m.down_proj.weight, layer.down),
+            ]
+            if layer.qkv_bias is not None:
+                pairs += [
+                    (a.q_proj.bias, layer.qkv_bias[:q]),
+                    (a.k_proj.bias, layer.qkv_bias[q : q + kv]),
+                    (a.v_proj.bias, layer.qkv_bias[q + kv :]),
+                ]
+            if layer.q_norm is not None:
+                pairs += [(a.q_norm.weight, layer.q_norm), (a.k_norm.weight, layer.k_norm)]
+        return pairs
 
     def nbytes(self) -> int:
         seen: set[int] = set()

@@ -267,6 +267,18 @@ def loss_weight(tokens: int, total: int) -> tuple[float, int]:
     return tokens * _INFO.world / total, total
 
 
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Every process's few floats (as many on each), in rank order, on every process: one all-gather of
+    a float64 tensor on the backend's device; [values] when not distributed."""
+    if not active():
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    everyone = torch.empty(_INFO.world * len(values), dtype=torch.float64, device=mine.device)  # flat: gloo
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
+    gather(everyone, mine)
+    return everyone.view(_INFO.world, len(values)).tolist()
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every process's `obj` (JSON-like: lists, numbers), in rank order, on every process; [obj] alone."""
     if not active():
@@ -413,6 +425,16 @@ def check_lora_sharding(base_dtype: torch.dtype) -> None:
             f"dtype, and the block holds the {name} base and the float32 adapters; upgrade torch or use "
             "student.lora.base_dtype=float32"
         )
+
+
+def unshard(model: torch.nn.Module) -> None:
+    """Gather every FSDP unit of a sharded model now (FSDP2's own all-gathers, one per unit, in the
+    compute dtype), all issued before the first is waited on. The parameters stay gathered until FSDP
+    frees them: its next forward gathers nothing (collective: every process calls it)."""
+    handles = [m.unshard(async_op=True) for m in model.modules() if isinstance(m, FSDPModule)]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
 
 
 def reshard(model: torch.nn.Module) -> None:

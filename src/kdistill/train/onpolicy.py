@@ -30,8 +30,12 @@ rows of each micro-batch (`rows`, the slice of the batch off-policy steps take),
 of its own (seeded from the run's seed and its rank; every process's state goes in the checkpoint). The
 writer is whole on every process while it writes, and writing has no collective, so processes that
 stop early wait for nobody: the decode engine (GPU) gathers a sharded writer's weights into its own copy
-once per generation (kdistill.decode.full_value), the eager path (CPU) writes with a gathered plain copy
-(distributed.gathered_copy). Then one all-reduce of the completion-token counts: each process's loss is
+once per generation (kdistill.decode.copy_whole: a few bucketed all-gathers in bf16, each parameter
+written straight into the engine's rows; or, with the student's blocks kept gathered from forward to
+backward, FSDP's own gather of the whole student, which the update's forward then uses without
+gathering again), the eager path (CPU) writes with a gathered plain copy (distributed.gathered_copy).
+Each process scores its own rows, then one all-reduce of the completion-token counts (after scoring: a
+process that wrote faster scores while the others still write): each process's loss is
 weighted by its share of the micro-batch's tokens over all processes (as off-policy steps weigh theirs),
 so the gradient is that of the loss over every process's samples, normalised by all their completion
 tokens. Scoring and update are forwards of the sharded models at the same shapes on every process
@@ -62,6 +66,7 @@ from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
 from kdistill.train.targets import MicroBatch, batch_loss
 
 KINDS = ("data", "on_policy", "seq_kd")
+PHASES = ("generate", "wait", "score", "update")  # metrics.jsonl's phase_s: every process's seconds of each
 log = logging.getLogger("kdistill")
 
 
@@ -128,6 +133,7 @@ class OnPolicy:
         pad_id: int,
         device: torch.device,
         rows: slice | None = None,
+        student_kept: bool = False,
     ) -> None:
         kd, sched = cfg.kd, cfg.schedule
         self.cfg = cfg
@@ -137,6 +143,10 @@ class OnPolicy:
         self.device = device
         self.rows = rows
         self.last_prompts: list[list[int]] = []  # the pool's prompt of each row of the last generation
+        # under torchrun with the student's blocks kept gathered from forward to backward
+        # (memory.Layout.student_kept): the student is gathered once before it writes and stays so for the
+        # update's forward, which then gathers nothing (one all-gather of the student per step, not two)
+        self.share_gather = rows is not None and student_kept
         self.per_micro = sched.batch_size // kd.samples_per_prompt  # prompts per micro-batch
         # the prompts of a whole step are drawn at once, in a resumable shuffled order of their own
         self.batcher = Batcher(np.arange(len(prompts)), self.per_micro * sched.grad_accum, sched.seed)
@@ -171,12 +181,12 @@ class OnPolicy:
         return "data"
 
     def generate(
-        self, writer: torch.nn.Module, amp: Any
+        self, writer: torch.nn.Module, amp: Any, trains: bool = False
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Rollout]:
         """One step's generation: grad_accum micro-batches (input_ids, labels) (batch_size, seq_len) on
         the host, and the rollout they came from; under torchrun this process's rows of each micro-batch
         (rows, seq_len) and its rollout of them (collective when the writer is sharded: see the module
-        docstring)."""
+        docstring). trains: the writer is the model this step updates (its gather may be shared)."""
         idx = self.batcher.next_indices()
         spp = self.cfg.kd.samples_per_prompt
         which = [i for i in idx.tolist() for _ in range(spp)]  # the pool's index of each row's prompt
@@ -188,6 +198,8 @@ class OnPolicy:
         prompts = [self.prompts[i][-self.prompt_len :] for i in which]
         self.last_prompts = [which[i : i + b] for i in range(0, len(which), b)]  # per micro-batch
         if self.rows is not None:
+            if trains and self.share_gather and dist.is_sharded(writer):
+                dist.unshard(writer)  # the copies below read whole tensors; the update's forward too
             if self.engines is None and dist.is_sharded(writer):
                 writer = self.copies[id(writer)] = dist.gathered_copy(writer, self.copies.get(id(writer)))
         out = rollout(
@@ -296,6 +308,7 @@ class GeneratedStats:
     completion_tokens: int
     completions: int
     eos: int
+    wait_s: float = 0.0  # for the other processes' samples, after scoring (0 in one process)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -306,7 +319,16 @@ class GeneratedStats:
             "eos_fraction": self.eos / max(self.completions, 1),
             "completion_tokens": self.completion_tokens,
             "completions": self.completions,
+            "wait_s": self.wait_s,
         }
+
+    @staticmethod
+    def phases(row: dict[str, Any], seconds: float) -> list[float]:
+        """This process's [generate, wait, score, update] seconds of a generated step that took `seconds`
+        (its metrics row, update_s not yet set): its generation, the wait after scoring for the other
+        processes' samples (0 in one process), the teacher's scoring, and the rest of the step."""
+        rest = max(seconds - row["gen_s"] - row["score_s"], 0.0)  # update_s: the wait and the update
+        return [row["gen_s"], row["wait_s"], row["score_s"], max(rest - row["wait_s"], 0.0)]
 
 
 def _sync(device: torch.device) -> None:
@@ -326,13 +348,10 @@ def generated_accumulate(
     multi = op.rows is not None
     writer = ctx.student if kind == "on_policy" else ctx.teacher
     t0 = time.perf_counter()
-    micro, out = op.generate(writer, ctx.amp)
+    micro, out = op.generate(writer, ctx.amp, trains=kind == "on_policy")
     vocab = ctx.student.lm_head_weight.shape[0]
     counts = [label_count(labels.flatten(), vocab, cfg.kd.ignore_index) for _, labels in micro]
     samples = [out.tokens, len(out.completions), sum(out.stopped)]
-    if multi:  # every process's token counts (the losses' weights) and samples; the phases' boundary too
-        summed = dist.all_reduce_sum([float(c) for c in counts + samples])
-        totals, samples = [int(c) for c in summed[: len(counts)]], [int(c) for c in summed[len(counts) :]]
     _sync(ctx.device)
     t1 = time.perf_counter()
     objective = "divergence"
@@ -350,6 +369,12 @@ def generated_accumulate(
     scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
     _sync(ctx.device)
     t2 = time.perf_counter()
+    # every process's token counts (the losses' weights) and samples, only now: a process that finished
+    # writing first has scored its rows (a whole teacher) while the others were still writing
+    if multi:
+        summed = dist.all_reduce_sum([float(c) for c in counts + samples])
+        totals, samples = [int(c) for c in summed[: len(counts)]], [int(c) for c in summed[len(counts) :]]
+    waited = time.perf_counter() - t2
     rows, tokens = [], 0
     acc = cfg.schedule.grad_accum
     for i, (b, targets) in enumerate(zip(batches, scored)):
@@ -367,7 +392,9 @@ def generated_accumulate(
         rows.append(values)
         tokens += int(r.tokens)
         faults.at(f"{step + 1}.{i + 1}")
-    stats = GeneratedStats(kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2])
+    stats = GeneratedStats(
+        kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2], waited if multi else 0.0
+    )
     stacked = torch.stack(rows)  # (M, 3), or (M, 4) with the token counts under torchrun
     if not multi:
         return stacked, tokens, stats, None

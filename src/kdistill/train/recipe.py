@@ -65,7 +65,7 @@ from kdistill.train.loading import (
     load_models,
     open_teacher_cache,
 )
-from kdistill.train.onpolicy import OnPolicy, prompt_pool, rollout_stop_ids
+from kdistill.train.onpolicy import PHASES, GeneratedStats, OnPolicy, prompt_pool, rollout_stop_ids
 from kdistill.train.optim import make_optimizer
 from kdistill.train.preflight import (
     check_fp8_layout,
@@ -239,7 +239,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         template = chat_template(cfg) if data.documents else None
         stops = rollout_stop_ids(cfg, tok, template)
         pad = tok.eos_id if tok.eos_id is not None else 0
-        onpolicy = OnPolicy(cfg, prompts, stops, pad, device, rows=rows)
+        onpolicy = OnPolicy(cfg, prompts, stops, pad, device, rows=rows, student_kept=layout.student_kept)
         stage(t_start, quiet, f"on-policy: {len(prompts)} prompts, {onpolicy.describe()}")
     counters = new_counters()
     start_step = (
@@ -399,7 +399,12 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         row["profiled"] = True
     if out.generated and run.ctx.onpolicy is not None:  # a generated step: its phases and samples
         row.update(out.generated)
+        # every process's phases, gathered to every process (one small collective; rank 0 writes them)
+        mine = GeneratedStats.phases(row, seconds)
+        del row["wait_s"]
         row["update_s"] = max(seconds - row["gen_s"] - row["score_s"], 0.0)
+        ranks = dist.all_gather_floats(mine)
+        row["phase_s"] = {name: [r[i] for r in ranks] for i, name in enumerate(PHASES)}
         if row["policy"] == "on_policy":
             row["sample_kl"] = out.kd  # the divergence to the teacher per token of the student's samples
         run.ctx.onpolicy.record(row, seconds)

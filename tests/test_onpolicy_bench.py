@@ -1,0 +1,63 @@
+"""benchmarks/onpolicy_bench.py's smoke check on the CPU: kdistill's side at tiny shapes on one process
+and under torchrun on two (gloo), one timed step each, written as one JSON.
+
+    python benchmarks/onpolicy_bench.py --device cpu --tiny --nproc 1,2 --only kdistill --steps 1 --warmup 1
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train_kit import REPO, child_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_scaling_table_has_a_row_per_world_size_with_every_ranks_phases(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = [
+        "--device",
+        "cpu",
+        "--tiny",
+        "--nproc",
+        "1,2",
+        "--only",
+        "kdistill",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "onpolicy_bench.py"), *argv, "--json", str(out)],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["command"].endswith(" ".join([*argv, "--json", str(out)]))
+    assert report["device"] and report["torch"] and report["date"]
+    assert "trl" not in report["results"]  # --only kdistill
+    rows = report["results"]["kdistill"]
+    assert set(rows) == {"1", "2"}
+    for world, row in rows.items():
+        assert "error" not in row, row
+        assert row["world_size"] == int(world) and row["layout"]["world"] == int(world)
+        assert row["steps_timed"] == 1 and row["jit_after_prewarm"] == 0
+        # the same prompts per process (2 at --tiny): twice as many completions on two processes
+        assert row["completions_per_step"] == 2 * int(world)
+        assert row["mean_completion_len"] <= 8 and row["completion_tokens_per_s"] > 0
+        assert set(row["phase_s_per_rank"]) == {"generate", "wait", "score", "update"}
+        assert all(len(v) == int(world) for v in row["phase_s_per_rank"].values())
+    scaling = report["kdistill_scaling"]
+    assert scaling["against_world"] == 1 and scaling["1"] == 1.0
+    assert scaling["2"] == pytest.approx(
+        rows["2"]["completion_tokens_per_s"] / rows["1"]["completion_tokens_per_s"]
+    )
