@@ -544,26 +544,43 @@ def _point(step: int, graded: dict[str, Any]) -> dict[str, Any]:
 
 
 def _curve(
-    grader: _Grader, arm_dir: Path, summary: dict[str, Any], start: dict[str, Any] | None, end: dict[str, Any]
+    grader: _Grader,
+    arm_dir: Path,
+    summary: dict[str, Any],
+    ends: tuple[dict[str, Any] | None, dict[str, Any]],
+    grade_points: int,
 ) -> list[dict[str, Any]]:
-    """The arm's grades over its steps: its start (the warm-up's student, when there is one), its kept
-    checkpoints before its end (demo.grade_points), its end; each with its training seconds (the arm's
-    measured seconds per step times its step)."""
-    points = [] if start is None else [_point(0, start)]
+    """The arm's grades over its steps: its start (the warm-up's student, when there is one), the kept
+    checkpoints nearest to steps k * steps / grade_points for k = 1 .. grade_points - 1, its end; each
+    with its training seconds (the arm's measured seconds per step times its step)."""
+    steps = summary["steps"]
+    kept = {}
     for path in list_checkpoints(arm_dir):
-        weights, _, state = load_checkpoint(path)
-        if weights is None or state["step"] >= summary["steps"]:
-            continue
+        step = int(path.name.rsplit("-", 1)[-1])
+        if step < steps:
+            kept[step] = path
+    wanted = sorted(
+        {min(kept, key=lambda s: abs(s - k * steps / grade_points)) for k in range(1, grade_points)}
+        if kept
+        else ()
+    )
+    points = [] if ends[0] is None else [_point(0, ends[0])]
+    for step in wanted:
+        weights, _, _ = load_checkpoint(kept[step])
         model = load_model(arm_dir / "student", grader.teacher.lm_head_weight.device, torch.float32)
         model.load_state_dict(weights)
-        points.append(_point(state["step"], grader(model.eval())))
-    points.append(_point(summary["steps"], end))
-    seconds = _train_seconds(summary) / max(summary["steps"], 1)
+        points.append(_point(step, grader(model.eval())))
+    points.append(_point(steps, ends[1]))
+    seconds = _train_seconds(summary) / max(steps, 1)
     return [{**p, "train_seconds": p["step"] * seconds} for p in points]
 
 
 def _grade_all(
-    base: RunConfig, held: list[dict[str, str]], summaries: dict[str, dict[str, Any]], device: torch.device
+    base: RunConfig,
+    held: list[dict[str, str]],
+    summaries: dict[str, dict[str, Any]],
+    device: torch.device,
+    grade_points: int,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, list[float]]], dict[str, list], int]:
     """The table's rows, their per-prompt values, each arm's curve over its steps, the prompts graded."""
     run_dir = Path(base.output.dir)
@@ -600,7 +617,7 @@ def _grade_all(
         ]
         atomic_write_text(run_dir / "completions.jsonl", "".join(line + "\n" for line in lines))
     curves = {
-        arm: _curve(grader, run_dir / arm, summaries[arm], table.get("warm_up"), table[arm])
+        arm: _curve(grader, run_dir / arm, summaries[arm], (table.get("warm_up"), table[arm]), grade_points)
         for arm in ("on_policy", "off_policy")
     }
     return table, per_prompt, curves, len(grader.texts)
@@ -622,7 +639,7 @@ def compare(
     t_grade = time.time()
     say("grading the greedy completions of the held-out prompts")
     seal.unseal()  # grading is a new phase with its own shapes: its compiles are not a run's misses
-    table, per_prompt, curves, prompts = _grade_all(base, held, summaries, device)
+    table, per_prompt, curves, prompts = _grade_all(base, held, summaries, device, settings.grade_points)
     keys = ("teacher_nll_per_char", "teacher_nll") if vocabs else ("reverse_kl", "teacher_nll")
     paired, verdicts = {}, {}
     for key in keys:  # on minus off, prompt by prompt
