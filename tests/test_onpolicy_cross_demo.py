@@ -62,11 +62,17 @@ def test_cross_models_give_the_student_its_tokenizer_and_both_the_demo_template(
         assert (folder / "chat_template.jinja").read_text() == TEMPLATE
 
 
-def test_a_student_vocabulary_of_the_teachers_size_is_refused(tmp_path, train_rows):
-    cfg, _ = load_demo_config([])
-    with pytest.raises(UserError, match="demo.student_vocab is 4096, the teacher's own vocabulary size"):
-        cross_models(cfg, train_rows, 4096, tmp_path)
-    assert not (tmp_path / "student").exists()
+def test_a_student_vocabulary_of_the_teachers_size_is_refused_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "demo"
+    rc, stdout, err = run_cli(
+        capsys, "run", str(ON_POLICY_YAML), f"output.dir={out}", "demo.student_vocab=4096", "--quiet"
+    )
+    assert rc == 2
+    message = (
+        "kdistill: error: demo.student_vocab is 4096, the teacher's own vocabulary size: expected another"
+    )
+    assert err.strip().startswith(message) and len(err.strip().splitlines()) == 1
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -96,8 +102,10 @@ def test_the_teacher_grades_a_completions_text_and_its_end_of_turn_only_when_it_
 
 def test_embedded_on_policy_comparison_runs_across_tokenizers(tmp_path, capsys):
     out = tmp_path / "demo"
+    train, heldout = expand_data_paths(["stdlib:train"])[:80], expand_data_paths(["stdlib:heldout"])[:12]
     rc, stdout, err = run_cli(
-        capsys, "run", str(ON_POLICY_YAML), f"output.dir={out}", "schedule.steps=2", "schedule.batch_size=2",
+        capsys, "run", str(ON_POLICY_YAML), f"output.dir={out}", f"data.train=[{','.join(train)}]",
+        f"data.heldout=[{','.join(heldout)}]", "schedule.steps=2", "schedule.batch_size=2",
         "kd.max_new_tokens=6", "data.seq_len=48", "demo.warmup_steps=1", "demo.heldout_prompts=3",
         "demo.student_vocab=600", "demo.grade_points=2", "--quiet", "--json",
     )  # fmt: skip

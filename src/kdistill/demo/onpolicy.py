@@ -223,25 +223,30 @@ def make_student_tokenizer(rows: list[dict[str, str]], vocab: int, out: Path) ->
     return int(tok.get_vocab_size(with_added_tokens=True))
 
 
-def cross_models(cfg: RunConfig, rows: list[dict[str, str]], vocab: int, out: Path) -> tuple[Path, Path]:
-    """(teacher, student) model folders under `out` for the comparison across tokenizers: the student's
-    config.json (student.path's, its vocab_size set to its tokenizer's) beside a tokenizer of its own
-    (make_student_tokenizer on the train rows) and TEMPLATE, no weights (student.init random); the
-    teacher's files with TEMPLATE as its chat template (across tokenizers the teacher renders with its
-    own template, and the demo teacher's folder has none)."""
+def check_cross(cfg: RunConfig, vocab: int) -> Path:
+    """The student's config.json for cross_models, after checking that `vocab` is not the teacher's size."""
     source = Path(cfg.student.path)
     config_file = source / "config.json" if source.is_dir() else source
     if not config_file.is_file():
         raise UserError(
             f"student.path '{cfg.student.path}': demo.student_vocab needs a config.json or a model folder"
         )
-    teacher_dir = Path(cfg.teacher.path)
-    teacher_vocab = load_tokenizer(teacher_dir).vocab_size
-    if vocab == teacher_vocab:
+    if vocab == load_tokenizer(cfg.teacher.path).vocab_size:
         raise UserError(
             f"demo.student_vocab is {vocab}, the teacher's own vocabulary size: expected another size "
             "(the student's tokenizer is to differ from the teacher's)"
         )
+    return config_file
+
+
+def cross_models(cfg: RunConfig, rows: list[dict[str, str]], vocab: int, out: Path) -> tuple[Path, Path]:
+    """(teacher, student) model folders under `out` for the comparison across tokenizers: the student's
+    config.json (student.path's, its vocab_size set to its tokenizer's) beside a tokenizer of its own
+    (make_student_tokenizer on the train rows) and TEMPLATE, no weights (student.init random); the
+    teacher's files with TEMPLATE as its chat template (across tokenizers the teacher renders with its
+    own template, and the demo teacher's folder has none)."""
+    config_file = check_cross(cfg, vocab)
+    teacher_dir = Path(cfg.teacher.path)
     student, teacher = out / "student", out / "teacher"
     size = make_student_tokenizer(rows, vocab, student)
     config = read_json(config_file, what="a model config.json")
@@ -629,6 +634,8 @@ def compare(
     """The comparison of the module docstring, in run_dir; its result (summary.json's content)."""
     t0 = time.time()
     say = log or (lambda msg: None)
+    if settings.student_vocab:  # refused before anything is written
+        check_cross(cfg, settings.student_vocab)
     prepare_output(run_dir, overwrite=True, lock=False)
     device, _ = resolve_device(cfg)
     base, held, vocabs = _prepare(cfg, settings, run_dir)
