@@ -483,9 +483,8 @@ def _arm(cfg: RunConfig, run_dir: Path, label: str, points: int, quiet: bool) ->
 
 def _arms(
     base: RunConfig, settings: Comparison, run_dir: Path, phases: dict[str, float], quiet: bool, say: Any
-) -> tuple[dict[str, dict[str, Any]], float]:
-    """The warm-up and both arms of the module docstring; their summaries and the off-policy step's
-    measured seconds."""
+) -> dict[str, dict[str, Any]]:
+    """The warm-up and both arms of the module docstring; their summaries."""
     off_kd = dict(on_policy=0.0, seq_kd=0.0, divergence=settings.off_policy_divergence)
     summaries: dict[str, dict[str, Any]] = {}
     start = base
@@ -518,7 +517,7 @@ def _arms(
     off_cfg = _with(start, run_dir / "off_policy", kd=off_kd, schedule=dict(steps=steps))
     summaries["off_policy"] = _arm(off_cfg, run_dir / "off_policy", "off-policy arm", points, quiet)
     phases["off_policy"] = summaries["off_policy"]["wall_seconds"]
-    return summaries, per_step
+    return summaries
 
 
 class _Grader:
@@ -642,7 +641,7 @@ def compare(
     if settings.heldout_prompts:
         held = held[: settings.heldout_prompts]
     phases = {"data": time.time() - t0}  # each phase's wall seconds
-    summaries, _ = _arms(base, settings, run_dir, phases, quiet, say)
+    summaries = _arms(base, settings, run_dir, phases, quiet, say)
     t_grade = time.time()
     say("grading the greedy completions of the held-out prompts")
     seal.unseal()  # grading is a new phase with its own shapes: its compiles are not a run's misses
