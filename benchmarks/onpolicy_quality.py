@@ -2,6 +2,7 @@
 
     PYTHONPATH=src:. python3 benchmarks/onpolicy_quality.py --json benchmarks/results/onpolicy_quality.json
     PYTHONPATH=src:. python3 benchmarks/onpolicy_quality.py --quick --device cpu      # the logic, on a CPU
+    PYTHONPATH=src:. python3 benchmarks/onpolicy_quality.py --cross-tokenizer --json results/xtok.json
 
 The comparison of `kdistill run src/kdistill/demo/on_policy.yaml` (kdistill.demo.onpolicy.compare): a
 shared off-policy warm-up of the student, then from it an on-policy arm (kd.on_policy = lambda, reverse
@@ -17,6 +18,14 @@ Qwen2.5-shaped models make a meaningless quality comparison (a random teacher's 
 signal), so this is not at Qwen2.5 shapes: it is the demo's pair on one GPU with a larger budget than
 the CPU demo (longer warm-up and arms, larger batches, longer completions, more held-out prompts:
 --prompts-per-file windows from each held-out file). Data: the stdlib of the Python running it.
+
+--cross-tokenizer: the student has a tokenizer of its own (demo.student_vocab, --student-vocab tokens, a
+byte-level BPE trained on the train prompts and completions: other merges than the teacher's 4096) and
+every phase distils across tokenizers (kd.cross_tokenizer: the on-policy arm's completions are decoded to
+text and re-tokenized by the teacher); each model's greedy completions are graded the same way, by the
+teacher's NLL per teacher token and per character of their text, and each arm is also graded at
+--grade-points evenly spaced steps (from the warm-up's student on: the `curves` of the JSON), so the
+teacher's NLL of the student's own completions can be followed over the run.
 
 The JSON (--json) holds the card, versions, date, command, settings and the table; each phase's wall
 time is in it too. The default budget is sized for a few minutes on one H100 (on-policy steps through
@@ -67,6 +76,11 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-3, help="the arms' peak learning rate")
     p.add_argument("--warmup-lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cross-tokenizer", action="store_true", help="a student with a tokenizer of its own")
+    p.add_argument("--student-vocab", type=int, default=3072, help="its vocabulary (with --cross-tokenizer)")
+    p.add_argument(
+        "--grade-points", type=int, help="grades per arm (default 3 with --cross-tokenizer, else 1)"
+    )
     p.add_argument("--out", help="the run's folder (default: a temporary one)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
@@ -85,6 +99,8 @@ def main() -> int:
         f"demo.warmup_lr={a.warmup_lr}",
         f"demo.prompts_per_file={b['prompts_per_file']}",
         f"demo.heldout_prompts={b['heldout_prompts']}",
+        f"demo.student_vocab={a.student_vocab if a.cross_tokenizer else 0}",
+        f"demo.grade_points={a.grade_points or (3 if a.cross_tokenizer else 1)}",
     ]
     cfg, settings = load_demo_config(overrides)
     t0 = time.time()
@@ -99,11 +115,13 @@ def main() -> int:
     print_table(result)
     cuda = a.device != "cpu" and torch.cuda.is_available()
     report = {
-        "benchmark": "on-policy distillation quality: the demo teacher on the stdlib, equal training time",
+        "benchmark": "on-policy distillation quality: the demo teacher on the stdlib, equal training time"
+        + (", a student with another tokenizer" if a.cross_tokenizer else ""),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
         "triton": version("triton"),
         "transformers": version("transformers"),
+        "tokenizers": version("tokenizers"),
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "PYTHONPATH=src:. python3 benchmarks/onpolicy_quality.py " + _argv_for_record(),
