@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdistill.cli import main
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.kernels import plan as plan_mod
 from kdistill.kernels import runtime
@@ -196,3 +197,55 @@ def test_speculative_keys_are_planned(tmp_path):
     triton = {k for k in rec.keys() if not k.is_library}
     assert triton <= plan, triton - plan
     assert {"decode_attn_split", "decode_attn_combine", "rope_fwd"} <= {k.op for k in triton}
+
+
+# -- the command line ----------------------------------------------------------------------------
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-cli")
+    return {
+        "teacher": make_tiny_model(root, family="qwen2", tied=False, seed=0),
+        "student": make_tiny_model(root, family="qwen2", tied=True, seed=3, num_hidden_layers=1),
+        "foreign": make_tiny_model(
+            root, family="qwen2", tied=True, seed=3, tokenizer_vocab=320, name="foreign"
+        ),
+    }
+
+
+def test_generate_with_a_draft_prints_what_the_model_alone_prints(dirs, capsys):
+    args = ["--prompt", "the teacher", "--prompt", "a quick brown fox", "--max-new-tokens", "12", "--json"]
+    args += ["--device", "cpu"]
+    rc, alone, _ = cli(capsys, "generate", "--model", str(dirs["teacher"]), *args)
+    assert rc == 0
+    for k in ("1", "3"):
+        draft = ["--draft", str(dirs["student"]), "--draft-tokens", k]
+        rc, out, _ = cli(capsys, "generate", "--model", str(dirs["teacher"]), *args, *draft)
+        assert rc == 0
+        assert sorted(out.splitlines()) == sorted(alone.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--draft", "{foreign}"], "tokenizer differs from"),
+        (["--draft", "{missing}"], "--draft '"),
+        (
+            ["--draft", "{student}", "--draft-tokens", "0"],
+            "--draft-tokens is 0, expected an integer from 1 to 64",
+        ),
+        (["--draft", "{student}", "--out", "{tmp}/a.jsonl"], "--draft does not combine with --out"),
+    ],
+)
+def test_a_bad_draft_is_refused_in_one_line(dirs, tmp_path, capsys, extra, message):
+    names = {k: str(v) for k, v in dirs.items()} | {"missing": str(tmp_path / "nope"), "tmp": str(tmp_path)}
+    extra = [e.format(**names) for e in extra]
+    rc, _, err = cli(capsys, "generate", "--model", str(dirs["teacher"]), "--prompt", "a", *extra)
+    assert rc == 2
+    assert err.count("\n") == 1 and message in err, err

@@ -152,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many scored tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--draft-for",
+        metavar="TEACHER",
+        default=None,
+        help="measure --model as a draft of TEACHER: acceptance rate and predicted speed-up",
+    )
+    p.add_argument("--draft-tokens", type=int, default=4, help="with --draft-for: draft tokens per verify")
+    p.add_argument("--prompts", type=int, default=32, help="with --draft-for: held-out prompts (default: 32)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, help="with --draft-for: tokens per prompt (default: 64)"
+    )
 
     p = sub.add_parser(
         "generate", help="answer prompts with a model (greedy by default, CUDA graphs on a GPU)"
@@ -185,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="load the decode kernels from this kernel pack (kdistill kernels build --out) on a GPU",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--draft",
+        metavar="DIR",
+        default=None,
+        help="speculative decoding: this model drafts, --model verifies",
+    )
+    p.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per verify step (default: 4)")
 
     p = sub.add_parser("data", help="data tools")
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
