@@ -14,19 +14,24 @@ per-row acceptance, the planned keys, and the command line (`generate --draft`, 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from kdistill.acceptance import expected_tokens, speedup
 from kdistill.cli import main
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.kernels import plan as plan_mod
 from kdistill.kernels import runtime
 from kdistill.models.hf_io import load_model
 from kdistill.speculative import SpeculativeDecoder
-from tests.tiny import make_tiny_model, sample_ids
+from tests.test_train_kit import base_config, read_summary, run_cli
+from tests.tiny import corpus_text, make_tiny_model, sample_ids
 
 LENS = (7, 3, 11, 5, 9)
 
@@ -249,3 +254,77 @@ def test_a_bad_draft_is_refused_in_one_line(dirs, tmp_path, capsys, extra, messa
     rc, _, err = cli(capsys, "generate", "--model", str(dirs["teacher"]), "--prompt", "a", *extra)
     assert rc == 2
     assert err.count("\n") == 1 and message in err, err
+
+
+# -- acceptance as a metric -----------------------------------------------------------------------
+def test_the_predicted_speedup_is_the_standard_formula():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+    assert speedup(0.5, 2, c_draft=0.1, c_verify=1.2) == pytest.approx(1.75 / 1.4)
+
+
+def test_eval_of_a_draft_identical_to_its_teacher_accepts_everything(dirs, tmp_path, capsys):
+    twin = tmp_path / "twin"
+    shutil.copytree(dirs["teacher"], twin)
+    data = tmp_path / "heldout.txt"
+    data.write_text(corpus_text(400, seed=3))
+    argv = ["eval", "--model", str(twin), "--draft-for", str(dirs["teacher"]), "--data", str(data)]
+    argv += ["--prompts", "6", "--max-new-tokens", "10", "--draft-tokens", "3", "--device", "cpu", "--json"]
+    rc, out, _ = cli(capsys, *argv)
+    assert rc == 0
+    res = json.loads(out)
+    for mode in ("greedy", "t=1"):
+        r = res[mode]
+        assert r["alpha"] == 1.0 and r["alpha_se"] == 0.0
+        assert (
+            r["accepted_per_verify"] == 3 and r["tokens_per_verify"] == 4
+        )  # K, and K + 1 with the teacher's
+        assert r["prompts"] == 6
+        assert r["predicted_tokens_per_verify"] == 4
+        c = res["costs"]
+        assert r["predicted_speedup"] == pytest.approx(4 / (3 * c["c_draft"] + c["c_verify"]))
+    # another student is accepted less, and the table names both modes
+    argv[2] = str(dirs["student"])
+    rc, out, _ = cli(capsys, *argv)
+    assert rc == 0 and json.loads(out)["greedy"]["alpha"] < 1
+    rc, out, _ = cli(capsys, *argv[:-1])
+    assert rc == 0 and "greedy" in out and "t=1" in out and "predicted speed-up" in out
+
+
+def test_eval_refuses_a_draft_of_another_tokenizer_in_one_line(dirs, tmp_path, capsys):
+    data = tmp_path / "heldout.txt"
+    data.write_text(corpus_text(50))
+    argv = ["eval", "--model", str(dirs["foreign"]), "--draft-for", str(dirs["teacher"]), "--data", str(data)]
+    rc, _, err = cli(capsys, *argv)
+    assert rc == 2 and err.count("\n") == 1 and "tokenizer differs from" in err, err
+
+
+def test_a_finished_run_reports_its_students_acceptance_as_the_teachers_draft(tmp_path, capsys):
+    cfg = base_config(tmp_path / "run", steps=3)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    draft = read_summary(tmp_path / "run")["draft"]
+    assert draft["mode"] == "greedy" and draft["draft_tokens"] == 4 and draft["max_new_tokens"] == 32
+    assert 0 <= draft["alpha"] <= 1 and draft["prompts"] >= 1 and draft["verify_steps"] >= draft["prompts"]
+    assert draft["tokens_per_verify"] == pytest.approx(1 + 4 * draft["alpha"])
+    rc, out, _ = run_cli(capsys, "report", str(tmp_path / "run"))
+    assert rc == 0 and f"draft       alpha {draft['alpha']:.3f}" in out
+
+
+def test_a_run_whose_teacher_cannot_verify_says_why_acceptance_is_not_measured(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from kdistill.acceptance import run_acceptance
+
+    ctx = SimpleNamespace(cache=object(), teacher=None, cross=None)
+    assert "teacher is a cache" in run_acceptance(SimpleNamespace(ctx=ctx))["skipped"]
+    ctx = SimpleNamespace(cache=None, teacher=object(), cross=object())
+    assert "another tokenizer" in run_acceptance(SimpleNamespace(ctx=ctx))["skipped"]
+    summary = tmp_path / "run" / "summary.json"
+    summary.parent.mkdir()
+    (summary.parent / "manifest.json").write_text("{}")
+    summary.write_text(json.dumps({"status": "completed", "draft": {"skipped": "the teacher is a cache"}}))
+    rc, out, _ = run_cli(capsys, "report", str(summary.parent))
+    assert rc == 0 and "draft       acceptance not measured: the teacher is a cache" in out

@@ -381,7 +381,7 @@ class SpeculativeDecoder:
             "draft_step_s": step(self.draft, pr.d, one),
             "verify_step_s": step(self.target, st, many),
         }
-        return {name: timed(fn, self.device, self.graphs, repeats) for name, fn in fns.items()}
+        return timed(fns, self.device, self.graphs, repeats)
 
 
 def capture(fn: Callable[[], Any], device: torch.device) -> Any:
@@ -400,21 +400,24 @@ def capture(fn: Callable[[], Any], device: torch.device) -> Any:
     return graph
 
 
-def timed(fn: Callable[[], Any], device: torch.device, graphs: bool, repeats: int) -> float:
-    """Median seconds of one call of fn (a graph replay where graphs is on)."""
-    run = capture(fn, device).replay if graphs else fn
-    for _ in range(2):
-        run()
-    times = []
-    for _ in range(max(1, repeats)):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+def timed(
+    fns: dict[str, Callable[[], Any]], device: torch.device, graphs: bool, repeats: int
+) -> dict[str, float]:
+    """Median seconds of one call of each fn (a graph replay where graphs is on), the calls interleaved
+    so that a busy machine slows them alike."""
+    runs = {name: (capture(fn, device).replay if graphs else fn) for name, fn in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(max(1, repeats) + 2):  # two rounds of warm-up
+        for name, run in runs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 # -- `kdistill generate --draft` ------------------------------------------------------------------
