@@ -246,6 +246,7 @@ def test_generate_with_a_draft_prints_what_the_model_alone_prints(dirs, capsys):
             "--draft-tokens is 0, expected an integer from 1 to 64",
         ),
         (["--draft", "{student}", "--out", "{tmp}/a.jsonl"], "--draft does not combine with --out"),
+        (["--draft-tokens", "3"], "--draft-tokens needs --draft DIR"),
     ],
 )
 def test_a_bad_draft_is_refused_in_one_line(dirs, tmp_path, capsys, extra, message):

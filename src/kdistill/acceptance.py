@@ -117,6 +117,7 @@ def draft_report(
     temperatures: Sequence[float] = (0.0, 1.0),
     seed: int = 0,
     costs: bool = True,
+    cuda_graphs: str = "auto",
 ) -> dict[str, Any]:
     """Acceptance of `student` drafting for `teacher` on the prompts at each temperature ("greedy" for 0,
     else "t=<T>"), and with costs the step costs and each mode's predicted speed-up."""
@@ -135,6 +136,7 @@ def draft_report(
             sampling=s,
             stop_ids=stop_ids,
             pad_id=pad_id,
+            cuda_graphs=cuda_graphs,
         )
         out["greedy" if s.greedy else f"t={t:g}"] = acceptance(dec, prompts)
         if costs and cost is None:
@@ -256,6 +258,7 @@ def run_acceptance(run: Any) -> dict[str, Any]:
                 pad_id=eos or 0,
                 temperatures=(0.0,),
                 costs=False,
+                cuda_graphs="off",  # a few rounds: no graph pools beside the run's
             )["greedy"]
     except torch.OutOfMemoryError:
         return {**setting, "skipped": "out of device memory for the decode copies of the weights"}

@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="measure --model as a draft of TEACHER: acceptance rate and predicted speed-up",
     )
-    p.add_argument("--draft-tokens", type=int, default=4, help="with --draft-for: draft tokens per verify")
+    p.add_argument(
+        "--draft-tokens", type=int, default=None, help="with --draft-for: tokens per verify (default: 4)"
+    )
     p.add_argument("--prompts", type=int, default=32, help="with --draft-for: held-out prompts (default: 32)")
     p.add_argument(
         "--max-new-tokens", type=int, default=64, help="with --draft-for: tokens per prompt (default: 64)"
@@ -202,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="speculative decoding: this model drafts, --model verifies",
     )
-    p.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per verify step (default: 4)")
+    p.add_argument(
+        "--draft-tokens", type=int, default=None, help="with --draft: tokens per verify (default: 4)"
+    )
 
     p = sub.add_parser("data", help="data tools")
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")

@@ -24,6 +24,7 @@ from kdistill.models.hf_io import load_model
 from kdistill.models.spec import load_spec
 from kdistill.models.tokenizer import IdsOnlyTokenizer, load_tokenizer
 from kdistill.scoring import eval_sequences, evaluate
+from kdistill.speculative import DEFAULT_DRAFT_TOKENS
 from kdistill.train.corpus import expand_data_paths
 
 
@@ -32,6 +33,8 @@ def eval_command(args: Any) -> int:
     --draft-for TEACHER, the model's acceptance as TEACHER's draft instead (kdistill.acceptance)."""
     if getattr(args, "draft_for", None):
         return draft_command(args)
+    if getattr(args, "draft_tokens", None) is not None:
+        raise UserError("--draft-tokens needs --draft-for TEACHER (the model the drafts are for)")
     out = evaluate_model(
         args.model,
         list(args.data),
@@ -66,7 +69,7 @@ def draft_command(args: Any) -> int:
         args.model,
         args.draft_for,
         list(args.data),
-        draft_tokens=args.draft_tokens,
+        draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
         device=getattr(args, "device", "auto") or "auto",

@@ -26,7 +26,7 @@ from kdistill.data.chat_template import using_chat_template
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
 from kdistill.generate import generate_texts
-from kdistill.speculative import generate_texts_speculative
+from kdistill.speculative import DEFAULT_DRAFT_TOKENS, generate_texts_speculative
 
 
 def generate_command(args: Any) -> int:
@@ -57,6 +57,9 @@ def _generate(args: Any) -> int:
         kernel_pack=getattr(args, "kernel_pack", None),
     )
     draft = getattr(args, "draft", None)
+    draft_tokens = getattr(args, "draft_tokens", None)
+    if draft is None and draft_tokens is not None:
+        raise UserError("--draft-tokens needs --draft DIR (the model that drafts)")
     if draft is not None:
         if args.out:
             raise UserError("--draft does not combine with --out (answer files are written by --model alone)")
@@ -92,7 +95,11 @@ def _generate(args: Any) -> int:
     )
     if draft is not None:
         rows = generate_texts_speculative(
-            args.model, draft, draft_tokens=args.draft_tokens, **callbacks, **common
+            args.model,
+            draft,
+            draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens,
+            **callbacks,
+            **common,
         )
     else:
         rows = generate_texts(args.model, **callbacks, **common)
