@@ -89,6 +89,21 @@ def test_greedy_speculative_decoding_is_the_target_alone_token_for_token(models,
         assert all(r >= 1 for r in rounds)
 
 
+def test_a_padded_teacher_vocabulary_changes_nothing(tmp_path):
+    target_dir = make_tiny_model(tmp_path, family="llama", tied=False, vocab_pad=16, seed=2, name="padded")
+    target = load_model(target_dir).eval()
+    draft = load_model(make_tiny_model(tmp_path, family="llama", tied=True, seed=4)).eval()
+    assert target.spec.vocab_size == draft.spec.vocab_size + 16
+    rows = ragged(draft.spec.vocab_size)
+    s = Sampling(max_new_tokens=10)
+    want = DecodeEngine(target, batch_size=8, max_len=32, sampling=s).generate(rows)
+    dec = SpeculativeDecoder(target, draft, draft_tokens=2, batch_size=8, max_len=32, sampling=s)
+    assert dec.generate(rows) == want
+    sampled = Sampling(max_new_tokens=10, temperature=1.0, seed=1)
+    dec = SpeculativeDecoder(target, draft, draft_tokens=2, batch_size=8, max_len=32, sampling=sampled)
+    assert all(len(r) == 10 for r in dec.generate(rows))
+
+
 def test_rows_accept_their_own_counts_and_grow_by_them(models):
     target = models["target"]
     rows = ragged(target.spec.vocab_size)
@@ -290,6 +305,9 @@ def test_eval_of_a_draft_identical_to_its_teacher_accepts_everything(dirs, tmp_p
     assert rc == 0 and json.loads(out)["greedy"]["alpha"] < 1
     rc, out, _ = cli(capsys, *argv[:-1])
     assert rc == 0 and "greedy" in out and "t=1" in out and "predicted speed-up" in out
+    argv[argv.index("--prompts") + 1] = "1"  # one prompt: no standard error
+    rc, out, _ = cli(capsys, *argv[:-1])
+    assert rc == 0 and "alpha" in out and "± n/a" in out
 
 
 def test_eval_refuses_a_draft_of_another_tokenizer_in_one_line(dirs, tmp_path, capsys):
@@ -329,3 +347,7 @@ def test_a_run_whose_teacher_cannot_verify_says_why_acceptance_is_not_measured(t
     summary.write_text(json.dumps({"status": "completed", "draft": {"skipped": "the teacher is a cache"}}))
     rc, out, _ = run_cli(capsys, "report", str(summary.parent))
     assert rc == 0 and "draft       acceptance not measured: the teacher is a cache" in out
+    one = {"alpha": 0.5, "alpha_se": None, "tokens_per_verify": 3.0, "draft_tokens": 4, "prompts": 1}
+    summary.write_text(json.dumps({"status": "completed", "draft": one}))
+    rc, out, _ = run_cli(capsys, "report", str(summary.parent))
+    assert rc == 0 and "draft       alpha 0.500 ± n/a greedy, 3.00 tokens per verify step" in out

@@ -62,13 +62,13 @@ def speedup(alpha: float, k: int, c_draft: float, c_verify: float) -> float:
     return expected_tokens(alpha, k) / (k * c_draft + c_verify)
 
 
-def _ratio(num: Sequence[float], den: Sequence[float]) -> tuple[float, float]:
-    """sum(num) / sum(den) and its standard error over the samples (the delta method)."""
+def _ratio(num: Sequence[float], den: Sequence[float]) -> tuple[float, float | None]:
+    """sum(num) / sum(den) and its standard error over the samples (the delta method; None for one)."""
     total = sum(den)
     r = sum(num) / total
     n = len(num)
     if n < 2:
-        return r, float("nan")
+        return r, None
     var = sum((a - r * b) ** 2 for a, b in zip(num, den)) * n / (n - 1)
     return r, math.sqrt(var) / total
 

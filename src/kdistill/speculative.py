@@ -29,7 +29,7 @@ One round, all on the device with fixed shapes (captured as one CUDA graph per b
 The sampling settings (temperature, top-k, top-p) shape p and q alike, as decode.sample_tokens does.
 The uniforms of a round are drawn before it (outside the graph) from one generator seeded by the
 sampling seed. Vocabularies of different sizes (a padded embedding) are compared over the larger, the
-missing rows with probability 0. Attention of a T-token step is the one-token decode kernel once per
+missing rows with probability 0; a token past the draft's rows is fed to it as its last row. Attention of a T-token step is the one-token decode kernel once per
 new token (DecodeEngine.forward_at), so the planned keys are the decode engine's
 (kernels.plan.speculative_kernels).
 """
@@ -176,6 +176,7 @@ class SpeculativeDecoder:
         self.room = int(max_len)
         self.sampling = sampling
         self.vocab = max(target.spec.vocab_size, draft.spec.vocab_size)
+        self.draft_rows = draft.spec.vocab_size
         self.sync_every = max(1, int(sync_every))
         self.generator = self.target.generator  # seeded by sampling.seed; the target's prefill draws too
         self.pair: _Pair | None = None
@@ -207,7 +208,10 @@ class SpeculativeDecoder:
     def _draft(self, pr: _Pair) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The draft's K tokens per row (B, K) and, when sampling, their distributions q_0..q_{K-1}."""
         st, eng, s = pr.t, self.draft, self.sampling
-        h = eng.forward_at(pr.d, torch.stack([pr.prev, st.tok], 1), st.lens - 1)[:, 1]  # (B, H)
+        # a token beyond the draft's embedding (a padded target vocabulary) reaches it as its last row:
+        # only the draft's guesses can change, never the output
+        fed = torch.stack([pr.prev, st.tok], 1).clamp(max=self.draft_rows - 1)  # (B, 2)
+        h = eng.forward_at(pr.d, fed, st.lens - 1)[:, 1]  # (B, H)
         toks: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for j in range(self.k):
@@ -289,7 +293,8 @@ class SpeculativeDecoder:
     def _prefill(self, pr: _Pair, slots: list[int], prompts: list[list[int]], limits: list[int]) -> None:
         """Both caches take the prompts; the target samples each row's first token (its bookkeeping)."""
         self.target._prefill(pr.t, slots, prompts, limits)
-        _, rows, _ = self.draft.write_prompts(pr.d, slots, prompts)
+        top = self.draft_rows - 1
+        _, rows, _ = self.draft.write_prompts(pr.d, slots, [[min(t, top) for t in p] for p in prompts])
         pr.prev[rows] = torch.tensor([p[-1] for p in prompts], dtype=torch.int64).to(self.device)
         pr.accepted[rows] = 0
         pr.rounds[rows] = 0

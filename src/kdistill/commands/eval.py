@@ -81,9 +81,11 @@ def draft_command(args: Any) -> int:
     print(f"{'draft':<11} {out['model']} for {out['draft_for']} (K = {k} draft tokens per verify step)")
     for mode in [m for m in out if m == "greedy" or m.startswith("t=")]:
         r = out[mode]
+        se, tse = r["alpha_se"], r["tokens_per_verify_se"]
         line = (
-            f"alpha {r['alpha']:.3f} ± {r['alpha_se']:.3f}, tokens per verify {r['tokens_per_verify']:.2f}"
-            f" ± {r['tokens_per_verify_se']:.2f} (of {k + 1}), {r['prompts']} prompts"
+            f"alpha {r['alpha']:.3f} ± {'n/a' if se is None else f'{se:.3f}'}, tokens per verify "
+            f"{r['tokens_per_verify']:.2f} ± {'n/a' if tse is None else f'{tse:.2f}'} (of {k + 1}), "
+            f"{r['prompts']} prompts"
         )
         if "predicted_speedup" in r:
             line += f", predicted speed-up {r['predicted_speedup']:.2f}x"

@@ -78,11 +78,14 @@ def _draft_line(d: dict) -> str:
     """summary.json's `draft`: the student's acceptance as its teacher's draft, or why it was skipped."""
     if d.get("skipped"):
         return f"acceptance not measured: {d['skipped']}"
-    k = d.get("draft_tokens")
+
+    def num(key: str, digits: int) -> str:
+        v = d.get(key)
+        return f"{v:.{digits}f}" if isinstance(v, int | float) and not isinstance(v, bool) else "n/a"
+
     return (
-        f"alpha {d.get('alpha', float('nan')):.3f} ± {d.get('alpha_se', float('nan')):.3f} greedy, "
-        f"{d.get('tokens_per_verify', float('nan')):.2f} tokens per verify step of K = {k} drafts "
-        f"({d.get('prompts')} held-out prompts)"
+        f"alpha {num('alpha', 3)} ± {num('alpha_se', 3)} greedy, {num('tokens_per_verify', 2)} tokens per "
+        f"verify step of K = {d.get('draft_tokens')} drafts ({d.get('prompts')} held-out prompts)"
     )
 
 
