@@ -249,6 +249,12 @@ def test_generate_with_a_draft_prints_what_the_model_alone_prints(dirs, capsys):
         rc, out, _ = cli(capsys, "generate", "--model", str(dirs["teacher"]), *args, *draft)
         assert rc == 0
         assert sorted(out.splitlines()) == sorted(alone.splitlines())
+    one = ["--prompt", "the teacher", "--max-new-tokens", "12", "--device", "cpu"]  # streamed as it grows
+    rc, alone, _ = cli(capsys, "generate", "--model", str(dirs["teacher"]), *one)
+    rc2, out, _ = cli(
+        capsys, "generate", "--model", str(dirs["teacher"]), *one, "--draft", str(dirs["student"])
+    )
+    assert rc == rc2 == 0 and out == alone and alone.strip()
 
 
 @pytest.mark.parametrize(
