@@ -75,6 +75,8 @@ def test_embedded_on_policy_comparison_runs(tmp_path, capsys):
         )
         assert row["reverse_kl_se"] >= 0 and 0 <= row["repeated_4grams"] <= 1
     assert table["teacher"]["reverse_kl"] == pytest.approx(0, abs=1e-5)  # graded by itself
+    assert table["teacher"]["draft_alpha"] is None  # the students as the teacher's draft model
+    assert all(0 <= table[arm]["draft_alpha"] <= 1 for arm in ("warm_up", "off_policy", "on_policy"))
     assert (
         table["warm_up"]["steps"] == 2
         and table["on_policy"]["steps"] == 3

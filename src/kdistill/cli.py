@@ -152,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many scored tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--draft-for",
+        metavar="TEACHER",
+        default=None,
+        help="measure --model as a draft of TEACHER: acceptance rate and predicted speed-up",
+    )
+    p.add_argument(
+        "--draft-tokens", type=int, default=None, help="with --draft-for: tokens per verify (default: 4)"
+    )
+    p.add_argument("--prompts", type=int, default=32, help="with --draft-for: held-out prompts (default: 32)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, help="with --draft-for: tokens per prompt (default: 64)"
+    )
 
     _add_generate_parser(sub)
 
@@ -243,6 +256,15 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
         help="load the decode kernels from this kernel pack (kdistill kernels build --out) on a GPU",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--draft",
+        metavar="DIR",
+        default=None,
+        help="speculative decoding: this model drafts, --model verifies",
+    )
+    p.add_argument(
+        "--draft-tokens", type=int, default=None, help="with --draft: tokens per verify (default: 4)"
+    )
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

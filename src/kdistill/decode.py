@@ -503,6 +503,28 @@ class DecodeEngine:
         tok = sample_tokens(F.linear(h, self.weights.lm_head), self.sampling, st.u)
         self._append(st, tok, st.rows, st.lens + 1)
 
+    def forward_at(self, st: _Slots, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """T new tokens per row through the static cache: ids (B, T) go to slots start[b] + j (at those
+        positions; clamped to the last slot), their keys and values are written there, and token j
+        attends slots 0..start[b] + j -> final-normed hidden states (B, T, H). No host sync and fixed
+        shapes (graph-safe): T = 1 is the decode step's forward; speculative decoding's draft and verify
+        steps (kdistill.speculative) run T = 2 and K + 1. Attention is the one-token decode kernel run
+        once per new token, in order, so a T-token step launches only the decode step's planned keys."""
+        t = ids.shape[1]
+        last = st.max_len - 1
+        pos = [(start + j).clamp(max=last) for j in range(t)]  # T x (B,), each its own aligned tensor
+        table = torch.stack(pos, 1)  # (B, T)
+        cos, sin = self.cos[table], self.sin[table]  # (B, T, D)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs = [
+                dispatch.decode_attention(q[:, :, j], st.k[i], st.v[i], pos[j], k[:, :, j], v[:, :, j])
+                for j in range(t)
+            ]  # token j writes its slot before token j + 1 reads it
+            return torch.stack(outs, 2)  # (B, Hq, T, D)
+
+        return forward_tokens(self.weights, ids, cos, sin, attend)
+
     def _append(self, st: _Slots, tok: torch.Tensor, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
         """Bookkeeping of rows `rows` after sampling `tok` (on the device): the token is a row's next
         output unless the row is done; its fed token now fills the slots up to new_lens."""
@@ -547,9 +569,12 @@ class DecodeEngine:
         st.graph = graph
 
     # -- prefill ------------------------------------------------------------------------------
-    def _prefill(self, st: _Slots, slots: list[int], prompts: list[list[int]], limits: list[int]) -> None:
+    def write_prompts(
+        self, st: _Slots, slots: list[int], prompts: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write the prompts into the caches of `slots` (a right-padded causal forward of the prompts
-        alone: padding after a prompt is never attended by it) and sample each row's first token."""
+        alone: padding after a prompt is never attended by it) -> (each prompt's last hidden state (n, H),
+        the slots (n,), the prompt lengths (n,)) on the device."""
         n, p = len(prompts), max(len(x) for x in prompts)
         ids = torch.full((n, p), self.pad_id, dtype=torch.int64)
         for i, row in enumerate(prompts):
@@ -565,7 +590,12 @@ class DecodeEngine:
             return dispatch.attention(q, k, v)  # causal over the prompt
 
         h = forward_tokens(self.weights, ids, cos, sin, attend)  # (n, P, H)
-        last = h[torch.arange(n, device=self.device), lens - 1]  # (n, H)
+        return h[torch.arange(n, device=self.device), lens - 1], rows, lens
+
+    def _prefill(self, st: _Slots, slots: list[int], prompts: list[list[int]], limits: list[int]) -> None:
+        """Write the prompts into the caches of `slots` and sample each row's first token."""
+        n = len(prompts)
+        last, rows, lens = self.write_prompts(st, slots, prompts)
         u = None
         if not self.sampling.greedy:
             u = torch.rand(n, generator=self.generator, device=self.device)

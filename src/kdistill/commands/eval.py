@@ -1,6 +1,7 @@
 """`kdistill eval`: held-out cross-entropy and perplexity of a model directory on data files.
 
     kdistill eval --model DIR --data FILE [FILE ...] [--seq-len 512] [--no-pack] [--json]
+    kdistill eval --model STUDENT --draft-for TEACHER --data FILE [--draft-tokens 4] [--json]
 
 Loads the model and its tokenizer (or, without tokenizer.json, reads token-id data only), reads the data
 through the token cache, scores it with kdistill.scoring and prints a table or one JSON object.
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kdistill.acceptance import measure_draft
 from kdistill.console import print_json
 from kdistill.data import TokenCache, cache_dir, load_files
 from kdistill.dtypes import long_name
@@ -22,11 +24,17 @@ from kdistill.models.hf_io import load_model
 from kdistill.models.spec import load_spec
 from kdistill.models.tokenizer import IdsOnlyTokenizer, load_tokenizer
 from kdistill.scoring import eval_sequences, evaluate
+from kdistill.speculative import DEFAULT_DRAFT_TOKENS
 from kdistill.train.corpus import expand_data_paths
 
 
 def eval_command(args: Any) -> int:
-    """`kdistill eval`: load --model and its tokenizer, read --data, score, print a table or JSON."""
+    """`kdistill eval`: load --model and its tokenizer, read --data, score, print a table or JSON; with
+    --draft-for TEACHER, the model's acceptance as TEACHER's draft instead (kdistill.acceptance)."""
+    if getattr(args, "draft_for", None):
+        return draft_command(args)
+    if getattr(args, "draft_tokens", None) is not None:
+        raise UserError("--draft-tokens needs --draft-for TEACHER (the model the drafts are for)")
     out = evaluate_model(
         args.model,
         list(args.data),
@@ -51,6 +59,41 @@ def eval_command(args: Any) -> int:
         ]
         for k, v in rows:
             print(f"{k:<11} {v}")
+    return 0
+
+
+def draft_command(args: Any) -> int:
+    """`kdistill eval --model STUDENT --draft-for TEACHER --data FILE`: alpha, tokens per verify step and
+    the predicted speed-up, greedy and at T = 1, as a table or one JSON object."""
+    out = measure_draft(
+        args.model,
+        args.draft_for,
+        list(args.data),
+        draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        device=getattr(args, "device", "auto") or "auto",
+    )
+    if args.json:
+        print_json(out)
+        return 0
+    k = out["draft_tokens"]
+    print(f"{'draft':<11} {out['model']} for {out['draft_for']} (K = {k} draft tokens per verify step)")
+    for mode in [m for m in out if m == "greedy" or m.startswith("t=")]:
+        r = out[mode]
+        se, tse = r["alpha_se"], r["tokens_per_verify_se"]
+        line = (
+            f"alpha {r['alpha']:.3f} ± {'n/a' if se is None else f'{se:.3f}'}, tokens per verify "
+            f"{r['tokens_per_verify']:.2f} ± {'n/a' if tse is None else f'{tse:.2f}'} (of {k + 1}), "
+            f"{r['prompts']} prompts"
+        )
+        if "predicted_speedup" in r:
+            line += f", predicted speed-up {r['predicted_speedup']:.2f}x"
+        print(f"{mode:<11} {line}")
+    c = out["costs"]
+    print(
+        f"{'step costs':<11} draft {c['c_draft']:.2f}, verify {c['c_verify']:.2f} (teacher's one-token step = 1)"
+    )
     return 0
 
 

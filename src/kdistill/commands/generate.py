@@ -7,6 +7,7 @@ CUDA-graph steps on a GPU, slots refilled as rows finish).
     kdistill generate --model TEACHER --messages prompts.jsonl --out answers.jsonl --samples-per-prompt 4
     kdistill generate --model DIR --prompt "Hi" --chat --chat-template chat.jinja   # another template
     kdistill generate --model DIR --prompt "Hi" --kernel-pack pack/    # decode kernels from a kernel pack
+    kdistill generate --model TEACHER --draft STUDENT --prompt "Hi" [--draft-tokens 4]   # speculative
 
 Greedy by default (temperature 0). A single prompt streams to the terminal as tokens come; --json
 prints each answer as a JSON line as soon as it is complete (its "index" says which prompt); --out
@@ -23,7 +24,9 @@ from typing import Any
 from kdistill.answer_file import generate_to_file
 from kdistill.data.chat_template import using_chat_template
 from kdistill.decode import Sampling
+from kdistill.errors import UserError
 from kdistill.generate import generate_texts
+from kdistill.speculative import DEFAULT_DRAFT_TOKENS, generate_texts_speculative
 
 
 def generate_command(args: Any) -> int:
@@ -53,6 +56,13 @@ def _generate(args: Any) -> int:
         samples_per_prompt=args.samples_per_prompt,
         kernel_pack=getattr(args, "kernel_pack", None),
     )
+    draft = getattr(args, "draft", None)
+    draft_tokens = getattr(args, "draft_tokens", None)
+    if draft is None and draft_tokens is not None:
+        raise UserError("--draft-tokens needs --draft DIR (the model that drafts)")
+    if draft is not None:
+        if args.out:
+            raise UserError("--draft does not combine with --out (answer files are written by --model alone)")
     if args.out:
 
         def print_row(row: dict[str, Any]) -> None:
@@ -80,9 +90,19 @@ def _generate(args: Any) -> int:
     def on_row(row: dict[str, Any]) -> None:
         print(json.dumps(row, ensure_ascii=False), flush=True)
 
-    rows = generate_texts(
-        args.model, on_text=on_text if stream else None, on_row=on_row if args.json else None, **common
+    callbacks: dict[str, Any] = dict(
+        on_text=on_text if stream else None, on_row=on_row if args.json else None
     )
+    if draft is not None:
+        rows = generate_texts_speculative(
+            args.model,
+            draft,
+            draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens,
+            **callbacks,
+            **common,
+        )
+    else:
+        rows = generate_texts(args.model, **callbacks, **common)
     if args.json:
         return 0
     if stream:

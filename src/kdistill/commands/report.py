@@ -39,6 +39,7 @@ def report_command(args: argparse.Namespace) -> int:
         "heldout": summary.get("heldout", evals[-1] if evals else {}),
         "tokens_per_s": summary.get("tokens_per_s"),
         "jit_after_prewarm": summary.get("jit_after_prewarm"),
+        "draft": summary.get("draft"),
         "checkpoints": ckpts,
         "samples": latest_samples(run_dir / "samples.jsonl"),
     }
@@ -60,6 +61,9 @@ def report_command(args: argparse.Namespace) -> int:
         print(f"throughput  {report['tokens_per_s']:.0f} tokens/s")
     if report["jit_after_prewarm"] is not None:
         print(f"jit after prewarm  {report['jit_after_prewarm']}")
+    draft = report["draft"]
+    if isinstance(draft, dict):
+        print(f"draft       {_draft_line(draft)}")
     print(f"checkpoints {', '.join(ckpts) if ckpts else 'none'}")
     for i, row in enumerate(report["samples"]):
         print(f"\nsample {i + 1} (student at step {row['step']})")
@@ -68,6 +72,21 @@ def report_command(args: argparse.Namespace) -> int:
             print(f"  teacher  {_one_line(row['teacher'])}")
         print(f"  student  {_one_line(row['student'])}")
     return 0
+
+
+def _draft_line(d: dict) -> str:
+    """summary.json's `draft`: the student's acceptance as its teacher's draft, or why it was skipped."""
+    if d.get("skipped"):
+        return f"acceptance not measured: {d['skipped']}"
+
+    def num(key: str, digits: int) -> str:
+        v = d.get(key)
+        return f"{v:.{digits}f}" if isinstance(v, int | float) and not isinstance(v, bool) else "n/a"
+
+    return (
+        f"alpha {num('alpha', 3)} ± {num('alpha_se', 3)} greedy, {num('tokens_per_verify', 2)} tokens per "
+        f"verify step of K = {d.get('draft_tokens')} drafts ({d.get('prompts')} held-out prompts)"
+    )
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -106,6 +125,11 @@ def read_summary(path: Path) -> dict:
     for key in ("initial_loss", "final_loss", "tokens_per_s"):
         f.optional(key, "float", finite=False)
     f.optional("jit_after_prewarm", "int")
+    draft = f.optional("draft", "obj")
+    if draft is not None:
+        for key in ("alpha", "alpha_se", "tokens_per_verify"):
+            draft.optional(key, "float", finite=False)
+        draft.optional("skipped", "str", max_len=300)
     held = f.optional("heldout", "obj")
     if held is not None:
         for key in held.keys():

@@ -611,6 +611,8 @@ def _grade_all(
             "steps": summary["steps"] if summary else None,
             "train_seconds": _train_seconds(summary) if summary else None,
             "heldout_ce": ce,
+            # the student as the teacher's draft: greedy acceptance at the end of its run (summary's `draft`)
+            "draft_alpha": (summary.get("draft") or {}).get("alpha") if summary else None,
             **graded,
         }
     if "completion" in per_prompt["teacher"]:  # across tokenizers: the texts the teacher graded
@@ -770,6 +772,12 @@ def print_table(result: dict[str, Any]) -> None:
         )
     rule = "lower teacher NLL per character" if vocabs else "lower reverse KL, teacher NLL not higher"
     print(f"on-policy helps ({rule}): {'yes' if result['on_policy_helps'] else 'no'}")
+    alphas = {
+        n: r.get("draft_alpha") for n, r in result["comparison"].items() if r.get("draft_alpha") is not None
+    }
+    if alphas:
+        shown = ", ".join(f"{n} {a:.3f}" for n, a in alphas.items())
+        print(f"as the teacher's draft model, greedy acceptance rate: {shown}")
 
 
 def run_onpolicy_demo(overrides: list[str], quiet: bool = False, as_json: bool = False) -> int:

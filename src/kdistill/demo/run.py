@@ -4,7 +4,8 @@ held-out table.
     run_demo(["schedule.steps=50"])      # overrides apply to demo.yaml
 
 Both students train with the same config (the baseline with kd.alpha=0, in RUN_DIR/baseline_ce) and
-are compared on the held-out stdlib files: summary.json gains the comparison, comparison.png the curves.
+are compared on the held-out stdlib files: summary.json gains the comparison, comparison.png the curves,
+and `draft_alpha`: each student's greedy acceptance rate as the teacher's draft model (its run's `draft`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def run_demo(overrides: list[str], quiet: bool = False, as_json: bool = False) -
         k: base_summary[k] for k in ("initial_loss", "final_loss", "steps", "smoke_passed")
     }
     kd_summary["kd_beats_baseline"] = heldout["student_loss"] < heldout["baseline_ce_loss"]
+    # each student as the teacher's draft model: greedy acceptance (kdistill.acceptance.run_acceptance)
+    kd_summary["draft_alpha"] = {
+        name: (s.get("draft") or {}).get("alpha")
+        for name, s in (("kd_student", kd_summary), ("baseline_ce", base_summary))
+    }
     atomic_write_json(run_dir / "summary.json", kd_summary)
     plot_comparison(
         {"KD student": run_dir, "CE-only student": base_dir},
@@ -63,6 +69,13 @@ def run_demo(overrides: list[str], quiet: bool = False, as_json: bool = False) -
         print(f"  {'teacher':28s}{heldout['teacher_loss']:8.4f}")
         print(f"  {'KD student':28s}{heldout['student_loss']:8.4f}")
         print(f"  {'CE-only student (alpha=0)':28s}{heldout['baseline_ce_loss']:8.4f}")
+        alpha = kd_summary["draft_alpha"]
+        if all(v is not None for v in alpha.values()):
+            k = kd_summary["draft"]["draft_tokens"]
+            print(
+                f"as the teacher's draft model (greedy, K = {k}), draft tokens accepted: KD student "
+                f"{alpha['kd_student']:.3f}, CE-only student {alpha['baseline_ce']:.3f}"
+            )
         verdict = "beats" if kd_summary["kd_beats_baseline"] else "does NOT beat"
         print(
             f"KD student {verdict} the CE-only student by {heldout['baseline_ce_loss'] - heldout['student_loss']:+.4f} nats; "

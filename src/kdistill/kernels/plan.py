@@ -399,6 +399,31 @@ def generation_kernels(
     return out
 
 
+def speculative_kernels(
+    target: ModelSpec,
+    draft: ModelSpec,
+    arch: str,
+    dtype: str,
+    *,
+    batch: int,
+    prompt_len: int,
+    max_len: int,
+    draft_tokens: int,
+) -> set[keys.KernelKey]:
+    """Every kernel key of speculative decoding (kdistill.speculative): each model's decode plan over
+    caches of max_len slots (a T-token step launches the one-token step's Triton keys: attention is the
+    decode kernel once per new token), plus the library shapes of the draft's two-token step and the
+    target's verify step of draft_tokens + 1 tokens per row (its lm_head on all of them)."""
+    out = generation_kernels(target, arch, dtype, batch=batch, prompt_len=prompt_len, max_len=max_len)
+    out |= generation_kernels(draft, arch, dtype, batch=batch, prompt_len=prompt_len, max_len=max_len)
+    arch = arch if arch == "cpu" else keys.normalize_arch(arch)
+    dt = keys.dtype_name(dtype)
+    verify = batch * (draft_tokens + 1)
+    out |= gemm_kernels(target, arch, dt, grad=False, tokens=verify, chunk=verify)
+    out |= gemm_kernels(draft, arch, dt, grad=False, tokens=2 * batch, chunk=batch)
+    return out
+
+
 def triton_keys(plan: set[keys.KernelKey]) -> list[keys.KernelKey]:
     """The plan's Triton kernels (library keys left out), in a stable order."""
     return sorted(k for k in plan if not k.is_library)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kdistill import signals
+from kdistill.acceptance import run_acceptance
 from kdistill.config import RunConfig
 from kdistill.console import progress_bar
 from kdistill.data import Batcher, heldout_batches
@@ -551,6 +552,8 @@ def finish(run: Run, status: str, step: int, last_eval: dict[str, Any]) -> dict[
                 f"{e}; training is complete, {ckpt.intact_text(run_dir)} (--resume writes the export)"
             ) from None
     summary = make_summary(run, status, step, last_eval)
+    if status == "completed":
+        summary["draft"] = run_acceptance(run)  # the student as its teacher's draft: alpha (acceptance.py)
     if export:
         summary["export"] = export
     if dist.active():
