@@ -201,9 +201,15 @@ def test_sampled_rows_follow_their_seed(models):
     assert list(itertools.chain(*run(3)))  # tokens came out
 
 
-def test_speculative_keys_are_planned(tmp_path):
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_speculative_keys_are_planned(tmp_path, head_dim):
     d = make_tiny_model(
-        tmp_path, family="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+        tmp_path,
+        family="qwen3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
     )
     target = load_model(d).eval()
     draft = perturbed(d, 0.01)
@@ -217,6 +223,8 @@ def test_speculative_keys_are_planned(tmp_path):
     triton = {k for k in rec.keys() if not k.is_library}
     assert triton <= plan, triton - plan
     assert {"decode_attn_split", "decode_attn_combine", "rope_fwd"} <= {k.op for k in triton}
+    # from a head of 32 on, the draft and verify steps rotate inside the attention kernel, as the step does
+    assert {k["ROPE"] for k in triton if k.op == "decode_attn_split"} == {head_dim >= 32}
 
 
 # -- the command line ----------------------------------------------------------------------------

@@ -513,17 +513,23 @@ class DecodeEngine:
         t = ids.shape[1]
         last = st.max_len - 1
         pos = [(start + j).clamp(max=last) for j in range(t)]  # T x (B,), each its own aligned tensor
-        table = torch.stack(pos, 1)  # (B, T)
-        cos, sin = self.cos[table], self.sin[table]  # (B, T, D)
+        # as the one-token step: RoPE inside the attention kernel where a head fits it, so the T-token
+        # step launches the very keys the step's plan holds
+        tables = (self.cos, self.sin) if self.rope_in_attention else (None, None)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = [
-                dispatch.decode_attention(q[:, :, j], st.k[i], st.v[i], pos[j], k[:, :, j], v[:, :, j])
+                dispatch.decode_attention(
+                    q[:, :, j], st.k[i], st.v[i], pos[j], k[:, :, j], v[:, :, j], *tables
+                )
                 for j in range(t)
             ]  # token j writes its slot before token j + 1 reads it
             return torch.stack(outs, 2)  # (B, Hq, T, D)
 
-        return forward_tokens(self.weights, ids, cos, sin, attend)
+        if self.rope_in_attention:
+            return forward_tokens(self.weights, ids, None, None, attend)
+        table = torch.stack(pos, 1)  # (B, T)
+        return forward_tokens(self.weights, ids, self.cos[table], self.sin[table], attend)
 
     def _append(self, st: _Slots, tok: torch.Tensor, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
         """Bookkeeping of rows `rows` after sampling `tok` (on the device): the token is a row's next
