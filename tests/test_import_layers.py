@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),
     ("models",),
     ("data", "memory", "decode"),
-    ("train", "scoring", "generate", "teacher_cache", "answer_file"),
+    ("train", "scoring", "generate", "teacher_cache", "answer_file", "speculative", "acceptance"),
     ("api", "demo", "commands"),
     ("cli", "__main__", "__init__"),
 ]

@@ -63,6 +63,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 import torch
 
 from kdistill.config import DIVERGENCES, RunConfig, load_config, parse_override
@@ -203,16 +204,14 @@ def make_student_tokenizer(rows: list[dict[str, str]], vocab: int, out: Path) ->
     `rows` (prompts and completions), written to out/tokenizer.json with its tokenizer_config.json; the
     size it reached (fewer when the text holds fewer merges). Deterministic: the same rows give the
     same file."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab,
         special_tokens=[EOS],
         min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([r["prompt"] + r["completion"] for r in rows], trainer=trainer)
