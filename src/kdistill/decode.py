@@ -653,50 +653,84 @@ class DecodeEngine:
         n_new = self.sampling.max_new_tokens
         st = self._slots_for(self.bucket(len(prompts)))
         st.done.fill_(True)
-        waiting = deque(range(len(prompts)))
-        owner: list[int | None] = [None] * st.batch
-        results: list[list[int] | None] = [None] * len(prompts)
+        return run_slots(
+            prompts,
+            slots=st.batch,
+            limits=[min(n_new, self.max_len - len(p)) for p in prompts],
+            prefill_tokens=self.prefill_tokens,
+            prefill=lambda slots, rows, limits: self._prefill(st, slots, rows, limits),
+            flags=lambda: torch.stack([st.done.long(), st.ngen]).cpu(),
+            out=st.out,
+            step=lambda: self._step(st),
+            sync_every=self.sync_every,
+            on_finish=on_finish,
+            on_tokens=on_tokens,
+        )
 
-        def fill(free: list[int]) -> None:
-            while free and waiting:
-                group: list[int] = []
-                longest = 0
-                while len(group) < len(free) and waiting:
-                    nxt = len(prompts[waiting[0]])
-                    if group and max(longest, nxt) * (len(group) + 1) > self.prefill_tokens:
-                        break
-                    longest = max(longest, nxt)
-                    group.append(waiting.popleft())
-                slots = [free.pop(0) for _ in group]
-                for s, i in zip(slots, group):
-                    owner[s] = i
-                self._prefill(
-                    st,
-                    slots,
-                    [list(prompts[i]) for i in group],
-                    [min(n_new, self.max_len - len(prompts[i])) for i in group],
-                )
 
-        fill(list(range(st.batch)))
-        while any(o is not None for o in owner):
-            flags = torch.stack([st.done.long(), st.ngen]).cpu()  # the host's one read per round
-            finished = [s for s, o in enumerate(owner) if o is not None and bool(flags[0, s])]
-            if finished:
-                outs = st.out[finished].cpu()
-                for j, s in enumerate(finished):
-                    i = owner[s]
-                    assert i is not None
-                    results[i] = outs[j, : int(flags[1, s])].tolist()
-                    owner[s] = None
-                    if on_finish is not None:
-                        on_finish(i, results[i])
-                fill(finished)
-                continue
-            if on_tokens is not None:
-                running = [s for s, o in enumerate(owner) if o is not None]
-                outs = st.out[running].cpu()
-                for j, s in enumerate(running):
-                    on_tokens(owner[s], outs[j, : int(flags[1, s])].tolist())
-            for _ in range(self.sync_every):
-                self._step(st)
-        return [r if r is not None else [] for r in results]
+def run_slots(
+    prompts: Sequence[Sequence[int]],
+    *,
+    slots: int,
+    limits: Sequence[int],
+    prefill_tokens: int,
+    prefill: Callable[[list[int], list[list[int]], list[int]], None],
+    flags: Callable[[], torch.Tensor],
+    out: torch.Tensor,
+    step: Callable[[], None],
+    sync_every: int,
+    on_finish: Callable[[int, list[int]], None] | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+    on_done: Callable[[int, torch.Tensor], None] | None = None,
+) -> list[list[int]]:
+    """The host's loop over a static cache of `slots` rows (DecodeEngine.generate, speculative decoding):
+    prompts wait in order and are prefilled into free slots in groups of at most prefill_tokens padded
+    tokens (prefill(slots, rows, limits), limits[i]: prompt i's budget of new tokens); then rounds of
+    sync_every steps, between which the host reads flags() once: a (K, slots) tensor on the host, row 0
+    each slot's done flag and row 1 the tokens it has written to `out` (slots, N + 1). A finished slot's
+    tokens are its prompt's answer (on_finish(i, ids); on_done(i, flags[:, slot]) for any bookkeeping of
+    the other rows) and the slot takes the next waiting prompts; on_tokens(i, ids so far) streams."""
+    waiting = deque(range(len(prompts)))
+    owner: list[int | None] = [None] * slots
+    results: list[list[int] | None] = [None] * len(prompts)
+
+    def fill(free: list[int]) -> None:
+        while free and waiting:
+            group: list[int] = []
+            longest = 0
+            while len(group) < len(free) and waiting:
+                nxt = len(prompts[waiting[0]])
+                if group and max(longest, nxt) * (len(group) + 1) > prefill_tokens:
+                    break
+                longest = max(longest, nxt)
+                group.append(waiting.popleft())
+            taken = [free.pop(0) for _ in group]
+            for s, i in zip(taken, group):
+                owner[s] = i
+            prefill(taken, [list(prompts[i]) for i in group], [int(limits[i]) for i in group])
+
+    fill(list(range(slots)))
+    while any(o is not None for o in owner):
+        f = flags()  # the host's one read per round
+        finished = [s for s, o in enumerate(owner) if o is not None and bool(f[0, s])]
+        if finished:
+            outs = out[finished].cpu()
+            for j, s in enumerate(finished):
+                i = owner[s]
+                assert i is not None
+                results[i] = outs[j, : int(f[1, s])].tolist()
+                owner[s] = None
+                if on_done is not None:
+                    on_done(i, f[:, s])
+                if on_finish is not None:
+                    on_finish(i, results[i])
+            fill(finished)
+            continue
+        if on_tokens is not None:
+            running = [s for s, o in enumerate(owner) if o is not None]
+            outs = out[running].cpu()
+            for j, s in enumerate(running):
+                on_tokens(owner[s], outs[j, : int(f[1, s])].tolist())
+        for _ in range(sync_every):
+            step()
+    return [r if r is not None else [] for r in results]

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kdistill.decode import DecodeEngine, Sampling, _Slots
+from kdistill.decode import DecodeEngine, Sampling, _Slots, run_slots
 from kdistill.errors import UserError
 from kdistill.generate import (
     Job,
@@ -318,51 +317,25 @@ class SpeculativeDecoder:
         n_new = self.sampling.max_new_tokens
         pr = self._pair_for(self.target.bucket(len(prompts)))
         pr.t.done.fill_(True)
-        waiting = deque(range(len(prompts)))
-        owner: list[int | None] = [None] * pr.t.batch
-        results: list[list[int] | None] = [None] * len(prompts)
         self.stats = [(0, 0)] * len(prompts)
 
-        def fill(free: list[int]) -> None:
-            while free and waiting:
-                group: list[int] = []
-                longest = 0
-                while len(group) < len(free) and waiting:
-                    nxt = len(prompts[waiting[0]])
-                    if group and max(longest, nxt) * (len(group) + 1) > self.target.prefill_tokens:
-                        break
-                    longest = max(longest, nxt)
-                    group.append(waiting.popleft())
-                slots = [free.pop(0) for _ in group]
-                for s, i in zip(slots, group):
-                    owner[s] = i
-                rows = [list(prompts[i]) for i in group]
-                self._prefill(pr, slots, rows, [min(n_new, self.room - len(r)) for r in rows])
+        def done(i: int, f: torch.Tensor) -> None:
+            self.stats[i] = (int(f[2]), int(f[3]))
 
-        fill(list(range(pr.t.batch)))
-        while any(o is not None for o in owner):
-            flags = torch.stack([pr.t.done.long(), pr.t.ngen, pr.accepted, pr.rounds]).cpu()
-            finished = [s for s, o in enumerate(owner) if o is not None and bool(flags[0, s])]
-            if finished:
-                outs = pr.t.out[finished].cpu()
-                for j, s in enumerate(finished):
-                    i = owner[s]
-                    assert i is not None
-                    results[i] = outs[j, : int(flags[1, s])].tolist()
-                    self.stats[i] = (int(flags[2, s]), int(flags[3, s]))
-                    owner[s] = None
-                    if on_finish is not None:
-                        on_finish(i, results[i])
-                fill(finished)
-                continue
-            if on_tokens is not None:
-                running = [s for s, o in enumerate(owner) if o is not None]
-                outs = pr.t.out[running].cpu()
-                for j, s in enumerate(running):
-                    on_tokens(owner[s], outs[j, : int(flags[1, s])].tolist())
-            for _ in range(self.sync_every):
-                self._step(pr)
-        return [r if r is not None else [] for r in results]
+        return run_slots(
+            prompts,
+            slots=pr.t.batch,
+            limits=[min(n_new, self.room - len(p)) for p in prompts],
+            prefill_tokens=self.target.prefill_tokens,
+            prefill=lambda slots, rows, limits: self._prefill(pr, slots, rows, limits),
+            flags=lambda: torch.stack([pr.t.done.long(), pr.t.ngen, pr.accepted, pr.rounds]).cpu(),
+            out=pr.t.out,
+            step=lambda: self._step(pr),
+            sync_every=self.sync_every,
+            on_finish=on_finish,
+            on_tokens=on_tokens,
+            on_done=done,
+        )
 
     # -- costs --------------------------------------------------------------------------------
     @torch.no_grad()

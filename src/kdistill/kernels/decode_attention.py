@@ -55,6 +55,19 @@ def _rope_halves(X, COS, SIN, trow, d2, HALF: tl.constexpr):
 
 
 @jit
+def _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D: tl.constexpr):
+    """A split's fp32 partial output and its log-sum-exp. A split past the row's newest slot ran no
+    iteration: an empty part (lse -inf), weight 0 in the combination."""
+    d = tl.arange(0, D)
+    filled = l_i > 0
+    tl.store(
+        LSE + part, tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf")), mask=gmask
+    )
+    out = acc / tl.where(filled, l_i, 1.0)[:, None]
+    tl.store(OP + part[:, None] * D + d[None, :], out, mask=gmask[:, None])
+
+
+@jit
 def _plain_split(
     Q, K, V, KN, VN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
     sqn, skn, svn, sm_scale,
@@ -94,13 +107,7 @@ def _plain_split(
     slot = (kv + last).to(tl.int64) * D + d
     tl.store(K + slot, kn.to(K.dtype.element_ty), mask=own)
     tl.store(V + slot, vn.to(V.dtype.element_ty), mask=own)
-    # A split past the row's newest slot ran no iteration: an empty part, weight 0 in the combination.
-    filled = l_i > 0
-    tl.store(
-        LSE + part, tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf")), mask=gmask
-    )
-    out = acc / tl.where(filled, l_i, 1.0)[:, None]
-    tl.store(OP + part[:, None] * D + d[None, :], out, mask=gmask[:, None])
+    _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D)
 
 
 @jit
@@ -156,12 +163,7 @@ def _rope_split(
     tl.store(K + slot + HALF, kb_new, mask=own)
     vown = (d * 0 + last >= start) & (d * 0 + last < start + SPLIT)
     tl.store(V + (kv + last).to(tl.int64) * D + d, vn.to(V.dtype.element_ty), mask=vown)
-    filled = l_i > 0
-    tl.store(
-        LSE + part, tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf")), mask=gmask
-    )
-    out = acc / tl.where(filled, l_i, 1.0)[:, None]
-    tl.store(OP + part[:, None] * D + d[None, :], out, mask=gmask[:, None])
+    _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D)
 
 
 @jit(do_not_specialize=["M", "NSPLIT", "sqn", "skn", "svn"])
