@@ -110,3 +110,24 @@ def test_a_strict_on_policy_run_with_8192_new_tokens(tmp_path, capsys):
         "8k on-policy:", {k: summary.get(k) for k in ("planned_memory_gib", "peak_memory_gib", "on_policy")}
     )
     assert summary["planned_memory_gib"] >= summary["peak_memory_gib"] * 0.85
+
+
+def test_a_strict_on_policy_run_across_tokenizers_compiles_nothing_after_the_seal(tmp_path, capsys):
+    """A Llama-3-style teacher and a ChatML student with different vocabularies: the student writes
+    completions with its own engine, they are re-tokenized for the teacher and graded by the aligned
+    ULD term plus the exact term; every kernel of generation, both scorings and the update was planned."""
+    from tests.test_cross_chat import _config as cross_config
+
+    cfg = cross_config(tmp_path, steps=6, eval_every=3)
+    cfg["kd"].update(on_policy=0.7, max_new_tokens=24, divergence="reverse_kl", exact_weight=0.5)
+    cfg["runtime"] = {"device": "cuda", "kernels": "triton", "strict_kernels": True}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed" and summary["jit_after_prewarm"] == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("policy") == "on_policy" for r in rows)
+    assert all(r["jit_after_prewarm"] == 0 for r in rows)
+    print("cross-tokenizer on-policy:", {k: summary.get(k) for k in ("jit_after_prewarm", "on_policy")})
