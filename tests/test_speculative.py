@@ -313,6 +313,7 @@ def test_eval_of_a_draft_identical_to_its_teacher_accepts_everything(dirs, tmp_p
         assert r["predicted_tokens_per_verify"] == 4
         c = res["costs"]
         assert r["predicted_speedup"] == pytest.approx(4 / (3 * c["c_draft"] + c["c_verify"]))
+        assert r["speedup_from_tokens_per_verify"] == pytest.approx(r["predicted_speedup"])  # alpha = 1
     # another student is accepted less, and the table names both modes
     argv[2] = str(dirs["student"])
     rc, out, _ = cli(capsys, *argv)

@@ -18,6 +18,9 @@ Predicted speed-up (Leviathan et al. 2023) from alpha and the measured step cost
 teacher's one-token step: expected tokens per verify E = (1 - alpha^(K+1)) / (1 - alpha) (K + 1 at
 alpha = 1), and speed-up = E / (K c_draft + c_verify), c_draft and c_verify the times of a draft step
 and of a verify step of K + 1 tokens over the teacher's one-token step (replayed CUDA graphs on a GPU).
+The i.i.d. E assumes each draft token is accepted independently; a draft's refusals often come in runs
+(where it and its teacher part ways), and then the measured tokens per verify step is the better input:
+speedup_from_tokens_per_verify = tokens_per_verify / (K c_draft + c_verify).
 """
 
 from __future__ import annotations
@@ -151,6 +154,9 @@ def draft_report(
             row = out[key]
             row["predicted_tokens_per_verify"] = expected_tokens(row["alpha"], draft_tokens)
             row["predicted_speedup"] = speedup(row["alpha"], draft_tokens, c_draft, c_verify)
+            row["speedup_from_tokens_per_verify"] = row["tokens_per_verify"] / (
+                draft_tokens * c_draft + c_verify
+            )
     return out
 
 

@@ -88,7 +88,10 @@ def draft_command(args: Any) -> int:
             f"{r['prompts']} prompts"
         )
         if "predicted_speedup" in r:
-            line += f", predicted speed-up {r['predicted_speedup']:.2f}x"
+            line += (
+                f", predicted speed-up {r['predicted_speedup']:.2f}x "
+                f"({r['speedup_from_tokens_per_verify']:.2f}x from the measured tokens per verify)"
+            )
         print(f"{mode:<11} {line}")
     c = out["costs"]
     print(
