@@ -70,6 +70,7 @@ class Shape:
     temperature: float = 0.9
     teacher: str = "qwen2.5-1.5b"
     student: str = "qwen2.5-0.5b"
+    profile: int = 0  # steps profiled (runtime.profile_steps) after the warm-up, before the timed ones
 
 
 def build_assets(out: Path, tiny: bool, shape: Shape, rows: int) -> Path:
@@ -217,11 +218,12 @@ def kdistill_config(assets: Path, work: Path, device: str, shape: Shape, world: 
         },
         "optim": {"lr": 1e-5, "warmup_steps": 0},
         "schedule": {
-            "steps": shape.warmup + shape.steps, "batch_size": shape.batch * world, "eval_every": 0,
+            "steps": shape.warmup + shape.profile + shape.steps, "batch_size": shape.batch * world,
+            "eval_every": 0,
             "eval_batches": 1, "checkpoint_every": 0, "sample_prompts": 0,
         },
         "output": {"dir": str(work / f"run-{world}"), "keep_checkpoints": 1},
-        "runtime": {"device": device},
+        "runtime": {"device": device, "profile_steps": shape.profile},
     }  # fmt: skip
 
 
@@ -248,7 +250,7 @@ def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int
         return {"error": tail[-1].strip()[-500:]}
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[shape.warmup :]
+    timed = rows[shape.warmup + shape.profile :]  # the profiled steps carry the profiler's overhead
     seconds = [r["gen_s"] + r["score_s"] + r["update_s"] for r in timed]
     tokens = sum(r["completion_tokens"] for r in timed)
     phases = {
@@ -270,7 +272,18 @@ def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int
         "planned_memory_gib": summary.get("planned_memory_gib"),
         "jit_after_prewarm": summary.get("jit_after_prewarm"),
         "steps_timed": len(timed),
+        **({"profile": profiles(run_dir, world)} if shape.profile else {}),
     }
+
+
+def profiles(run_dir: Path, world: int) -> dict[str, Any]:
+    """Each rank's runtime.profile_steps report (profile/rank{R}.json: wall and device time per step,
+    kernel groups, exposed collective time)."""
+    out = {}
+    for rank in range(world):
+        path = run_dir / "profile" / f"rank{rank}.json"
+        out[str(rank)] = json.loads(path.read_text()) if path.is_file() else None
+    return out
 
 
 def provider_main(args: argparse.Namespace, shape: Shape) -> int:
@@ -295,6 +308,12 @@ def parse_args() -> tuple[argparse.Namespace, Shape, list[int]]:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="kdistill: profile this many steps after the warm-up (runtime.profile_steps), not timed",
+    )
     p.add_argument("--only", choices=("trl", "kdistill"), help="run one side")
     p.add_argument("--provider", choices=("trl",), help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
@@ -309,9 +328,11 @@ def parse_args() -> tuple[argparse.Namespace, Shape, list[int]]:
         p.error(f"--nproc {args.nproc}: expected world sizes such as 1,2,4")
     if not worlds or min(worlds) < 1:
         p.error(f"--nproc {args.nproc}: expected world sizes >= 1")
+    if args.profile_steps and args.warmup != 2:
+        p.error("--profile-steps: a run profiles the steps after its own 2 warm-up steps; use --warmup 2")
     shape = Shape(
         batch=args.prompts, prompt=args.prompt_len, new=args.new, steps=args.steps, warmup=args.warmup,
-        teacher=teacher, student=student,
+        teacher=teacher, student=student, profile=max(0, args.profile_steps),
     )  # fmt: skip
     if args.tiny:
         shape = dataclasses.replace(shape, batch=2, prompt=16, new=8)
