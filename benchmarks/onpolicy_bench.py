@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from kdistill.models.presets import PRESETS
 
@@ -71,6 +72,7 @@ class Shape:
     teacher: str = "qwen2.5-1.5b"
     student: str = "qwen2.5-0.5b"
     profile: int = 0  # steps profiled (runtime.profile_steps) after the warm-up, before the timed ones
+    overrides: tuple[str, ...] = ()  # kdistill config overrides, SECTION.FIELD=VALUE
 
 
 def build_assets(out: Path, tiny: bool, shape: Shape, rows: int) -> Path:
@@ -202,7 +204,7 @@ def run_trl(assets: Path, device: str, shape: Shape) -> dict[str, Any]:
 
 def kdistill_config(assets: Path, work: Path, device: str, shape: Shape, world: int) -> dict[str, Any]:
     """The run config of kdistill at kd.on_policy = 1 on `world` processes (shape.batch prompts each)."""
-    return {
+    cfg: dict[str, Any] = {
         "teacher": {"path": str(assets / "teacher")},
         "student": {"path": str(assets / "student"), "init": "pretrained"},
         "data": {
@@ -225,6 +227,11 @@ def kdistill_config(assets: Path, work: Path, device: str, shape: Shape, world: 
         "output": {"dir": str(work / f"run-{world}"), "keep_checkpoints": 1},
         "runtime": {"device": device, "profile_steps": shape.profile},
     }  # fmt: skip
+    for item in shape.overrides:  # values as YAML reads them
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        cfg.setdefault(section, {})[field] = yaml.safe_load(value)
+    return cfg
 
 
 def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int) -> dict[str, Any]:
@@ -315,6 +322,13 @@ def parse_args() -> tuple[argparse.Namespace, Shape, list[int]]:
         help="kdistill: profile this many steps after the warm-up (runtime.profile_steps), not timed",
     )
     p.add_argument("--only", choices=("trl", "kdistill"), help="run one side")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="kdistill: a config override (repeatable), e.g. runtime.grad_reduce=compute",
+    )
     p.add_argument("--provider", choices=("trl",), help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -328,11 +342,14 @@ def parse_args() -> tuple[argparse.Namespace, Shape, list[int]]:
         p.error(f"--nproc {args.nproc}: expected world sizes such as 1,2,4")
     if not worlds or min(worlds) < 1:
         p.error(f"--nproc {args.nproc}: expected world sizes >= 1")
+    for item in args.set:
+        if "=" not in item or "." not in item.partition("=")[0]:
+            p.error(f"--set {item}: expected SECTION.FIELD=VALUE")
     if args.profile_steps and args.warmup != 2:
         p.error("--profile-steps: a run profiles the steps after its own 2 warm-up steps; use --warmup 2")
     shape = Shape(
         batch=args.prompts, prompt=args.prompt_len, new=args.new, steps=args.steps, warmup=args.warmup,
-        teacher=teacher, student=student, profile=max(0, args.profile_steps),
+        teacher=teacher, student=student, profile=max(0, args.profile_steps), overrides=tuple(args.set),
     )  # fmt: skip
     if args.tiny:
         shape = dataclasses.replace(shape, batch=2, prompt=16, new=8)

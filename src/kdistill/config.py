@@ -16,7 +16,8 @@ A run config is YAML with these sections (every field has a default except the m
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
     runtime:  {device, dtype, precision: auto|fp8, kernels, strict_kernels, arch, kernel_pack, on_nonfinite,
                max_nonfinite, auto_fit, gpu_memory_gib, teacher_placement, activation_checkpointing,
-               student_reshard, profile_steps, cuda_graphs}
+               student_reshard, grad_reduce, profile_steps,
+               cuda_graphs}
               (runtime.precision=fp8: the student's block linears train through row-wise scaled FP8
               GEMMs over fp32 master weights; compute capability 8.9 or newer, emulated on the CPU)
 
@@ -349,6 +350,10 @@ class RuntimeConfig:
     # forward to backward: half the all-gathers, the whole student in bf16 at the peak); auto: after
     # the backward when the memory plan says it fits.
     student_reshard: str = "auto"  # auto | after_forward | after_backward
+    # Under torchrun: the dtype the student's gradients are reduce-scattered in: fp32 (their sums exact to
+    # fp32) or compute (the dtype its parameters are gathered in, bf16 on a GPU: half the bytes on the
+    # link; each sum of bf16 gradients rounded to bf16 once).
+    grad_reduce: str = "fp32"  # fp32 | compute
     # Profile this many training steps right after the warm-up steps (torch.profiler; every process
     # writes profile/rank{R}.txt and .json into the run directory); 0: off.
     profile_steps: int = 0
@@ -376,6 +381,7 @@ class RuntimeConfig:
         )
         _choice("runtime.student_reshard", self.student_reshard, ("auto", "after_forward", "after_backward"))
         _choice("runtime.cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
+        _choice("runtime.grad_reduce", self.grad_reduce, ("fp32", "compute"))
         if self.profile_steps < 0:
             raise UserError(
                 f"runtime.profile_steps is {self.profile_steps}, expected 0 (off) or a positive integer"

@@ -322,13 +322,17 @@ def _prefetch(root: torch.nn.Module, units: list[torch.nn.Module], backward: boo
 
 
 def shard_student(
-    model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32, keep_gathered: bool = False
+    model: torch.nn.Module,
+    compute_dtype: torch.dtype = torch.float32,
+    keep_gathered: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
     """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head). compute_dtype other
     than fp32: parameters gathered in it, gradients reduced in fp32; block inputs keep their dtypes (the
     residual stream stays as the decoder makes it). A LoRA student's parameters are gathered as stored.
     keep_gathered (memory.Layout.student_kept): the blocks stay gathered from their forward to their
-    backward (`reshard_after_forward=False`), so the backward gathers nothing."""
+    backward (`reshard_after_forward=False`), so the backward gathers nothing. reduce_dtype
+    (runtime.grad_reduce): fp32, or the compute dtype for half the reduce-scatter's bytes."""
     mesh = _mesh()
     kwargs: dict[str, Any] = {"mesh": mesh}
     # A LoRA student: the same units (a block's frozen base linears, its norms and its trainable adapters
@@ -344,7 +348,7 @@ def shard_student(
     # one process. Gradients are the fp32 adapters' own, reduced in fp32 without a reduce_dtype.
     if compute_dtype != torch.float32 and not has_lora(model):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+            param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
         )
     units = _shard_units(model)
     for unit in units:

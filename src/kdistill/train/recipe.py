@@ -221,8 +221,9 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     student.checkpoint_blocks(layout.checkpointing)
     student.keep_swiglu(layout.swiglu_kept)
     if multi:
+        reduce = dtype if cfg.runtime.grad_reduce == "compute" else torch.float32
         dist.shard_student(
-            student, dtype, keep_gathered=layout.student_kept
+            student, dtype, keep_gathered=layout.student_kept, reduce_dtype=reduce
         )  # a LoRA student: its base and adapters gathered as stored
         if teacher is not None and layout.teacher_sharded:
             for t in [t for t, _ in mixture] if mixture else [teacher]:
