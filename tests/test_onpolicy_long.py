@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -30,9 +31,12 @@ from kdistill.memory import (
 from kdistill.models import decoder as decoder_mod
 from kdistill.models.decoder import build_decoder
 from kdistill.ops import attention as attn
+from kdistill.train.onpolicy import OnPolicy
 from kdistill.train.rollouts import RolloutSampling, rollout
 from tests.test_chat_train import write_chat_files
 from tests.test_contract import make_spec
+from tests.test_onpolicy import PROMPTS as POOL
+from tests.test_onpolicy import _cfg, _pair, _run_config, _write
 from tests.test_train_kit import assets, one_error_line, run_cli
 
 VOCAB = 40
@@ -190,9 +194,25 @@ def test_a_sampled_rollout_with_more_rows_than_slots_repeats_from_the_saved_gene
 
 @pytest.mark.parametrize("value", ["-1", "1.5", "true"])
 def test_a_bad_rollout_batch_is_a_one_line_error(tmp_path, capsys, value):
-    from tests.test_onpolicy import _run_config, _write
-
     cfg = _run_config(tmp_path, on_policy=1.0, max_new_tokens=8)
     rc, _, err = run_cli(capsys, "run", str(_write(tmp_path, cfg)), f"kd.rollout_batch={value}", "--quiet")
     assert rc == 2 and "kd.rollout_batch is" in one_error_line(err), err
     assert "expected an integer" in err and "Traceback" not in err
+
+
+def test_an_on_policy_step_writes_through_an_engine_of_kd_rollout_batch_rows():
+    """The decode engine's path of OnPolicy.generate (a GPU's; here on the CPU): the engine holds
+    kd.rollout_batch slots, and the step's rows, in order, are those of the eager path under greedy."""
+    _, student = _pair()
+    cfg = _cfg()
+    cfg.kd.sample_temperature = 1e-9  # greedy: the rows do not depend on how they are batched
+    cfg.kd.rollout_batch = 3  # 4 rows a step (2 micro-batches of 2)
+    eager = OnPolicy(cfg, POOL, {0}, 0, torch.device("cpu"))
+    engine = OnPolicy(cfg, POOL, {0}, 0, torch.device("cpu"))
+    engine.engines = {}
+    want, _ = eager.generate(student, contextlib.nullcontext())
+    got, out = engine.generate(student, contextlib.nullcontext())
+    (eng,) = engine.engines.values()
+    assert eng.batch_size == 3 and len(out.completions) == 4
+    for (a_ids, a_labels), (b_ids, b_labels) in zip(want, got):
+        assert torch.equal(a_ids, b_ids) and torch.equal(a_labels, b_labels)
