@@ -410,9 +410,12 @@ def layer_map_memory(s: StepShape) -> tuple[int, int]:
 
 
 def on_policy_memory(s: StepShape, fixed: dict[str, int], forward_peak: dict[str, int]) -> int:
-    """kd.on_policy / kd.seq_kd: the terms generation adds to `fixed` (decode engines' weights, or the
-    gathered writers) and to `forward_peak` (the scored targets kept until the update), and the bytes of
-    the generation phase before the update (returned)."""
+    """kd.on_policy / kd.seq_kd: the terms generation adds to `fixed` (on a GPU the decode engines'
+    weights and static KV caches, kept across steps; under torchrun on the CPU the gathered writers) and
+    to `forward_peak` (the scored targets kept until the update), and the bytes of the generation phase
+    before the update (returned; reported as `generation_kv_cache_and_logits`: on a GPU the engine's
+    prefill and sampler transients beside its kept cache, on the CPU the eager path's cache and logits).
+    The generation phase never has a document bias: generated rows are plain causal."""
     student, teacher, kd, w, act_bytes = s.student, s.teacher, s.cfg.kd, s.layout.world, s.act_bytes
     # every micro-batch's teacher hidden states are scored before the update and kept until it
     forward_peak["scored_targets"] = (s.cfg.schedule.grad_accum - 1) * s.n * teacher.hidden_size * act_bytes
