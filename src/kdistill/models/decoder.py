@@ -388,10 +388,11 @@ class Decoder(nn.Module):
         if position_ids is not None:
             cos, sin = cos[position_ids], sin[position_ids]  # (B, T, D): gathered per token
         mask = None  # (B, 1, T, T) additive bias in the attention's dtype, shared by every layer
-        if doc_ids is not None:
+        if doc_ids is not None:  # q's dtype: autocast's, else the residual stream's (the embeddings')
             kind = input_ids.device.type
             on = torch.is_autocast_enabled(kind)
-            mask = document_bias(doc_ids, torch.get_autocast_dtype(kind) if on else self.lm_head_weight.dtype)
+            dtype = torch.get_autocast_dtype(kind) if on else self.model.embed_tokens.weight.dtype
+            mask = document_bias(doc_ids, dtype)
         delta = self.model.embed_tokens(input_ids)  # (B, T, H)
         residual = None
         states: dict[int, torch.Tensor] = {}
