@@ -22,6 +22,7 @@ import torch
 from kdistill import dispatch
 from kdistill.config import RunConfig
 from kdistill.decode import _Slots
+from kdistill.errors import UserError
 from kdistill.memory import (
     document_mask_bytes,
     estimate_memory,
@@ -216,3 +217,40 @@ def test_an_on_policy_step_writes_through_an_engine_of_kd_rollout_batch_rows():
     assert eng.batch_size == 3 and len(out.completions) == 4
     for (a_ids, a_labels), (b_ids, b_labels) in zip(want, got):
         assert torch.equal(a_ids, b_ids) and torch.equal(a_labels, b_labels)
+
+
+def _kv_heavy_cfg(auto_fit: bool, budget_gib: float) -> RunConfig:
+    cfg = RunConfig()
+    cfg.data.seq_len = 8256
+    cfg.schedule.batch_size, cfg.schedule.grad_accum = 4, 8  # 32 rows a generated step
+    cfg.kd.on_policy, cfg.kd.max_new_tokens = 1.0, 8192
+    cfg.runtime = dataclasses.replace(cfg.runtime, auto_fit=auto_fit, gpu_memory_gib=budget_gib)
+    return cfg
+
+
+def test_a_plan_over_budget_lowers_the_rollout_batch_first_or_names_it():
+    """The engines' KV caches at every row are what is over: runtime.auto_fit writes fewer rows at once
+    (the largest power of two that fits; the batch unchanged), and without it the refusal names it."""
+    from kdistill.memory import fit_rollout_batch
+    from kdistill.train.preflight import check_memory
+
+    t = make_spec(hidden=32, layers=2, heads=4, kv=4, head_dim=64, vocab=384)
+    s = make_spec(hidden=32, layers=8, heads=4, kv=4, head_dim=64, vocab=384)
+    budget = 1.5
+    cfg = _kv_heavy_cfg(True, budget)
+    cuda = torch.device("cuda")  # planned only: runtime.gpu_memory_gib stands for the device's memory
+    fitted, layout = check_memory(cfg, t, s, cuda, quiet=True)
+    slots = fitted.kd.rollout_batch
+    assert fitted.schedule.batch_size == 4 and 1 <= slots < 32 and slots & (slots - 1) == 0
+
+    def total(n: int) -> int:
+        c = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, rollout_batch=n))
+        return estimate_memory(t, s, c, layout=layout, documents=False)["total"]
+
+    assert total(slots) <= budget * 0.95 * 2**30 < total(2 * slots) <= total(32)
+    assert total(32) - total(slots) >= kv_cache_bytes(s, 32 - slots, 8257, 2)  # the engine's cache shrank
+    assert fit_rollout_batch(t, s, cfg, int(budget * 0.95 * 2**30), layout=layout) == slots
+    with pytest.raises(UserError) as err:
+        check_memory(_kv_heavy_cfg(False, budget), t, s, cuda, quiet=True)
+    assert f"or kd.rollout_batch={slots}; or set runtime.auto_fit=true" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -6,6 +6,7 @@
     layout = choose_layout(teacher_spec, student_spec, cfg, budget, world=4, batch=2)   # the auto choices
     need = gpus_needed(teacher_spec, student_spec, cfg, gpu_bytes)         # smallest world that fits
     fit = fit_limits(teacher_spec, student_spec, cfg, budget_bytes)        # largest batch / seq_len
+    slots = fit_rollout_batch(teacher_spec, student_spec, cfg, budget_bytes)   # kd.rollout_batch that fits
 
 The memory model (bytes on one device, GPU path: bf16 teacher, fp32 student master weights with bf16
 autocast, AdamW; runtime.precision=fp8: the student's block linears keep fp8 inputs for backward) is
@@ -653,3 +654,32 @@ def fit_limits(
             best_sl = sl
         sl *= 2
     return {"batch_size": best_bs, "seq_len": best_sl}
+
+
+def fit_rollout_batch(
+    teacher: ModelSpec,
+    student: ModelSpec,
+    cfg: RunConfig,
+    budget: int,
+    batch: int | None = None,
+    layout: Layout | None = None,
+    extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
+) -> int | None:
+    """The largest kd.rollout_batch (a power of two below the rows the engine writes now) whose plan fits
+    `budget` bytes on one GPU, or None (no generation, or none fits: the KV cache is not what is over).
+    The step's rows stay the same: fewer are written at once, a stopped row's slot taking the next."""
+    if not cfg.kd.generates:
+        return None
+    rows = (cfg.schedule.batch_size if batch is None else batch) * cfg.schedule.grad_accum
+    slots = 1 << (cfg.kd.rollout_slots(rows) - 1).bit_length()  # the next power of two >= the slots now
+    while slots > 1:
+        slots //= 2
+        c = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, rollout_batch=slots))
+        if (
+            estimate_memory(teacher, student, c, batch=batch, layout=layout, extra_teachers=extra_teachers)[
+                "total"
+            ]
+            <= budget
+        ):
+            return slots
+    return None
