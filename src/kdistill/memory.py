@@ -472,7 +472,7 @@ def eval_beside_graph_pool(s: StepShape) -> int:
 def heldout_eval_memory(s: StepShape) -> int:
     """A held-out eval of packed conversations when every training step is generated (no data step has
     a document bias): the forward's document bias beside the final hidden states of both models, one
-    block's transient activations and two [chunk x vocab] fp32 logits buffers (as `eval_beside_graph_pool`)."""
+    block's transient activations and two [chunk x vocab] fp32 logits buffers (`eval_beside_graph_pool`)."""
     return eval_beside_graph_pool(s)
 
 

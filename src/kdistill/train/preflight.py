@@ -213,9 +213,10 @@ def check_memory(
     slots = fit_rollout_batch(teacher, student, cfg, budget, per_process, layout, extras) if gpu else None
     if cfg.runtime.auto_fit and slots is not None:
         if not quiet:
+            now = cfg.kd.rollout_slots(per_process * cfg.schedule.grad_accum)
             print(
-                f"runtime.auto_fit: kd.rollout_batch {cfg.kd.rollout_slots(per_process * cfg.schedule.grad_accum)}"
-                f" -> {slots} (plan {need / GIB:.1f} GiB > free {free / GIB:.1f} GiB)"
+                f"runtime.auto_fit: kd.rollout_batch {now} -> {slots} "
+                f"(plan {need / GIB:.1f} GiB > free {free / GIB:.1f} GiB)"
             )
         return dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, rollout_batch=slots)), layout
     fit = fit_limits(teacher, student, cfg, budget, batch=per_process, layout=layout, extra_teachers=extras)

@@ -8,11 +8,12 @@
 The on-policy step's one generation (kdistill.train.onpolicy). Given `engines` (a dict the caller
 keeps; on a GPU), the decode engine (kdistill.decode: a bf16 copy of the writer's weights refreshed
 before each rollout, a static KV cache of max_len slots, the CUDA-graph step, sampling on the device)
-writes the completions and stays cached for the next step; `batch` caps its rows decoded at once (a
-row that stops frees its slot for the next prompt, in order: kdistill.decode.run_slots). Otherwise the eager path: the prompts
+writes the completions and stays cached for the next step. Otherwise the eager path: the prompts
 left-padded (kdistill.generate.left_pad), one prefill, then one token per step through the decoder's
 KV cache (Decoder.forward_cached), of a whole model (under torchrun a sharded writer's gathered
-copy: distributed.gathered_copy). Both sample with the caller's generator, so that a resumed run
+copy: distributed.gathered_copy). `batch` caps the engine's rows decoded at once (a row that stops
+frees its slot for the next prompt, in order: kdistill.decode.run_slots; kd.rollout_batch).
+Both sample with the caller's generator, so that a resumed run
 draws the same tokens from the generator state it saved. The model runs in eval mode (no dropout)
 and without gradients, in the caller's autocast.
 """
@@ -114,7 +115,7 @@ def _engine_rollout(
 ) -> Rollout:
     need = max(len(p) for p in prompts) + sampling.max_new_tokens
     eng = engines.get(id(model))
-    if eng is None or eng.batch_size != slots or eng.max_len < need or eng.generator is not generator:
+    if eng is None or eng.batch_size < slots or eng.max_len < need or eng.generator is not generator:
         engines.pop(id(model), None)  # free the old cache first
         eng = DecodeEngine(
             model,
