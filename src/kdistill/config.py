@@ -10,7 +10,7 @@ A run config is YAML with these sections (every field has a default except the m
     kd:       {alpha, temperature, divergence, beta, chunk_size, logits_dtype, ignore_index, layer_map,
                hidden_weight, hidden_loss, attention_weight, cross_tokenizer, uld_weight, exact_weight, on_policy,
                seq_kd, on_policy_loss,
-               sample_temperature, max_new_tokens, samples_per_prompt}
+               sample_temperature, max_new_tokens, samples_per_prompt, rollout_batch}
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
@@ -196,6 +196,9 @@ class KDConfig:
     sample_temperature: float = 0.0  # sampling temperature; 0: kd.temperature (one for both)
     max_new_tokens: int = 128  # tokens a completion may have (it stops earlier at EOS)
     samples_per_prompt: int = 1  # completions per prompt (batch_size rows = prompts x samples)
+    # Rows the decode engine writes at once in a generated step (0: every row of the step); a row that
+    # stops frees its slot for the step's next prompt. The generation phase's memory scales with it.
+    rollout_batch: int = 0
 
     def validate(self) -> None:
         if not 0 <= self.alpha <= 1:
@@ -213,6 +216,15 @@ class KDConfig:
             )
         _positive("kd.max_new_tokens", self.max_new_tokens)
         _positive("kd.samples_per_prompt", self.samples_per_prompt)
+        if (
+            isinstance(self.rollout_batch, bool)
+            or not isinstance(self.rollout_batch, int)
+            or self.rollout_batch < 0
+        ):
+            raise UserError(
+                f"kd.rollout_batch is {short_repr(self.rollout_batch)}, expected an integer >= 0 (0: every "
+                "row of the step at once)"
+            )
         _positive("kd.temperature", self.temperature)
         _choice("kd.divergence", self.divergence, DIVERGENCES)
         if not 0 < self.beta < 1:
@@ -239,6 +251,10 @@ class KDConfig:
     def generates(self) -> bool:
         """Some steps train on generated completions: the student's (on_policy) or the teacher's (seq_kd)."""
         return self.on_policy > 0 or self.seq_kd > 0
+
+    def rollout_slots(self, rows: int) -> int:
+        """Rows the decode engine writes at once for a generation of `rows` rows (kd.rollout_batch)."""
+        return min(self.rollout_batch, rows) if self.rollout_batch else rows
 
     @property
     def sampling_temperature(self) -> float:

@@ -429,7 +429,8 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D).
-    mask: None (plain causal) or a (B, 1, T, T) bool document mask (kdistill.ops.attention.document_mask)."""
+    mask: None (plain causal) or a (B, 1, T, T) document mask, bool or additive
+    (kdistill.ops.attention.document_mask, document_bias)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     _record_sdpa(q, k, grad=grad, masked=mask is not None)
     return attention_reference(q, k, v, mask)

@@ -6,21 +6,31 @@
     layout = choose_layout(teacher_spec, student_spec, cfg, budget, world=4, batch=2)   # the auto choices
     need = gpus_needed(teacher_spec, student_spec, cfg, gpu_bytes)         # smallest world that fits
     fit = fit_limits(teacher_spec, student_spec, cfg, budget_bytes)        # largest batch / seq_len
+    slots = fit_rollout_batch(teacher_spec, student_spec, cfg, budget_bytes)   # kd.rollout_batch that fits
 
 The memory model (bytes on one device, GPU path: bf16 teacher, fp32 student master weights with bf16
 autocast, AdamW; runtime.precision=fp8: the student's block linears keep fp8 inputs for backward) is
 written term by term, one function per part of the step (`resident_memory`: weights and optimizer state;
 `forward_peak_memory`: the end of the student's forward; `layer_map_memory`, `on_policy_memory`,
-`eval_beside_graph_pool`), over the sizes `StepShape` derives once; `estimate_memory` adds them up and
-picks the peak phase. docs/memory.md compares it with `torch.cuda.max_memory_allocated` on an H100.
+`eval_beside_graph_pool`, `heldout_eval_memory`), over the sizes `StepShape` derives once; `estimate_memory`
+adds them up and picks the peak phase. docs/memory.md compares it with `torch.cuda.max_memory_allocated`
+on an H100.
+
+Packed conversations (`StepShape.documents`: data.train holds conversation files, read from the config's
+paths alone, `rows_carry_documents`) attend through a (rows, 1, T, T) additive bias in the compute dtype
+(`document_mask_bytes`), one per forward, which the student keeps from its forward to its backward.
+Generated rows (kd.on_policy, kd.seq_kd) are one prompt and its completion each: plain causal, no bias.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kdistill.config import RunConfig
+from kdistill.errors import UserError
 from kdistill.models.spec import ModelSpec
+from kdistill.ops.attention import bias_row_stride
 
 GIB = 1024**3
 
@@ -101,6 +111,7 @@ class StepShape:
     trainable: int  # parameters that train: the whole student, or a LoRA student's adapters
     base_bytes: int  # bytes per weight of the student's base (fp32, or a LoRA base's dtype)
     cached: bool  # teacher.cache: no teacher weights, the cached targets instead
+    documents: bool = False  # rows are packed conversations: attention takes a document bias
 
     @classmethod
     def of(
@@ -112,6 +123,7 @@ class StepShape:
         batch: int | None = None,
         layout: Layout | None = None,
         extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
+        documents: bool | None = None,
     ) -> StepShape:
         gpu = device != "cpu"
         rows = cfg.schedule.batch_size if batch is None else batch
@@ -137,7 +149,40 @@ class StepShape:
             ),
             base_bytes=(2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4,
             cached=bool(cfg.teacher.cache),
+            documents=rows_carry_documents(cfg) if documents is None else documents,
         )
+
+
+def rows_carry_documents(cfg: RunConfig) -> bool:
+    """Whether the run's data rows are packed conversations (attention masked by document), from the
+    config alone: data.train's files are conversation files (their first record; no tokenizing). Paths
+    that cannot be read count as conversations (the worst case; the run refuses them when it loads)."""
+    return _conversation_files(tuple(str(p) for p in cfg.data.train))
+
+
+@functools.lru_cache(maxsize=32)
+def _conversation_files(paths: tuple[str, ...]) -> bool:
+    from kdistill.data.chat_data import is_conversation_data
+    from kdistill.train.corpus import expand_data_paths
+
+    if not paths:
+        return False
+    try:
+        return is_conversation_data(expand_data_paths(list(paths)))
+    except (UserError, OSError):
+        return True
+
+
+def document_mask_bytes(rows: int, seq_len: int, act_bytes: int) -> int:
+    """Bytes of one forward's document bias (kdistill.ops.attention.document_bias): rows x T x Tp in
+    the compute dtype, Tp = T rounded up to the bias alignment."""
+    return rows * seq_len * bias_row_stride(seq_len) * act_bytes
+
+
+def every_step_generated(cfg: RunConfig) -> bool:
+    """Whether every step trains on generated rows (kd.on_policy = 1, or kd.seq_kd = 1): no data step's
+    forward with a document bias (the held-out evals still have one)."""
+    return cfg.kd.on_policy >= 1 or cfg.kd.seq_kd >= 1
 
 
 def estimate_memory(
@@ -148,6 +193,7 @@ def estimate_memory(
     batch: int | None = None,
     layout: Layout | None = None,
     extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
+    documents: bool | None = None,
 ) -> dict[str, int]:
     """Peak memory of one training step on one device, by term, in bytes.
 
@@ -172,21 +218,32 @@ def estimate_memory(
     `extra_teachers`: the other teachers of a mixture (`teachers:`): their weights, their final hidden
     states, and two more [chunk x vocab] fp32 buffers (the mixture's running logaddexp and the
     teacher being added).
+
+    `documents` (default: from the config, `rows_carry_documents`): the rows are packed conversations,
+    whose forward keeps a document bias (`document_mask_bytes`); when every step is generated only the
+    held-out evals have one (`heldout_eval_memory`, a phase of its own).
     """
-    s = StepShape.of(teacher, student, cfg, device, batch, layout, extra_teachers)
+    s = StepShape.of(teacher, student, cfg, device, batch, layout, extra_teachers, documents)
     w = s.layout.world
     fixed = resident_memory(s)
     forward_peak = forward_peak_memory(s)
     if cfg.kd.layers_on:
         fixed["layer_projections"], forward_peak["layer_map"] = layer_map_memory(s)
     generation = on_policy_memory(s, fixed, forward_peak) if cfg.kd.generates else 0
+    evaluation = 0
+    if s.documents and every_step_generated(cfg):
+        evaluation = heldout_eval_memory(s)
+    elif s.documents:  # the student's bias of a data step, kept from its forward to its backward
+        forward_peak["document_mask"] = document_mask_bytes(s.rows, cfg.data.seq_len, s.act_bytes)
     optimizer_phase = s.trainable * 4 * 2 // w  # gradients plus AdamW's foreach temporaries
     terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())
-    if optimizer_phase > live_forward and optimizer_phase >= generation:
+    if optimizer_phase > live_forward and optimizer_phase >= max(generation, evaluation):
         terms = {**fixed, "gradients_and_optimizer_temporaries": optimizer_phase}
-    elif generation > live_forward:
+    elif generation > live_forward and generation >= evaluation:
         terms = {**fixed, "generation_kv_cache_and_logits": generation}
+    elif evaluation > live_forward:
+        terms = {**fixed, "heldout_eval_with_document_mask": evaluation}
     if s.gpu and _graphed(cfg, w):
         terms["eval_beside_graph_pool"] = eval_beside_graph_pool(s)
     terms["total"] = sum(terms.values())
@@ -354,9 +411,12 @@ def layer_map_memory(s: StepShape) -> tuple[int, int]:
 
 
 def on_policy_memory(s: StepShape, fixed: dict[str, int], forward_peak: dict[str, int]) -> int:
-    """kd.on_policy / kd.seq_kd: the terms generation adds to `fixed` (decode engines' weights, or the
-    gathered writers) and to `forward_peak` (the scored targets kept until the update), and the bytes of
-    the generation phase before the update (returned)."""
+    """kd.on_policy / kd.seq_kd: the terms generation adds to `fixed` (on a GPU the decode engines'
+    weights and static KV caches, kept across steps; under torchrun on the CPU the gathered writers) and
+    to `forward_peak` (the scored targets kept until the update), and the bytes of the generation phase
+    before the update (returned; reported as `generation_kv_cache_and_logits`: on a GPU the engine's
+    prefill and sampler transients beside its kept cache, on the CPU the eager path's cache and logits).
+    The generation phase never has a document bias: generated rows are plain causal."""
     student, teacher, kd, w, act_bytes = s.student, s.teacher, s.cfg.kd, s.layout.world, s.act_bytes
     # every micro-batch's teacher hidden states are scored before the update and kept until it
     forward_peak["scored_targets"] = (s.cfg.schedule.grad_accum - 1) * s.n * teacher.hidden_size * act_bytes
@@ -369,12 +429,21 @@ def on_policy_memory(s: StepShape, fixed: dict[str, int], forward_peak: dict[str
     elif w > 1:  # the eager path writes with a gathered whole copy of each sharded writer, kept
         ps = student.param_counts()["total"]
         fixed["gathered_writers"] = (ps + (teacher.param_counts()["total"] if teacher_gathered else 0)) * 4
-    generation = generation_memory(
-        [student, teacher] if kd.seq_kd > 0 else [student],
-        s.rows * s.cfg.schedule.grad_accum,
-        s.cfg.data.seq_len,
-        act_bytes,
-    )
+    rows = s.rows * s.cfg.schedule.grad_accum  # every micro-batch's rows are written in one generation
+    writers = [student, teacher] if kd.seq_kd > 0 else [student]
+    slots_per_row = s.cfg.data.seq_len + 1  # the engine's cache slots per row
+    if act_bytes == 2:
+        # the decode engines keep their static KV caches across steps (one engine per writer), at
+        # kd.rollout_batch rows (a stopped row's slot takes the next prompt); writing adds the prefill's
+        # transients and the sampler's buffers
+        slots = kd.rollout_slots(rows)
+        fixed["decode_engine_kv_cache"] = sum(
+            kv_cache_bytes(m, slots, slots_per_row, act_bytes) for m in writers
+        )
+        prompt = s.cfg.data.seq_len + 1 - kd.max_new_tokens
+        generation = max(engine_write_memory(m, slots, prompt) for m in writers)
+    else:  # the eager path's KV cache of every row, freed after the rollout
+        generation = generation_memory(writers, rows, slots_per_row, act_bytes)
     if act_bytes == 2 and w > 1:
         # refreshing the engine of a sharded writer gathers one parameter at a time in its stored dtype
         # (the student's fp32 masters, a bf16 teacher) beside the engine's kept KV cache: at most an
@@ -396,7 +465,15 @@ def eval_beside_graph_pool(s: StepShape) -> int:
         n * (student.hidden_size + teacher.hidden_size) * s.act_bytes
         + n * 3 * inter * s.act_bytes
         + 2 * s.chunk * student.vocab_size * 4
+        + (document_mask_bytes(s.rows, s.cfg.data.seq_len, s.act_bytes) if s.documents else 0)
     )
+
+
+def heldout_eval_memory(s: StepShape) -> int:
+    """A held-out eval of packed conversations when every training step is generated (no data step has
+    a document bias): the forward's document bias beside the final hidden states of both models, one
+    block's transient activations and two [chunk x vocab] fp32 logits buffers (`eval_beside_graph_pool`)."""
+    return eval_beside_graph_pool(s)
 
 
 def _graphed(cfg: RunConfig, world: int) -> bool:
@@ -432,14 +509,33 @@ def engine_weights(spec: ModelSpec, full: bool) -> int:
     return spec.num_layers * h * (spec.q_size + 2 * spec.kv_size + 2 * spec.intermediate_size) * 2
 
 
+def kv_cache_bytes(spec: ModelSpec, rows: int, max_len: int, act_bytes: int) -> int:
+    """Keys and values of every layer for `rows` rows of `max_len` slots (kdistill.decode._Slots)."""
+    return 2 * spec.num_layers * rows * spec.kv_size * max_len * act_bytes
+
+
+PREFILL_TOKENS = 16384  # padded prompt tokens a decode engine prefills at once (DecodeEngine's default)
+
+
+def engine_write_memory(spec: ModelSpec, slots: int, prompt_len: int) -> int:
+    """The decode engine's transient bytes while writing (bf16), beside its kept KV cache: the prefill of
+    a group of prompts (at most PREFILL_TOKENS padded tokens, or one prompt): its hidden states and one
+    block's activations (q/k/v, attention output, gate/up and the SwiGLU output); then per step the
+    lm_head's (slots, vocab) logits and the sampler's fp32 copies of them."""
+    tokens = max(min(slots * prompt_len, PREFILL_TOKENS), prompt_len)
+    h, i = spec.hidden_size, spec.intermediate_size
+    prefill = tokens * (3 * h + 2 * spec.q_size + 2 * spec.kv_size + 3 * i) * 2
+    return prefill + slots * spec.vocab_size * (2 + 3 * 4)
+
+
 def generation_memory(writers: list[ModelSpec], rows: int, max_len: int, act_bytes: int) -> int:
-    """Bytes of one step's generation (kdistill.train.rollouts), the largest over the models that write:
+    """Bytes of one step's generation on the eager path (kdistill.train.rollouts, CPU), the largest over
+    the models that write:
     the KV cache of every row at max_len positions (keys and values of every layer) and a few (rows,
     vocab) fp32 buffers of the next-token logits and probabilities."""
     out = 0
     for spec in writers:
-        kv = 2 * spec.num_layers * rows * spec.kv_size * max_len * act_bytes
-        out = max(out, kv + 3 * rows * spec.vocab_size * 4)
+        out = max(out, kv_cache_bytes(spec, rows, max_len, act_bytes) + 3 * rows * spec.vocab_size * 4)
     return out
 
 
@@ -558,3 +654,32 @@ def fit_limits(
             best_sl = sl
         sl *= 2
     return {"batch_size": best_bs, "seq_len": best_sl}
+
+
+def fit_rollout_batch(
+    teacher: ModelSpec,
+    student: ModelSpec,
+    cfg: RunConfig,
+    budget: int,
+    batch: int | None = None,
+    layout: Layout | None = None,
+    extra_teachers: tuple[ModelSpec, ...] | list[ModelSpec] = (),
+) -> int | None:
+    """The largest kd.rollout_batch (a power of two below the rows the engine writes now) whose plan fits
+    `budget` bytes on one GPU, or None (no generation, or none fits: the KV cache is not what is over).
+    The step's rows stay the same: fewer are written at once, a stopped row's slot taking the next."""
+    if not cfg.kd.generates:
+        return None
+    rows = (cfg.schedule.batch_size if batch is None else batch) * cfg.schedule.grad_accum
+    slots = 1 << (cfg.kd.rollout_slots(rows) - 1).bit_length()  # the next power of two >= the slots now
+    while slots > 1:
+        slots //= 2
+        c = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, rollout_batch=slots))
+        if (
+            estimate_memory(teacher, student, c, batch=batch, layout=layout, extra_teachers=extra_teachers)[
+                "total"
+            ]
+            <= budget
+        ):
+            return slots
+    return None

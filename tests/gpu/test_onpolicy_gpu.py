@@ -109,6 +109,15 @@ def test_a_strict_on_policy_run_with_8192_new_tokens(tmp_path, capsys):
     print(
         "8k on-policy:", {k: summary.get(k) for k in ("planned_memory_gib", "peak_memory_gib", "on_policy")}
     )
+    from kdistill.config import load_config
+    from kdistill.memory import GIB, Layout, estimate_memory
+    from kdistill.models.spec import load_spec
+
+    terms = estimate_memory(
+        load_spec(str(teacher)), load_spec(str(student)), load_config(path), batch=4,
+        layout=Layout(**summary["layout"]),
+    )  # fmt: skip
+    print("8k plan terms (GiB):", {k: round(v / GIB, 4) for k, v in terms.items()})
     assert summary["planned_memory_gib"] >= summary["peak_memory_gib"] * 0.85
 
 

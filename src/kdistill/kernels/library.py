@@ -16,7 +16,7 @@ import torch
 from kdistill.dtypes import torch_dtype
 from kdistill.kernels.keys import KernelKey, dtype_name, make_key
 from kdistill.kernels.spec import LibraryOp
-from kdistill.ops.attention import attention_reference, cached_attention_reference, document_mask
+from kdistill.ops.attention import attention_reference, cached_attention_reference, document_bias
 
 
 def sdpa_key(
@@ -77,7 +77,7 @@ def _run_sdpa(key: KernelKey, device: Any) -> None:
         mask = None
         if key.get("masked", False):  # two documents per row, as packed conversations have
             doc = (torch.arange(t, device=device) >= t // 2).to(torch.int32).expand(b, t)
-            mask = document_mask(doc)
+            mask = document_bias(doc, tdt)  # as the decoder passes it
         y = attention_reference(q, *kv, mask=mask)
         if grad:
             y.backward(torch.ones_like(y))

@@ -338,7 +338,10 @@ def required_kernels(
                 w = prec.student_weights if spec is student_spec else prec.teacher_weights
                 out |= model_kernels(spec, arch, prec, w, grad=False, batch=rows, seq=prompt, masked=True)
             else:
-                out |= generation_kernels(spec, arch, "bf16", batch=rows, prompt_len=prompt, max_len=t + 1)
+                slots = min(
+                    getattr(kd, "rollout_batch", 0) or rows, rows
+                )  # kd.rollout_slots: the engine's rows
+                out |= generation_kernels(spec, arch, "bf16", batch=slots, prompt_len=prompt, max_len=t + 1)
         if documents:  # generated rows are not packed: the update's forward attends without documents,
             # as does the scoring of one tokenizer's live teacher (across tokenizers it scores its own
             # packed rendering: masked, above)

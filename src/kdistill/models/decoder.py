@@ -55,7 +55,7 @@ from kdistill.dispatch import (
 from kdistill.models.fp8 import FP8Linear, fp8_linear, fused
 from kdistill.models.fp8_train import FP8TrainLinear, fp8_train_linear
 from kdistill.models.spec import ModelSpec, rope_inv_freq
-from kdistill.ops.attention import document_mask
+from kdistill.ops.attention import document_bias
 
 # Modules of the student that exist for distillation only (e.g. `kd_layer_proj`, the layer map's
 # projections): trained and checkpointed with the student, left out of every exported model.
@@ -174,7 +174,8 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x (B, T, H); cos/sin (T, D) or per token (B, T, D); mask None (causal) or (B, 1, T, T) bool."""
+        """x (B, T, H); cos/sin (T, D) or per token (B, T, D); mask None (causal) or (B, 1, T, T), a
+        bool mask or an additive bias (ops.attention.document_bias)."""
         b, t, _ = x.shape
         s = self.spec
         q, k, v = self.project_qkv(x)
@@ -386,7 +387,12 @@ class Decoder(nn.Module):
         cos, sin = self.rope(input_ids.shape[1], input_ids.device)  # (T, D) each
         if position_ids is not None:
             cos, sin = cos[position_ids], sin[position_ids]  # (B, T, D): gathered per token
-        mask = document_mask(doc_ids) if doc_ids is not None else None  # (B, 1, T, T) bool
+        mask = None  # (B, 1, T, T) additive bias in the attention's dtype, shared by every layer
+        if doc_ids is not None:  # q's dtype: autocast's, else the residual stream's (the embeddings')
+            kind = input_ids.device.type
+            on = torch.is_autocast_enabled(kind)
+            dtype = torch.get_autocast_dtype(kind) if on else self.model.embed_tokens.weight.dtype
+            mask = document_bias(doc_ids, dtype)
         delta = self.model.embed_tokens(input_ids)  # (B, T, H)
         residual = None
         states: dict[int, torch.Tensor] = {}

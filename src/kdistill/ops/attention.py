@@ -6,7 +6,12 @@ library key (shape, dtype, grad, masked) so that prewarm runs SDPA once at the r
 
 Packed conversations attend inside their own conversation only: `document_mask(doc_ids)` builds the
 (B, 1, T, T) boolean mask (True: may attend) that is causal within each document, and attention takes
-it instead of `is_causal=True`. Without a mask the call is exactly the plain causal one.
+it instead of `is_causal=True`. Without a mask the call is exactly the plain causal one. The decoder
+passes `document_bias(doc_ids, dtype)` instead: the same mask as an additive bias (0 or -inf) in the
+attention's dtype, built once per forward in blocks of queries and shared by every layer. A boolean
+mask would be converted by SDPA in every layer call (a new (B, 1, T, T) tensor in the query's dtype,
+plus a negated boolean copy while converting), and each layer's memory-efficient attention would keep
+its own converted copy for backward; the bias is one tensor, kept once (memory.document_mask_bytes).
 
 Generation with a KV cache attends T new queries to S >= T cached keys: `cached_attention_reference`
 takes the (B, 1, T, S) mask that the cache builds (causal over filled slots, left padding excluded).
@@ -29,17 +34,50 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
+BIAS_ALIGN = 16  # elements: memory-efficient SDPA copies (pads) a bias whose row stride is not a multiple
+BIAS_BLOCK_ELEMENTS = 1 << 24  # query rows x keys of the boolean temporaries built at once
+
+
+def bias_row_stride(t: int) -> int:
+    """Elements between two query rows of a document bias over t keys (t rounded up to BIAS_ALIGN)."""
+    return -(-t // BIAS_ALIGN) * BIAS_ALIGN
+
+
+def document_bias(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, T, T) additive attention bias in `dtype` from (B, T) document ids: 0 where
+    `document_mask` allows (same document, key <= query), -inf elsewhere. A view of a (B, 1, T, Tp)
+    buffer with Tp = bias_row_stride(T), so that memory-efficient SDPA takes it without a padded copy.
+    Built in blocks of query rows, so the boolean temporaries stay at most BIAS_BLOCK_ELEMENTS x B."""
+    b, t = doc_ids.shape
+    tp = bias_row_stride(t)
+    buf = torch.empty((b, 1, t, tp), dtype=dtype, device=doc_ids.device)
+    bias = buf[..., :t]  # (B, 1, T, T), row stride Tp
+    keys = torch.arange(t, device=doc_ids.device)
+    step = max(1, BIAS_BLOCK_ELEMENTS // max(1, b * t))
+    zero = torch.zeros((), dtype=dtype, device=doc_ids.device)
+    neg = torch.full((), float("-inf"), dtype=dtype, device=doc_ids.device)
+    for start in range(0, t, step):
+        stop = min(t, start + step)
+        same = doc_ids[:, start:stop, None] == doc_ids[:, None, :]  # (B, Q, T)
+        causal = keys[None, :] <= keys[start:stop, None]  # (Q, T)
+        bias[:, 0, start:stop] = torch.where(same & causal, zero, neg)
+    return bias
+
+
 def attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v with k/v heads shared by groups of q heads; with `mask`
-    (B, 1, T, T) bool (see document_mask) the mask replaces the causal one.
+    (B, 1, T, T), bool (see document_mask) or an additive bias (see document_bias), the mask replaces
+    the causal one.
 
     SDPA's own grouped-query support (`enable_gqa`) reads each k/v head for its group of q heads, so
     no (B, Hq, T, D) copies of k and v are made, stored for backward, or reduced in backward."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:  # SDPA takes a bias in the query's dtype only
+        mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 

@@ -11,7 +11,8 @@ teacher's; else it trains on the data as any run does. A generated step has thre
 
 1. generation: the prompts of all its micro-batches (schedule.grad_accum x batch_size rows, each
    prompt kd.samples_per_prompt times) completed in one batched call (kdistill.train.rollouts) from
-   the current weights, sampled at kd.sampling_temperature with the run's generator;
+   the current weights, sampled at kd.sampling_temperature with the run's generator; the decode engine
+   writes at most kd.rollout_batch rows at once (0: all), a stopped row's slot taking the next prompt;
 2. scoring: the teacher's targets of every micro-batch, without gradients (any live TargetSource);
 3. update: the student's forward and the loss on the completion tokens (the prompt's labels are the
    ignore index), normalised by the number of completion tokens, then backward.
@@ -212,6 +213,7 @@ class OnPolicy:
             amp=amp,
             engines=self.engines,
             max_len=self.cfg.data.seq_len + 1,
+            batch=self.cfg.kd.rollout_slots(len(prompts)),  # the memory plan's generation rows
         )
         ids, labels = completion_rows(
             prompts, out.completions, self.cfg.data.seq_len, self.pad_id, self.cfg.kd.ignore_index

@@ -20,7 +20,7 @@ from kdistill.config import RunConfig
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.jsonio import short_repr
-from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_limits
+from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_limits, fit_rollout_batch
 from kdistill.models.lora import check_lora
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
@@ -179,7 +179,8 @@ def check_memory(
     allocate) before loading anything: on a GPU resolve the auto choices (teacher placement,
     activation checkpointing: `memory.choose_layout`), then refuse, or with runtime.auto_fit lower
     schedule.batch_size until it fits (seq_len is never changed: the error names the largest seq_len
-    that fits, for the user to choose). Under torchrun the plan is of one process's batch
+    that fits, for the user to choose); an on-policy run on a GPU first lowers kd.rollout_batch (the rows
+    its decode engines write at once) when that alone fits. Under torchrun the plan is of one process's batch
     (batch_size / world), and the batch it fits to is a multiple of world. On a CPU `auto` means a
     sharded teacher (several processes), no block checkpointing and the SwiGLU outputs recomputed."""
     world = dist.info().world
@@ -208,6 +209,16 @@ def check_memory(
     need = estimate_memory(teacher, student, cfg, kind, per_process, layout, extra_teachers=extras)["total"]
     if need <= budget:
         return cfg, layout
+    # on-policy on a GPU: fewer rows written at once (the engines' KV caches), before a smaller batch
+    slots = fit_rollout_batch(teacher, student, cfg, budget, per_process, layout, extras) if gpu else None
+    if cfg.runtime.auto_fit and slots is not None:
+        if not quiet:
+            now = cfg.kd.rollout_slots(per_process * cfg.schedule.grad_accum)
+            print(
+                f"runtime.auto_fit: kd.rollout_batch {now} -> {slots} "
+                f"(plan {need / GIB:.1f} GiB > free {free / GIB:.1f} GiB)"
+            )
+        return dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, rollout_batch=slots)), layout
     fit = fit_limits(teacher, student, cfg, budget, batch=per_process, layout=layout, extra_teachers=extras)
     fit_batch = fit["batch_size"] * world
     if cfg.runtime.auto_fit and fit_batch > 0:
@@ -222,7 +233,9 @@ def check_memory(
     raise UserError(
         f"the plan needs {need / GIB:.1f} GiB per device ({layout.describe()}) but {free / GIB:.1f} GiB is "
         f"free: the largest that fit are schedule.batch_size={fit_batch} (at seq_len {cfg.data.seq_len}) or "
-        f"data.seq_len={fit['seq_len']} (at batch {cfg.schedule.batch_size}); or set runtime.auto_fit=true"
+        f"data.seq_len={fit['seq_len']} (at batch {cfg.schedule.batch_size}); "
+        + (f"or kd.rollout_batch={slots}; " if slots is not None else "")
+        + "or set runtime.auto_fit=true"
     )
 
 

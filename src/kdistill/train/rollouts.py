@@ -11,7 +11,9 @@ before each rollout, a static KV cache of max_len slots, the CUDA-graph step, sa
 writes the completions and stays cached for the next step. Otherwise the eager path: the prompts
 left-padded (kdistill.generate.left_pad), one prefill, then one token per step through the decoder's
 KV cache (Decoder.forward_cached), of a whole model (under torchrun a sharded writer's gathered
-copy: distributed.gathered_copy). Both sample with the caller's generator, so that a resumed run
+copy: distributed.gathered_copy). `batch` caps the engine's rows decoded at once (a row that stops
+frees its slot for the next prompt, in order: kdistill.decode.run_slots; kd.rollout_batch).
+Both sample with the caller's generator, so that a resumed run
 draws the same tokens from the generator state it saved. The model runs in eval mode (no dropout)
 and without gradients, in the caller's autocast.
 """
@@ -72,16 +74,19 @@ def rollout(
     amp: contextlib.AbstractContextManager | None = None,
     engines: dict[int, DecodeEngine] | None = None,
     max_len: int | None = None,
+    batch: int | None = None,
 ) -> Rollout:
     """Completions of every prompt (each non-empty) by `model`, in one batch (see the module docstring).
     engines: the decode engines of earlier rollouts, by model (None: the eager path); max_len: the
-    engine's cache slots per row (at least the longest prompt + max_new_tokens)."""
+    engine's cache slots per row (at least the longest prompt + max_new_tokens); batch: the engine's
+    rows decoded at once (None: every prompt's)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("rollout needs at least one prompt, each with at least one token")
     if engines is None and dist.is_sharded(model):  # each forward would gather: processes must agree
         raise ValueError("the eager rollout writes with a whole model: pass distributed.gathered_copy(model)")
     if engines is not None:  # the engine copies a sharded model's weights whole (decode.full_value)
-        return _engine_rollout(model, prompts, sampling, stop_ids, generator, pad_id, engines, max_len)
+        slots = min(batch, len(prompts)) if batch else len(prompts)
+        return _engine_rollout(model, prompts, sampling, stop_ids, generator, pad_id, engines, max_len, slots)
     was_training = model.training
     threads = torch.get_num_threads()
     cpu = model.lm_head_weight.device.type == "cpu"
@@ -106,14 +111,15 @@ def _engine_rollout(
     pad_id: int,
     engines: dict[int, DecodeEngine],
     max_len: int | None,
+    slots: int,
 ) -> Rollout:
     need = max(len(p) for p in prompts) + sampling.max_new_tokens
     eng = engines.get(id(model))
-    if eng is None or eng.batch_size < len(prompts) or eng.max_len < need or eng.generator is not generator:
+    if eng is None or eng.batch_size < slots or eng.max_len < need or eng.generator is not generator:
         engines.pop(id(model), None)  # free the old cache first
         eng = DecodeEngine(
             model,
-            batch_size=len(prompts),
+            batch_size=slots,
             max_len=max(need, max_len or 0),
             sampling=Sampling(
                 max_new_tokens=sampling.max_new_tokens, temperature=float(sampling.temperature)
