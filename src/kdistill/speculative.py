@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kdistill.decode import DecodeEngine, Sampling, _Slots, run_slots
+from kdistill.decode import DecodeEngine, Sampling, _Slots, inverse_cdf, run_slots
 from kdistill.errors import UserError
 from kdistill.generate import (
     Job,
@@ -110,9 +110,7 @@ def token_probs(logits: torch.Tensor, s: Sampling, vocab: int) -> torch.Tensor:
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of probs (N, V) (any non-negative mass) by inverse CDF at u (N,) in [0, 1):
     the first token whose cumulative mass exceeds u times the total (never a token of mass 0)."""
-    cdf = probs.cumsum(-1)
-    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
+    return inverse_cdf(probs, u)
 
 
 @dataclasses.dataclass
