@@ -686,13 +686,33 @@ class DecodeEngine:
             limits=[min(n_new, self.max_len - len(p)) for p in prompts],
             prefill_tokens=self.prefill_tokens,
             prefill=lambda slots, rows, limits: self._prefill(st, slots, rows, limits),
-            flags=lambda: torch.stack([st.done.long(), st.ngen]).cpu(),
+            flags=lambda: torch.stack([st.done.long(), st.ngen]),
             out=st.out,
             step=lambda: self._step(st),
             sync_every=self.sync_every,
             on_finish=on_finish,
             on_tokens=on_tokens,
         )
+
+
+class _Snapshot:
+    """A device tensor copied to the host without blocking (pinned memory and an event on a GPU);
+    read() waits for the copy alone."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event = None
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t.clone()
+
+    def read(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
 
 
 def run_slots(
@@ -713,10 +733,13 @@ def run_slots(
     """The host's loop over a static cache of `slots` rows (DecodeEngine.generate, speculative decoding):
     prompts wait in order and are prefilled into free slots in groups of at most prefill_tokens padded
     tokens (prefill(slots, rows, limits), limits[i]: prompt i's budget of new tokens); then rounds of
-    sync_every steps, between which the host reads flags() once: a (K, slots) tensor on the host, row 0
-    each slot's done flag and row 1 the tokens it has written to `out` (slots, N + 1). A finished slot's
-    tokens are its prompt's answer (on_finish(i, ids); on_done(i, flags[:, slot]) for any bookkeeping of
-    the other rows) and the slot takes the next waiting prompts; on_tokens(i, ids so far) streams."""
+    sync_every steps. flags() gives a (K, slots) tensor on the device, row 0 each slot's done flag and
+    row 1 the tokens it has written to `out` (slots, N + 1); it is copied to the host without waiting,
+    and read one round later: the next round is queued before the host waits for the last one's flags,
+    so the device never idles while the host reads (a done row's steps change nothing; a finished row is
+    noticed one round after it stopped). A finished slot's tokens are its prompt's answer (on_finish(i,
+    ids); on_done(i, flags[:, slot]) for any bookkeeping of the other rows) and the slot takes the next
+    waiting prompts; on_tokens(i, ids so far) streams."""
     waiting = deque(range(len(prompts)))
     owner: list[int | None] = [None] * slots
     results: list[list[int] | None] = [None] * len(prompts)
@@ -736,12 +759,21 @@ def run_slots(
                 owner[s] = i
             prefill(taken, [list(prompts[i]) for i in group], [int(limits[i]) for i in group])
 
+    def round_() -> _Snapshot:
+        for _ in range(sync_every):
+            step()
+        return _Snapshot(flags())
+
     fill(list(range(slots)))
+    last: _Snapshot | None = None  # the flags after the last queued round, not yet read
     while any(o is not None for o in owner):
-        f = flags()  # the host's one read per round
+        if last is None:  # after a prefill: flags taken before it would show the old rows
+            last = round_()
+        queued = round_()  # the device works on this round while the host reads the last one's flags
+        f, last = last.read(), queued
         finished = [s for s, o in enumerate(owner) if o is not None and bool(f[0, s])]
         if finished:
-            outs = out[finished].cpu()
+            outs = out[finished].cpu()  # after the queued round: a finished row's tokens are final
             for j, s in enumerate(finished):
                 i = owner[s]
                 assert i is not None
@@ -751,13 +783,13 @@ def run_slots(
                     on_done(i, f[:, s])
                 if on_finish is not None:
                     on_finish(i, results[i])
-            fill(finished)
+            if waiting:
+                fill(finished)
+                last = None
             continue
         if on_tokens is not None:
             running = [s for s, o in enumerate(owner) if o is not None]
             outs = out[running].cpu()
             for j, s in enumerate(running):
                 on_tokens(owner[s], outs[j, : int(f[1, s])].tolist())
-        for _ in range(sync_every):
-            step()
     return [r if r is not None else [] for r in results]

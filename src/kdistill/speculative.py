@@ -326,7 +326,7 @@ class SpeculativeDecoder:
             limits=[min(n_new, self.room - len(p)) for p in prompts],
             prefill_tokens=self.target.prefill_tokens,
             prefill=lambda slots, rows, limits: self._prefill(pr, slots, rows, limits),
-            flags=lambda: torch.stack([pr.t.done.long(), pr.t.ngen, pr.accepted, pr.rounds]).cpu(),
+            flags=lambda: torch.stack([pr.t.done.long(), pr.t.ngen, pr.accepted, pr.rounds]),
             out=pr.t.out,
             step=lambda: self._step(pr),
             sync_every=self.sync_every,
