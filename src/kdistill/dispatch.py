@@ -524,8 +524,9 @@ def decode_attention_multi(
     kernel_ok = decode_kernel.supported(d, hq, hkv) and (not rope or decode_kernel.rope_supported(d))
     if not kernel_ok or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return decode_attention_multi_reference(q, k_cache, v_cache, start, k_new, v_new, cos, sin)
-    q, k_new, v_new = (
-        x if x.stride(-1) == 1 and x.stride(1) == d else x.contiguous() for x in (q, k_new, v_new)
+    q, k_new, v_new = (  # heads of D contiguous elements; other layouts are copied to (B, T, H, D)
+        x if x.stride(-1) == 1 and x.stride(1) == d else x.transpose(1, 2).contiguous().transpose(1, 2)
+        for x in (q, k_new, v_new)
     )
     ckey = decode_kernel.combine_key(rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m)
     calls, at = [], 0

@@ -688,16 +688,16 @@ def _warm_split(key: KernelKey, device: Any) -> tuple:
 
 
 def _warm_multi_split(key: KernelKey, device: Any) -> tuple:
-    """A (1, HQ, T, D) query over (1, HKV, 2, D) caches from slot 1 (the later tokens clamped to it),
-    aligned as `key` says (RoPE tables of 2 rows)."""
+    """A (1, HQ, T, D) query (a view of (1, T, HQ, D), as the engine's) over (1, HKV, 2, D) caches from
+    slot 1 (the later tokens clamped to it), aligned as `key` says (RoPE tables of 2 rows)."""
     al, d, t = [c == "A" for c in str(key["align"])], key["D"], key["T"]
-    q = tensor((1, key["HQ"], t, d), key["dtype"], device, al[0])
+    q = tensor((1, t, key["HQ"], d), key["dtype"], device, al[0]).transpose(1, 2)  # heads contiguous
     k = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[1])
     v = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[2])
     buf = torch.ones(3, dtype=torch.int64, device=device)
     start = buf[:1] if al[3] else buf[1:2]
-    kn = tensor((1, key["HKV"], t, d), key["dtype"], device, al[4])
-    vn = tensor((1, key["HKV"], t, d), key["dtype"], device, al[5])
+    kn = tensor((1, t, key["HKV"], d), key["dtype"], device, al[4]).transpose(1, 2)
+    vn = tensor((1, t, key["HKV"], d), key["dtype"], device, al[5]).transpose(1, 2)
     cos = sin = None
     if key["ROPE"]:
         cos, sin = tensor((2, d), "fp32", device, al[6]), tensor((2, d), "fp32", device, al[7])
