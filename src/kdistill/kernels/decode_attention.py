@@ -1,4 +1,4 @@
-"""Triton attention of one new token per row over a static KV cache (generation): kernels, launcher.
+"""Triton attention of new tokens (one, or T) per row over a static KV cache (generation): kernels, launchers.
 
     K[b, :, p_b], V[b, :, p_b] = k_new[b], v_new[b]          (the step's token joins the cache)
     o[b, h] = softmax(q[b, h] . K[b, h // G, 0..p_b]^T / sqrt(D)) V[b, h // G, 0..p_b]
@@ -22,7 +22,22 @@ position pos[b] in registers, from the fp32 cos/sin tables, and caches the rotat
 q1.k1 + q2.k2 over the two halves of a head: no rotated head is assembled, and the step needs no RoPE
 kernel (nor the gathers of the tables' rows).
 
-The file reads top to bottom: kernels, launcher, key functions and tile policy, then the registered
+T new tokens per row in one launch (decode_attn_multi_split; speculative decoding's draft and verify
+steps, DecodeEngine.forward_at): token j of row b goes to slot p_bj = min(start[b] + j, M - 1) and
+attends the slots before p_bj and its own key, exactly what T one-token launches in order compute
+(the clamp: a row at the cache's end repeats its last slot, each token there seeing only its own key,
+and the slot keeps the last token's). q (B, Hq, T, D), k_new and v_new (B, Hkv, T, D) are views of
+the step's q/k/v output (heads contiguous, any token and row strides). Program (b, kv head, s) holds
+a tile of T x G rows, the (token, q head) pairs of its kv head: the cached slots of its split below
+c_b = min(start[b], M - 1) (slots no token of this step writes) are read once for all rows; the split
+holding c_b then attends the step's own keys from registers (rotated at each token's slot with the key's
+ROPE), causal among them, and writes them into the cache. No program reads a slot >= c_b, so the writes
+race with no read and no barrier is needed. Parts are (B, T, Hq, S): the one-token combine (its key
+unchanged) runs over B * T rows. T is in the key (the tile's rows, the causal mask); a step of more
+than MAX_ROWS rows runs as several launches in order (token_chunks). It is a kernel of its own rather
+than a T parameter of the one-token kernel, so the plain decode step's kernel and key stay as they are.
+
+The file reads top to bottom: kernels, launchers, key functions and tile policy, then the registered
 KernelSpec. No backward: generation runs without gradients.
 """
 
