@@ -166,7 +166,7 @@ def test_t_token_keys_of_a_7b_target_build_for_cuda_archs(tmp_path, monkeypatch,
     8 warps), RoPE inside, bf16, at a 7B's heads (28 q heads over 4 kv heads of 128): triton.compile for
     the arch, each key checked against its warm launch first."""
     pytest.importorskip("triton")
-    from kdistill.kernels import build
+    from kdistill.kernels import build, pack
 
     monkeypatch.setenv("KDISTILL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -179,3 +179,4 @@ def test_t_token_keys_of_a_7b_target_build_for_cuda_archs(tmp_path, monkeypatch,
     for key in multi:
         result = build.compile_key(key)
         assert result.ok, result.error
+        assert pack.jit_compile(key).asm.get("cubin"), key  # the same binary, from Triton's cache: a cubin
