@@ -6,7 +6,7 @@ verify steps), whose attention is the T-token decode attention kernel (kernels/d
 - forward_at with T tokens equals T one-token forward_at calls (hidden states and caches).
 - The keys a speculative generate launches are planned and prewarmed, each specialized as its key says
   (Triton's own binder); a step longer than one tile's rows launches the planned chunks; a plan made for
-  another draft length misses the verify step's key.
+  another draft length misses the verify step's key, and a key function that forgets T is caught.
 - The T-token keys of a Qwen2.5-7B-shaped target (28 q heads, 4 kv heads of 128) build for sm_80 and
   sm_90 on this machine (triton.compile for a CUDA target).
 
@@ -24,6 +24,7 @@ from kdistill.decode import DecodeEngine, Sampling, _Slots
 from kdistill.kernels import contract, runtime, seal
 from kdistill.kernels import decode_attention as kernel
 from kdistill.kernels import plan as plan_mod
+from kdistill.kernels.keys import KernelKey
 from kdistill.models.hf_io import load_model
 from kdistill.ops.attention import decode_attention_multi_reference, decode_attention_reference
 from kdistill.speculative import SpeculativeDecoder
@@ -141,6 +142,26 @@ def test_speculative_t_token_keys_are_planned_prewarmed_and_specialized_as_keyed
     )
     problems = contract.check(triton, short)
     assert problems and all("decode_attn_multi_split" in p and ",T=5," in p for p in problems), problems
+
+
+def test_a_t_token_key_that_forgets_t_is_detected(tiny, monkeypatch):
+    """A planted defect: the T-token key function leaves T out. The draft's two-token step and the verify
+    step then launch two binaries under one key, and the plan made with the same function cannot tell."""
+    registered = kernel.multi_split_key
+
+    def forgetful(*a, **k):
+        key = registered(*a, **k)
+        return KernelKey(key.op, key.arch, tuple(p for p in key.params if p[0] != "T"))
+
+    monkeypatch.setattr(kernel, "multi_split_key", forgetful)
+    target, draft, rec = _speculative_launches(tiny, 32, draft_tokens=4)
+    plan = plan_mod.speculative_kernels(
+        target.spec, draft.spec, "sm_90", "fp32", batch=2, prompt_len=11, max_len=30 + 5, draft_tokens=4
+    )
+    triton = [launch for launch in rec.launches if not launch.key.is_library]
+    assert {launch.key for launch in triton} <= plan  # the subset check alone is fooled
+    problems = contract.check(triton, plan)
+    assert any("decode_attn_multi_split" in p and "names two different kernels" in p for p in problems)
 
 
 def test_a_step_past_one_tile_of_rows_launches_the_planned_chunks():

@@ -466,8 +466,6 @@ def multi_launch(
         raise KernelError(
             f"decode_attention: a cache of {b} x {hkv} x {m} x {d} exceeds the kernel's indexing"
         )
-    if t != key["T"]:
-        raise KernelError(f"decode_attention: {t} new tokens for a key of {key['T']}")
     parts, lse = empty_multi_parts(key, q, m)
     nsplit = lse.shape[-1]
     rope = bool(key["ROPE"])
