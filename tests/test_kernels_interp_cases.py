@@ -411,6 +411,89 @@ def case_decode_attention(device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d
     _close("v cache", v, vr, dtype)
 
 
+def case_decode_attention_multi(
+    device="cpu", dtype=torch.float32, b=5, hq=4, hkv=2, d=16, m=300, t=5, rope=False, starts=None
+):
+    """T new tokens per row in one launch, equal to T one-token steps in order (the one-token
+    reference, token j's write before token j + 1's read): rows from slot 0, across a split boundary
+    (slots 61..65 over splits of 64), into the cache's end (the later tokens clamped to its last slot)
+    and wholly past it (every token on the last slot: each sees its own key, the slot keeps the last
+    token's). q, k and v are views of one (B, T, q/k/v) GEMM output, as the engine's forward hands them
+    over; rope: unrotated, rotated by the kernel at each token's slot."""
+    from kdistill import dispatch
+    from kdistill.ops.attention import decode_attention_reference
+
+    g = torch.Generator().manual_seed(m * t + d)
+    w = (hq + 2 * hkv) * d
+    qkv = torch.randn((b, t, w), generator=g).to(device=device, dtype=dtype)
+    q = qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2)  # (B, Hq, T, D), token stride w
+    kn = qkv[..., hq * d : (hq + hkv) * d].view(b, t, hkv, d).transpose(1, 2)
+    vn = qkv[..., (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
+    k = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
+    v = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
+    starts = starts or [0, 61, m - 3, m, 17]
+    start = torch.tensor(starts[:b], device=device)
+    cos = sin = None
+    if rope:
+        angles = torch.randn((m, d // 2), generator=g).repeat(1, 2).to(device)
+        cos, sin = angles.cos(), angles.sin()
+    kr, vr = k.float().clone(), v.float().clone()
+    want = []
+    for j in range(t):  # T one-token steps, in order
+        pos = (start + j).clamp(max=m - 1)
+        want.append(
+            decode_attention_reference(
+                q[:, :, j].float(), kr, vr, pos, kn[:, :, j].float(), vn[:, :, j].float(), cos, sin
+            )
+        )
+    with _kernel_mode():
+        got = dispatch.decode_attention_multi(q, k, v, start, kn, vn, cos, sin)
+    assert got.dtype == dtype and got.shape == (b, hq, t, d)
+    _close("o", got, torch.stack(want, 2), dtype)
+    _close("k cache", k, kr, dtype)  # the new keys and values in their slots, nothing else changed
+    _close("v cache", v, vr, dtype)
+
+
+def case_forward_at_multi(device="cpu", dtype=torch.float32, head_dim=32):
+    """The engine's T-token step (DecodeEngine.forward_at, as speculative decoding's verify step runs
+    it) with the kernels equals T one-token steps of the reference path: hidden states and both caches,
+    for rows mid-cache and one running into the cache's end. From a head of 32 on, RoPE inside the
+    T-token kernel; at 16, the RoPE kernel first."""
+    import tempfile
+
+    from tiny import make_tiny_model
+
+    from kdistill.decode import DecodeEngine, _Slots
+    from kdistill.models.hf_io import load_model
+
+    d = make_tiny_model(
+        tempfile.mkdtemp(), family="qwen2", tied=False, hidden_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, intermediate_size=48, num_hidden_layers=2,
+    )  # fmt: skip
+    model = load_model(d, device, dtype).eval()
+    eng = DecodeEngine(model, batch_size=3, max_len=24, cuda_graphs="off")
+    prompts = [[5, 9, 17, 3, 8, 2, 11], [40, 41, 42], [(7 * i) % 90 + 1 for i in range(21)]]
+    g = torch.Generator().manual_seed(head_dim)
+    ids = torch.randint(1, model.spec.vocab_size, (3, 5), generator=g).to(device)
+    out = []
+    for mode in ("reference", "triton"):
+        st = _Slots(model.spec, 3, 24, 1, eng.dtype, eng.device)
+        _, _, lens = eng.write_prompts(st, [0, 1, 2], prompts)
+        with torch.no_grad():
+            if mode == "reference":  # one token at a time, in order
+                h = torch.cat([eng.forward_at(st, ids[:, j : j + 1], lens + j) for j in range(5)], 1)
+            else:
+                with _kernel_mode():
+                    h = eng.forward_at(st, ids, lens)
+        out.append((h, st))
+    (want, ref), (got, st) = out
+    assert got.shape == want.shape == (3, 5, model.spec.hidden_size)
+    _close("hidden", got, want, dtype, scale=10)
+    for i in range(model.spec.num_layers):
+        _close(f"k cache {i}", st.k[i], ref.k[i], dtype, scale=10)
+        _close(f"v cache {i}", st.v[i], ref.v[i], dtype, scale=10)
+
+
 def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epilogue="swiglu"):
     """A decode step's linear at a few rows: plain, with a bias, and the stacked gate/up product with
     its SwiGLU, against the unfused reference (odd widths: masked columns)."""
@@ -519,6 +602,23 @@ CASES = {
         case_decode_attention,
         dict(dtype=torch.float32, b=4, hq=2, hkv=1, m=4200),
     ),
+    "decode_attention_multi_fp32": (case_decode_attention_multi, dict(dtype=torch.float32)),
+    "decode_attention_multi_fp32_rope_two": (
+        case_decode_attention_multi,
+        dict(dtype=torch.float32, hq=6, hkv=2, d=32, t=2, rope=True),
+    ),
+    # 17 tokens x 7 q heads: 119 rows (a tile of 128, 8 warps), splits of 128 keys (a long cache)
+    "decode_attention_multi_fp32_rope_17": (
+        case_decode_attention_multi,
+        dict(dtype=torch.float32, b=4, hq=7, hkv=1, d=32, m=4200, t=17, rope=True, starts=[0, 120, 4190, 9]),
+    ),
+    # 64 q heads per kv head: 5 tokens are 320 rows, past one tile: two launches (4 tokens, then 1)
+    "decode_attention_multi_fp32_chunks": (
+        case_decode_attention_multi,
+        dict(dtype=torch.float32, b=3, hq=64, hkv=1, d=16, m=130, t=5, starts=[0, 62, 128]),
+    ),
+    "forward_at_multi_fp32_rope_in_attention": (case_forward_at_multi, dict(head_dim=32)),
+    "forward_at_multi_fp32_rope_kernel_first": (case_forward_at_multi, dict(head_dim=16)),
     "decode_engine_fp32": (case_decode_engine, {}),
     "decode_gemv_fp32_swiglu": (case_decode_gemv, dict(rows=3, n=40, k=48, epilogue="swiglu")),
     "decode_gemv_fp32_bias_one_row": (case_decode_gemv, dict(rows=1, n=37, k=144, epilogue="bias")),

@@ -32,8 +32,11 @@ CHILD = textwrap.dedent(
     run.teacher.precision = "fp8"  # every registered kernel, the FP8 teacher's quantisation too
     run.runtime.precision = "fp8"  # and the FP8 student's transposed one
     keys = plan.required_kernels(load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b"), run, "sm_90")
-    # and the decode engine's (its attention over the static cache)
-    keys |= plan.generation_kernels(load_spec("qwen2.5-0.5b"), "sm_90", "bf16", batch=2, prompt_len=8, max_len=16)
+    # and the decode engine's with speculative decoding's (attention over the static cache, T-token steps)
+    keys |= plan.speculative_kernels(
+        load_spec("qwen2.5-1.5b"), load_spec("qwen2.5-0.5b"), "sm_90", "bf16",
+        batch=2, prompt_len=8, max_len=16, draft_tokens=4,
+    )
     ops = {k.op for k in keys}
     assert {kern.op for spec in registry.KERNELS for kern in spec.kernels} <= ops, ops
     x, w = torch.randn(2, 3, 16), torch.rand(16)

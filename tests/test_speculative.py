@@ -222,9 +222,14 @@ def test_speculative_keys_are_planned(tmp_path, head_dim):
     )
     triton = {k for k in rec.keys() if not k.is_library}
     assert triton <= plan, triton - plan
-    assert {"decode_attn_split", "decode_attn_combine", "rope_fwd"} <= {k.op for k in triton}
+    assert {"decode_attn_split", "decode_attn_multi_split", "decode_attn_combine", "rope_fwd"} <= {
+        k.op for k in triton
+    }
+    # one T-token attention key per T-token step: the draft's two tokens, the verify step's K + 1
+    assert {k["T"] for k in triton if k.op == "decode_attn_multi_split"} == {2, 4}
     # from a head of 32 on, the draft and verify steps rotate inside the attention kernel, as the step does
-    assert {k["ROPE"] for k in triton if k.op == "decode_attn_split"} == {head_dim >= 32}
+    splits = {"decode_attn_split", "decode_attn_multi_split"}
+    assert {k["ROPE"] for k in triton if k.op in splits} == {head_dim >= 32}
 
 
 # -- the command line ----------------------------------------------------------------------------

@@ -534,28 +534,27 @@ class DecodeEngine:
         """T new tokens per row through the static cache: ids (B, T) go to slots start[b] + j (at those
         positions; clamped to the last slot), their keys and values are written there, and token j
         attends slots 0..start[b] + j -> final-normed hidden states (B, T, H). No host sync and fixed
-        shapes (graph-safe): T = 1 is the decode step's forward; speculative decoding's draft and verify
-        steps (kdistill.speculative) run T = 2 and K + 1. Attention is the one-token decode kernel run
-        once per new token, in order, so a T-token step launches only the decode step's planned keys."""
+        shapes (graph-safe): T = 1 is the decode step's forward and attention (the one-token kernel);
+        speculative decoding's draft and verify steps (kdistill.speculative) run T = 2 and K + 1, whose
+        attention is one launch of the T-token kernel per layer (dispatch.decode_attention_multi), the
+        same as the one-token kernel run T times in order. A start below 0 (the draft's two-token step
+        on a row never filled) is taken as 0: such a row is done, and what it computes is unused."""
         t = ids.shape[1]
         last = st.max_len - 1
-        pos = [(start + j).clamp(max=last) for j in range(t)]  # T x (B,), each its own aligned tensor
-        # as the one-token step: RoPE inside the attention kernel where a head fits it, so the T-token
-        # step launches the very keys the step's plan holds
+        start = start.clamp(min=0)
+        # as the one-token step: RoPE inside the attention kernel where a head fits it
         tables = (self.cos, self.sin) if self.rope_in_attention else (None, None)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs = [
-                dispatch.decode_attention(
-                    q[:, :, j], st.k[i], st.v[i], pos[j], k[:, :, j], v[:, :, j], *tables
-                )
-                for j in range(t)
-            ]  # token j writes its slot before token j + 1 reads it
-            return torch.stack(outs, 2)  # (B, Hq, T, D)
+            if t > 1:  # q, k, v (B, H, T, D)
+                return dispatch.decode_attention_multi(q, st.k[i], st.v[i], start, k, v, *tables)
+            pos = start.clamp(max=last)
+            o = dispatch.decode_attention(q[:, :, 0], st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0], *tables)
+            return o[:, :, None]  # (B, Hq, 1, D)
 
         if self.rope_in_attention:
             return forward_tokens(self.weights, ids, None, None, attend)
-        table = torch.stack(pos, 1)  # (B, T)
+        table = (start[:, None] + torch.arange(t, device=start.device)).clamp(max=last)  # (B, T)
         return forward_tokens(self.weights, ids, self.cos[table], self.sin[table], attend)
 
     def _append(self, st: _Slots, tok: torch.Tensor, rows: torch.Tensor, new_lens: torch.Tensor) -> None:

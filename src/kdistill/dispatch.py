@@ -9,6 +9,7 @@
     o = dispatch.attention(q, k, v, mask)                   # packed documents: (B, 1, T, T) bool mask
     o = dispatch.cached_attention(q, k, v, mask)            # generation: q (B, Hq, T, D), k/v (B, Hkv, S, D)
     o = dispatch.decode_attention(q, k_cache, v_cache, pos) # one token per row over a static cache
+    o = dispatch.decode_attention_multi(q, k_cache, v_cache, start, k, v)  # T tokens per row: (B, Hq, T, D)
     q, s = dispatch.quantize_rows(x)                        # FP8 GEMM input: (rows, K) e4m3, (rows,) fp32
     qt, s = dispatch.quantize_cols(x)                       # x^T's: (K, rows) e4m3, (K,) fp32
     r = dispatch.kd_loss(h, W, ht, Wt, labels, alpha=0.5, temperature=2.0, divergence="jsd", chunk_size=1024)
@@ -26,6 +27,8 @@ State (mode, arch, strict, recorder) lives in kernels/runtime.py; `configure`, `
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -51,6 +54,7 @@ from kdistill.ops import kd_loss as kd_ops
 from kdistill.ops.attention import (
     attention_reference,
     cached_attention_reference,
+    decode_attention_multi_reference,
     decode_attention_reference,
 )
 from kdistill.ops.kd_loss import KDLossResult
@@ -70,6 +74,7 @@ __all__ = [
     "configure",
     "current",
     "decode_attention",
+    "decode_attention_multi",
     "decode_linear",
     "kd_loss",
     "quantize_cols",
@@ -494,6 +499,68 @@ def decode_attention(
         lambda: decode_kernel.combine_launch(ckey, *decode_kernel.empty_parts(key, q, m), q.dtype),
     )
     return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new, cos, sin)
+
+
+def decode_attention_multi(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """T new tokens per row over a static KV cache (DecodeEngine.forward_at: speculative decoding's draft
+    and verify steps): q (B, Hq, T, D), caches (B, Hkv, M, D) contiguous, start (B,) int64 >= 0, k_new
+    and v_new (B, Hkv, T, D) -> (B, Hq, T, D). Token j's key and value go into slot min(start[b] + j,
+    M - 1), and it attends the slots before that one and its own: the same as T decode_attention calls
+    in order. With cos and sin (fp32 (M', D) tables), q and k_new arrive unrotated. One launch of the
+    T-token split kernel per chunk of decode_kernel.token_chunks (one up to 36 tokens at 7 q heads per
+    kv head) and the decode step's combine over B * T rows; or the reference."""
+    rt = current()
+    b, hq, t, d = q.shape
+    hkv, m = k_cache.shape[1], k_cache.shape[2]
+    rope = cos is not None and sin is not None
+    kernel_ok = decode_kernel.supported(d, hq, hkv) and (not rope or decode_kernel.rope_supported(d))
+    if not kernel_ok or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return decode_attention_multi_reference(q, k_cache, v_cache, start, k_new, v_new, cos, sin)
+    q, k_new, v_new = (  # heads of D contiguous elements; other layouts are copied to (B, T, H, D)
+        x if x.stride(-1) == 1 and x.stride(1) == d else x.transpose(1, 2).contiguous().transpose(1, 2)
+        for x in (q, k_new, v_new)
+    )
+    ckey = decode_kernel.combine_key(rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m)
+    calls, at = [], 0
+    for n in decode_kernel.token_chunks(t, hq, hkv):  # in order: a chunk's tokens see the earlier ones
+        qc, kc, vc = q[:, :, at : at + n], k_new[:, :, at : at + n], v_new[:, :, at : at + n]
+        sc = start + at if at else start
+        key = decode_kernel.multi_split_key(
+            rt.arch, head_dim=d, q_heads=hq, kv_heads=hkv, tokens=n, dtype=q.dtype, max_len=m, rope=rope,
+            aligned=aligned(qc, k_cache, v_cache, sc, kc, vc, cos, sin),
+        )  # fmt: skip
+        split = functools.partial(decode_kernel.multi_launch, key, qc, k_cache, v_cache, sc, kc, vc, cos, sin)
+        calls.append((key, n, split))
+        at += n
+    if all(rt.use_kernel(key, q, k_cache, v_cache) for key, _, _ in calls):
+        key, outs = calls[0][0], []
+        try:
+            for key, n, split in calls:
+                parts, lse = rt.launch(key, lambda split=split: decode_kernel.run(split()), split)
+                comb = functools.partial(
+                    decode_kernel.combine_launch, ckey, parts.flatten(0, 1), lse.flatten(0, 1), q.dtype
+                )
+                o = rt.launch(ckey, lambda comb=comb: decode_kernel.run(comb()), comb)[0]
+                outs.append(o.view(b, n, hq, d))  # the combine's rows are (row, token)
+            return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).transpose(1, 2)  # (B, Hq, T, D)
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    for key, _, split in calls:
+        rt.record(key, "fwd", split)
+    empty = decode_kernel.empty_parts
+    rt.record(
+        ckey, "fwd", lambda: decode_kernel.combine_launch(ckey, *empty(calls[0][0], q[:, :, 0], m), q.dtype)
+    )
+    return decode_attention_multi_reference(q, k_cache, v_cache, start, k_new, v_new, cos, sin)
 
 
 def decode_linear(

@@ -30,8 +30,9 @@ The sampling settings (temperature, top-k, top-p) shape p and q alike, as decode
 The uniforms of a round are drawn before it (outside the graph) from one generator seeded by the
 sampling seed. Vocabularies of different sizes (a padded embedding) are compared over the larger, the
 missing rows with probability 0; a token past the draft's rows is fed to it as its last row. Attention
-of a T-token step is the one-token decode kernel once per new token (DecodeEngine.forward_at), so the
-planned keys are the decode engine's (kernels.plan.speculative_kernels).
+of a T-token step (the draft's two-token step, the verify step) is one launch per layer of the T-token
+decode attention kernel (DecodeEngine.forward_at), planned beside the decode engine's keys
+(kernels.plan.speculative_kernels).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""GPU tests of the decode engine (run on a GPU with `-m gpu`): the decode-attention kernel against its
-reference at real head shapes; the CUDA-graph step's greedy tokens identical to the eager step's for
+"""GPU tests of the decode engine (run on a GPU with `-m gpu`): the decode-attention kernels (one token
+and T tokens per row) against the reference at real head shapes; the engine's T-token step against its
+one-token steps; the CUDA-graph step's greedy tokens identical to the eager step's for
 every row of a ragged batch with slot refill; generation after a strict prewarm compiles nothing at
 three batch sizes and two prompt-length buckets; seeded sampling reproducible on the device.
 
@@ -56,6 +57,74 @@ def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype, rope):
         assert torch.allclose(k.double(), kr, rtol=1e-2, atol=1e-2)
     else:
         assert torch.equal(k.double(), kr)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,m", [(28, 4, 128, 700), (14, 2, 64, 4100), (16, 16, 128, 300), (32, 8, 128, 257)]
+)
+@pytest.mark.parametrize("t", [2, 5, 17])
+@pytest.mark.parametrize("rope", [False, True])
+def test_t_token_decode_attention_kernel_matches_reference(hq, hkv, d, m, t, rope):
+    """The T-token kernel (speculative decoding's draft and verify steps) in bf16 against T one-token
+    steps of the float64 reference in order: rows from slot 0, across a split, into the cache's end and
+    past it; q, k and v as views of one (B, T, q/k/v) GEMM output, as the engine hands them over."""
+    g = torch.Generator(device="cuda").manual_seed(hq * m + t)
+    dtype, b, w = torch.bfloat16, 5, (hq + 2 * hkv) * d
+    qkv = torch.randn((b, t, w), generator=g, device="cuda", dtype=dtype)
+    q = qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2)  # (B, Hq, T, D)
+    kn = qkv[..., hq * d : (hq + hkv) * d].view(b, t, hkv, d).transpose(1, 2)
+    vn = qkv[..., (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
+    k = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=dtype)
+    v = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=dtype)
+    start = torch.tensor([0, 62, m - 3, m, m // 2], device="cuda")
+    cos = sin = ref_cos = ref_sin = None
+    if rope:
+        angles = torch.randn((m, d // 2), generator=g, device="cuda").repeat(1, 2)
+        cos, sin = angles.cos(), angles.sin()
+        ref_cos, ref_sin = cos.to(dtype).double(), sin.to(dtype).double()  # the kernel rounds them so
+    kr, vr = k.double().clone(), v.double().clone()
+    ref = []
+    for j in range(t):
+        pos = (start + j).clamp(max=m - 1)
+        qj, kj, vj = q[:, :, j].double(), kn[:, :, j].double(), vn[:, :, j].double()
+        ref.append(decode_attention_reference(qj, kr, vr, pos, kj, vj, ref_cos, ref_sin))
+    ref = torch.stack(ref, 2)
+    with dispatch.using(mode="triton", arch="sm_90", strict=True):
+        out = dispatch.decode_attention_multi(q, k, v, start, kn, vn, cos, sin)
+    assert out.shape == (b, hq, t, d) and torch.isfinite(out).all()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
+    assert torch.equal(v.double(), vr)  # each new value in its slot (a repeated slot: the last), nothing else
+    if rope:  # the rotated keys, rounded once to the cache's dtype
+        assert torch.allclose(k.double(), kr, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(k.double(), kr)
+
+
+def test_t_token_step_equals_one_token_steps_on_the_device():
+    """The engine's verify-shaped step (5 tokens per row, RoPE in the kernel, bf16) against 5 one-token
+    steps: the same hidden states up to bf16 rounding, the same caches."""
+    from kdistill.decode import _Slots
+
+    model = _model(layers=2)
+    eng = DecodeEngine(model, batch_size=4, max_len=300, cuda_graphs="off")
+    prompts = _ragged(model.spec.vocab_size, [20, 64, 130, 297])  # the last runs into the cache's end
+    ids = torch.tensor(_ragged(model.spec.vocab_size, [5] * 4, seed=1), device="cuda")
+    out = []
+    with torch.no_grad(), dispatch.using(mode="triton", arch="sm_90"):
+        for whole in (True, False):
+            st = _Slots(model.spec, 4, 300, 1, eng.dtype, eng.device)
+            _, _, lens = eng.write_prompts(st, [0, 1, 2, 3], prompts)
+            if whole:
+                h = eng.forward_at(st, ids, lens)
+            else:
+                h = torch.cat([eng.forward_at(st, ids[:, j : j + 1], lens + j) for j in range(5)], 1)
+            out.append((h.double(), st))
+    (a, sa), (b, sb) = out
+    err = ((a - b).norm() / b.norm()).item()
+    assert err < 2e-2, err
+    for x, y in zip(sa.k + sa.v, sb.k + sb.v):
+        assert ((x.double() - y.double()).norm() / y.double().norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])

@@ -1,4 +1,4 @@
-"""Triton attention of one new token per row over a static KV cache (generation): kernels, launcher.
+"""Triton attention of new tokens (one, or T) per row over a static KV cache (generation): kernels, launchers.
 
     K[b, :, p_b], V[b, :, p_b] = k_new[b], v_new[b]          (the step's token joins the cache)
     o[b, h] = softmax(q[b, h] . K[b, h // G, 0..p_b]^T / sqrt(D)) V[b, h // G, 0..p_b]
@@ -22,7 +22,22 @@ position pos[b] in registers, from the fp32 cos/sin tables, and caches the rotat
 q1.k1 + q2.k2 over the two halves of a head: no rotated head is assembled, and the step needs no RoPE
 kernel (nor the gathers of the tables' rows).
 
-The file reads top to bottom: kernels, launcher, key functions and tile policy, then the registered
+T new tokens per row in one launch (decode_attn_multi_split; speculative decoding's draft and verify
+steps, DecodeEngine.forward_at): token j of row b goes to slot p_bj = min(start[b] + j, M - 1) and
+attends the slots before p_bj and its own key, exactly what T one-token launches in order compute
+(the clamp: a row at the cache's end repeats its last slot, each token there seeing only its own key,
+and the slot keeps the last token's). q (B, Hq, T, D), k_new and v_new (B, Hkv, T, D) are views of
+the step's q/k/v output (heads contiguous, any token and row strides). Program (b, kv head, s) holds
+a tile of T x G rows, the (token, q head) pairs of its kv head: the cached slots of its split below
+c_b = min(start[b], M - 1) (slots no token of this step writes) are read once for all rows; the split
+holding c_b then attends the step's own keys from registers (rotated at each token's slot with the key's
+ROPE), causal among them, and writes them into the cache. No program reads a slot >= c_b, so the writes
+race with no read and no barrier is needed. Parts are (B, T, Hq, S): the one-token combine (its key
+unchanged) runs over B * T rows. T is in the key (the tile's rows, the causal mask); a step of more
+than MAX_ROWS rows runs as several launches in order (token_chunks). It is a kernel of its own rather
+than a T parameter of the one-token kernel, so the plain decode step's kernel and key stay as they are.
+
+The file reads top to bottom: kernels, launchers, key functions and tile policy, then the registered
 KernelSpec. No backward: generation runs without gradients.
 """
 
@@ -230,6 +245,152 @@ def decode_attn_combine_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.const
     tl.store(O + row * D + d, o.to(O.dtype.element_ty))
 
 
+# -- T new tokens per row in one launch (speculative decoding's draft and verify steps) -------------
+@jit
+def _multi_new_tokens(
+    K, V, KN, VN, COS, SIN, b, h, qa, qb, jrow, first, kv, M,
+    skb, skt, svb, svt, sm_scale, m_i, l_i, acc,
+    D: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    """The split holding the rows' first new slot: every row attends its earlier new tokens and its own
+    (token t is seen by row j when its slot precedes j's, or t = j: a clamped row's repeated last slot
+    shows each token only its own key, as T one-token steps in order would), read from the step's k and
+    v (rotated here with the key's ROPE); then the new keys and values go into the cache, each slot
+    written once, by its last token. Returns the online softmax's (m_i, l_i, acc)."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, D)
+    d2 = tl.arange(0, HALF)
+    tt = tl.arange(0, BLOCK_T)
+    tmask = tt < T
+    # (BLOCK_T,) each token's slot (padding tokens: the last one's)
+    pos_t = tl.minimum(first + tl.minimum(tt, T - 1), M - 1)
+    pos_r = tl.minimum(first + jrow, M - 1)  # (BLOCK_R,)
+    krow = KN + b * skb + tt[:, None] * skt + h * D
+    vn = tl.load(VN + b * svb + tt[:, None] * svt + h * D + d[None, :], mask=tmask[:, None], other=0.0)
+    if ROPE:
+        c1, c2, s1, s2 = _rope_halves(KN, COS, SIN, pos_t[:, None].to(tl.int64) * D, d2[None, :], HALF)
+        k1 = tl.load(krow + d2[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        k2 = tl.load(krow + HALF + d2[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        ka = (k1 * c1 - k2 * s1).to(K.dtype.element_ty)  # (BLOCK_T, HALF)
+        kb = (k2 * c2 + k1 * s2).to(K.dtype.element_ty)
+        scores = tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))  # (BLOCK_R, BLOCK_T)
+    else:
+        kn = tl.load(krow + d[None, :], mask=tmask[:, None], other=0.0).to(K.dtype.element_ty)
+        scores = tl.dot(qa, tl.trans(kn))
+    seen = tmask[None, :] & ((pos_t[None, :] < pos_r[:, None]) | (tt[None, :] == jrow[:, None]))
+    scores = tl.where(seen, scores * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every row sees its own token
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vn.dtype), vn)
+    # a slot's last token is the one T one-token steps leave there (clamped rows repeat the last slot)
+    keep = tmask & ((tt == T - 1) | (first + tt < M - 1))
+    slot = (kv + pos_t)[:, None].to(tl.int64) * D
+    if ROPE:
+        tl.store(K + slot + d2[None, :], ka, mask=keep[:, None])
+        tl.store(K + slot + HALF + d2[None, :], kb, mask=keep[:, None])
+    else:
+        tl.store(K + slot + d[None, :], kn, mask=keep[:, None])
+    tl.store(V + slot + d[None, :], vn.to(V.dtype.element_ty), mask=keep[:, None])
+    return m_new, l_i, acc
+
+
+@jit(do_not_specialize=["M", "NSPLIT", "sqb", "sqt", "skb", "skt", "svb", "svt"])
+def decode_attn_multi_split_kernel(
+    Q,
+    K,
+    V,
+    START,
+    KN,
+    VN,
+    COS,
+    SIN,
+    OP,
+    LSE,
+    M,
+    NSPLIT,
+    sqb,
+    sqt,
+    skb,
+    skt,
+    svb,
+    svt,
+    sm_scale,
+    D: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    """Program (b, kv head h, split s): the tile's rows are the T x G (token j, q head of h) pairs. The
+    cached slots of the split before the row's first new slot c = min(start[b], M - 1) are read from
+    the cache by all rows at once; the split holding c adds the new tokens from registers and writes
+    them into the cache. No program reads a slot >= c, so the writes race with no read."""
+    HALF: tl.constexpr = D // 2
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    first = tl.load(START + b).to(tl.int32)  # token j's slot: min(first + j, M - 1)
+    c = tl.minimum(first, M - 1)
+    lo = s * SPLIT
+    r = tl.arange(0, BLOCK_R)
+    rmask = r < T * G
+    jrow = tl.minimum(r // G, T - 1)  # (BLOCK_R,) the row's token (padding rows: the last token's)
+    heads = h * G + r % G
+    pos_r = tl.minimum(first + jrow, M - 1)
+    part = ((b * T + jrow) * HQ + heads) * NSPLIT + s  # rows of OP / LSE: (B, T, HQ, NSPLIT)
+    kv = (b * HKV + h) * M
+    d = tl.arange(0, D)
+    d2 = tl.arange(0, HALF)
+    qrow = Q + b * sqb + jrow[:, None] * sqt + heads[:, None] * D
+    # scores are qa.k + qb.k' : with ROPE the two rotated halves of q (against the halves of each key),
+    # without it qa is q whole (and qb is never read)
+    if ROPE:  # q rotated at each row's own position
+        c1, c2, s1, s2 = _rope_halves(Q, COS, SIN, pos_r[:, None].to(tl.int64) * D, d2[None, :], HALF)
+        x1 = tl.load(qrow + d2[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(qrow + HALF + d2[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        qa = (x1 * c1 - x2 * s1).to(Q.dtype.element_ty)  # (BLOCK_R, HALF)
+        qb = (x2 * c2 + x1 * s2).to(Q.dtype.element_ty)
+    else:
+        qa = tl.load(qrow + d[None, :], mask=rmask[:, None], other=0.0)  # (BLOCK_R, D)
+        qb = qa
+    m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, D), tl.float32)
+    end = tl.minimum(lo + SPLIT, c)  # cached slots only: the same for every row
+    for n0 in range(lo, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        rows = (kv + n)[:, None].to(tl.int64) * D
+        if ROPE:
+            ka = tl.load(K + rows + d2[None, :], mask=nmask[:, None], other=0.0)
+            kb = tl.load(K + rows + HALF + d2[None, :], mask=nmask[:, None], other=0.0)
+            scores = tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))  # (BLOCK_R, BLOCK_N)
+        else:
+            k = tl.load(K + rows + d[None, :], mask=nmask[:, None], other=0.0)
+            scores = tl.dot(qa, tl.trans(k))
+        v = tl.load(V + rows + d[None, :], mask=nmask[:, None], other=0.0)
+        scores = tl.where(nmask[None, :], scores * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if (c >= lo) & (c < lo + SPLIT):
+        m_i, l_i, acc = _multi_new_tokens(
+            K, V, KN, VN, COS, SIN, b, h, qa, qb, jrow, first, kv, M,
+            skb, skt, svb, svt, sm_scale, m_i, l_i, acc, D, T, BLOCK_T, ROPE,
+        )  # fmt: skip
+    _store_part(OP, LSE, part, rmask, m_i, l_i, acc, D)
+
+
 def launch(
     key: KernelKey,
     q: torch.Tensor,
@@ -282,6 +443,62 @@ def launch(
     )
 
 
+def multi_launch(
+    key: KernelKey,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+):
+    """The T-token split kernel's (kernel, grid, args, kwargs, (parts, lse)) for q (B, Hq, T, D), caches
+    (B, Hkv, M, D) contiguous, start (B,) int64 >= 0 (token j's slot: min(start[b] + j, M - 1)) and the
+    step's k_new and v_new (B, Hkv, T, D), written into those slots; q, k_new and v_new need contiguous
+    heads (stride D) of contiguous elements, any batch and token strides (views of the q/k/v GEMM's
+    output). parts (B, T, Hq, S, D) and lse (B, T, Hq, S): combine_launch takes them as B * T rows. With
+    the key's ROPE, cos and sin are the fp32 (M', D) tables (M' > every slot), q and k_new unrotated."""
+    b, hq, t, d = q.shape
+    hkv, m = k_cache.shape[1], k_cache.shape[2]
+    if b * hkv * m * d > INT32_MAX * 64 or m > INT32_MAX:
+        raise KernelError(
+            f"decode_attention: a cache of {b} x {hkv} x {m} x {d} exceeds the kernel's indexing"
+        )
+    parts, lse = empty_multi_parts(key, q, m)
+    nsplit = lse.shape[-1]
+    rope = bool(key["ROPE"])
+    if rope and (cos is None or sin is None):
+        raise KernelError("decode_attention: a RoPE key needs the cos and sin tables")
+    for x in (q, k_new, v_new):
+        if x.stride(3) != 1 or x.stride(1) != d:
+            raise KernelError("decode_attention: q and the new k and v need contiguous heads in each token")
+    kwargs = dict(
+        D=d,
+        HQ=hq,
+        HKV=hkv,
+        G=hq // hkv,
+        T=t,
+        BLOCK_R=key["BLOCK_R"],
+        BLOCK_T=key["BLOCK_T"],
+        BLOCK_N=key["BLOCK_N"],
+        SPLIT=key["SPLIT"],
+        ROPE=rope,
+    )
+    tables = (cos, sin) if rope else (parts, lse)  # without RoPE the table pointers are never read
+    args = (q, k_cache, v_cache, start, k_new, v_new, *tables, parts, lse, m, nsplit)
+    strides = (q.stride(0), q.stride(2), k_new.stride(0), k_new.stride(2), v_new.stride(0), v_new.stride(2))
+    args = (*args, *strides, 1.0 / math.sqrt(d))
+    return (
+        decode_attn_multi_split_kernel,
+        (b, hkv, nsplit),
+        args,
+        {**kwargs, **launch_options(key)},
+        (parts, lse),
+    )
+
+
 def combine_launch(key: KernelKey, parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype):
     """The combine kernel's (kernel, grid, args, kwargs, (o,)) for parts (B, Hq, S, D) -> o (B, Hq, D)."""
     b, hq, nsplit, d = parts.shape
@@ -297,6 +514,16 @@ def empty_parts(key: KernelKey, q: torch.Tensor, max_len: int) -> tuple[torch.Te
     return (
         torch.empty((b, hq, nsplit, d), dtype=torch.float32, device=q.device),
         torch.empty((b, hq, nsplit), dtype=torch.float32, device=q.device),
+    )
+
+
+def empty_multi_parts(key: KernelKey, q: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (parts (B, T, Hq, S, D), lse (B, T, Hq, S)) of the T-token split kernel."""
+    b, hq, t, d = q.shape
+    nsplit = -(-max_len // key["SPLIT"])
+    return (
+        torch.empty((b, t, hq, nsplit, d), dtype=torch.float32, device=q.device),
+        torch.empty((b, t, hq, nsplit), dtype=torch.float32, device=q.device),
     )
 
 
@@ -322,6 +549,31 @@ def tiles(head_dim: int, q_heads: int, kv_heads: int, max_len: int = 256) -> dic
     `split_len(max_len)` keys a split."""
     del head_dim
     return {"BLOCK_G": max(16, next_pow2(q_heads // kv_heads)), "BLOCK_N": 64, "SPLIT": split_len(max_len)}
+
+
+MAX_ROWS = 256  # (token, q head) rows of one T-token tile: a longer step runs as several launches
+
+
+def token_chunks(tokens: int, q_heads: int, kv_heads: int) -> list[int]:
+    """The T-token kernel's launches for a step of `tokens` new tokens per row, in order: as many tokens
+    per launch as MAX_ROWS rows of G query heads hold (one launch up to 36 tokens at G = 7)."""
+    per = max(1, MAX_ROWS // (q_heads // kv_heads))
+    return [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
+
+
+def multi_tiles(
+    head_dim: int, q_heads: int, kv_heads: int, tokens: int, max_len: int = 256
+) -> dict[str, int]:
+    """The T x G rows padded to >= 16 (the dot's smallest tile), the T new keys likewise, 64 cached keys a
+    tile (32 past 64 rows, to keep the tile's registers), `split_len(max_len)` keys a split."""
+    del head_dim
+    rows = max(16, next_pow2(tokens * (q_heads // kv_heads)))
+    return {
+        "BLOCK_R": rows,
+        "BLOCK_T": max(16, next_pow2(tokens)),
+        "BLOCK_N": 64 if rows <= 64 else 32,
+        "SPLIT": split_len(max_len),
+    }
 
 
 def combine_tiles(max_len: int) -> dict[str, int]:
@@ -381,6 +633,41 @@ def split_key(
 
 
 @memoized
+def multi_split_key(
+    arch: str,
+    *,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    tokens: int,
+    dtype: str,
+    max_len: int,
+    rope: bool = False,
+    aligned: Sequence[bool] | None = None,
+) -> KernelKey:
+    """The T-token split kernel for `tokens` new tokens per row (T in the key: the tile's rows and the
+    causal mask among the new tokens follow it) over caches of max_len slots in `dtype`; rope and
+    aligned (Q, K, V, START, KN, VN, COS, SIN) as split_key's."""
+    _check(head_dim, q_heads, kv_heads)
+    tl_ = multi_tiles(head_dim, q_heads, kv_heads, tokens, max_len)
+    return make_key(
+        MULTI_SPLIT.op,
+        arch,
+        D=int(head_dim),
+        HQ=int(q_heads),
+        HKV=int(kv_heads),
+        G=int(q_heads // kv_heads),
+        T=int(tokens),
+        ROPE=bool(rope),
+        dtype=dtype_name(dtype),
+        align=MULTI_SPLIT.align(aligned),
+        num_warps=4 if tl_["BLOCK_R"] <= 64 else 8,
+        num_stages=2,
+        **tl_,
+    )
+
+
+@memoized
 def combine_key(arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: int) -> KernelKey:
     """The combine kernel writing `dtype` for caches of up to max_len slots (the lanes' count)."""
     return make_key(
@@ -413,6 +700,23 @@ def _warm_split(key: KernelKey, device: Any) -> tuple:
     return launch(key, q, k, v, pos, kn, vn, cos, sin)
 
 
+def _warm_multi_split(key: KernelKey, device: Any) -> tuple:
+    """A (1, HQ, T, D) query (a view of (1, T, HQ, D), as the engine's) over (1, HKV, 2, D) caches from
+    slot 1 (the later tokens clamped to it), aligned as `key` says (RoPE tables of 2 rows)."""
+    al, d, t = [c == "A" for c in str(key["align"])], key["D"], key["T"]
+    q = tensor((1, t, key["HQ"], d), key["dtype"], device, al[0]).transpose(1, 2)  # heads contiguous
+    k = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[1])
+    v = tensor((1, key["HKV"], 2, d), key["dtype"], device, al[2])
+    buf = torch.ones(3, dtype=torch.int64, device=device)
+    start = buf[:1] if al[3] else buf[1:2]
+    kn = tensor((1, t, key["HKV"], d), key["dtype"], device, al[4]).transpose(1, 2)
+    vn = tensor((1, t, key["HKV"], d), key["dtype"], device, al[5]).transpose(1, 2)
+    cos = sin = None
+    if key["ROPE"]:
+        cos, sin = tensor((2, d), "fp32", device, al[6]), tensor((2, d), "fp32", device, al[7])
+    return multi_launch(key, q, k, v, start, kn, vn, cos, sin)
+
+
 def _warm_combine(key: KernelKey, device: Any) -> tuple:
     parts = tensor((1, key["HQ"], 2, key["D"]), "fp32", device)
     lse = tensor((1, key["HQ"], 2), "fp32", device)
@@ -429,13 +733,32 @@ def plan(
     dtype: str,
     max_len: int,
     rope: bool = True,
+    tokens: Sequence[int] = (),
 ) -> set[KernelKey]:
     """Keys of one decode step's attention (no backward: generation only); none for shapes the
-    kernel does not take (`supported`). rope: the engine's step, which leaves RoPE to the kernel."""
+    kernel does not take (`supported`). rope: the engine's step, which leaves RoPE to the kernel.
+    tokens: the T > 1 of the engine's T-token steps (DecodeEngine.forward_at), each a launch of the
+    T-token kernel per chunk of token_chunks."""
     del grad
     if not supported(head_dim, q_heads, kv_heads):
         return set()
-    return {
+    rope = rope and rope_supported(head_dim)
+    multi = {
+        multi_split_key(
+            arch,
+            head_dim=head_dim,
+            q_heads=q_heads,
+            kv_heads=kv_heads,
+            tokens=c,
+            dtype=dtype,
+            max_len=max_len,
+            rope=rope,
+        )
+        for t in tokens
+        if t > 1
+        for c in token_chunks(t, q_heads, kv_heads)
+    }
+    return multi | {
         split_key(
             arch,
             head_dim=head_dim,
@@ -443,7 +766,7 @@ def plan(
             kv_heads=kv_heads,
             dtype=dtype,
             max_len=max_len,
-            rope=rope and rope_supported(head_dim),
+            rope=rope,
         ),
         combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len),
     }
@@ -468,6 +791,25 @@ SPLIT_K = Kernel(
     },
     outputs=("OP", "LSE"),
 )
+MULTI_SPLIT = Kernel(
+    "decode_attn_multi_split",
+    decode_attn_multi_split_kernel,
+    multi_split_key,
+    _warm_multi_split,
+    {
+        "Q": "dtype",
+        "K": "dtype",
+        "V": "dtype",
+        "START": "i64",
+        "KN": "dtype",
+        "VN": "dtype",
+        "COS": "fp32",
+        "SIN": "fp32",
+        "OP": "fp32",
+        "LSE": "fp32",
+    },
+    outputs=("OP", "LSE"),
+)
 COMBINE = Kernel(
     "decode_attn_combine",
     decode_attn_combine_kernel,
@@ -476,4 +818,4 @@ COMBINE = Kernel(
     {"OP": "fp32", "LSE": "fp32", "O": "dtype"},
     outputs=("O",),
 )
-SPEC = KernelSpec(name="decode_attention", kernels=(SPLIT_K, COMBINE), tiles=tiles, plan=plan)
+SPEC = KernelSpec(name="decode_attention", kernels=(SPLIT_K, MULTI_SPLIT, COMBINE), tiles=tiles, plan=plan)

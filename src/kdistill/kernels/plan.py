@@ -414,13 +414,24 @@ def speculative_kernels(
     draft_tokens: int,
 ) -> set[keys.KernelKey]:
     """Every kernel key of speculative decoding (kdistill.speculative): each model's decode plan over
-    caches of max_len slots (a T-token step launches the one-token step's Triton keys: attention is the
-    decode kernel once per new token), plus the library shapes of the draft's two-token step and the
-    target's verify step of draft_tokens + 1 tokens per row (its lm_head on all of them)."""
+    caches of max_len slots, the T-token attention kernel of the draft's two-token step and of the
+    target's verify step of draft_tokens + 1 tokens per row (their other Triton keys are the one-token
+    step's), plus those two steps' library shapes (the verify step's lm_head on all of its tokens)."""
     out = generation_kernels(target, arch, dtype, batch=batch, prompt_len=prompt_len, max_len=max_len)
     out |= generation_kernels(draft, arch, dtype, batch=batch, prompt_len=prompt_len, max_len=max_len)
     arch = arch if arch == "cpu" else keys.normalize_arch(arch)
     dt = keys.dtype_name(dtype)
+    for spec, tokens in ((target, draft_tokens + 1), (draft, 2)):
+        out |= registry.by_name("decode_attention").plan(
+            arch,
+            grad=False,
+            head_dim=spec.head_dim,
+            q_heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            dtype=dt,
+            max_len=max_len,
+            tokens=(tokens,),
+        )
     verify = batch * (draft_tokens + 1)
     out |= gemm_kernels(target, arch, dt, grad=False, tokens=verify, chunk=verify)
     out |= gemm_kernels(draft, arch, dt, grad=False, tokens=2 * batch, chunk=batch)

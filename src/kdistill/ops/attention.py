@@ -119,3 +119,39 @@ def decode_attention_reference(
         q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None, :], enable_gqa=gqa
     )
     return o[:, :, 0]
+
+
+def decode_attention_multi_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """T new tokens per row over a static cache, as T calls of decode_attention_reference in order:
+    q (B, Hq, T, D), k_cache and v_cache (B, Hkv, M, D), start (B,) >= 0, k_new and v_new (B, Hkv, T, D).
+    Token j goes to slot p_j = min(start[b] + j, M - 1): its key and value are written there (in order,
+    so a slot the clamp repeats keeps its last token), and it attends the slots before p_j and its own
+    key -> (B, Hq, T, D). cos and sin (fp32 (M', D) tables), when given: q and k_new are unrotated, and
+    RoPE at position p_j comes first."""
+    b, _, t, _ = q.shape
+    m = k_cache.shape[2]
+    pos = (start[:, None] + torch.arange(t, device=q.device)).clamp(max=m - 1)  # (B, T)
+    if cos is not None and sin is not None:
+        q, k_new = rope_reference(q, k_new, cos[pos][:, None], sin[pos][:, None])  # tables (B, 1, T, D)
+    k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
+    rows = torch.arange(b, device=q.device)
+    for j in range(t):  # token j's write before token j + 1's: the last one stays in a repeated slot
+        k_cache[rows, :, pos[:, j]] = k_new[:, :, j]
+        v_cache[rows, :, pos[:, j]] = v_new[:, :, j]
+    # each token attends the cached slots before its own (written by earlier tokens or before the
+    # step) and its own key: keys [cache | the step's T], masked (B, 1, T, M + T)
+    before = torch.arange(m, device=q.device)[None, None, :] < pos[:, :, None]  # (B, T, M)
+    own = torch.eye(t, dtype=torch.bool, device=q.device).expand(b, t, t)
+    mask = torch.cat([before, own], -1)[:, None]
+    keys, values = torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
+    gqa = q.shape[1] != k_cache.shape[1]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
