@@ -4,6 +4,7 @@
   conversation up to its first answer) and the teacher's once; the last eval's answers equal what
   generation from the exported student gives.
 - A raw-text run uses the first tokens of held-out rows; schedule.sample_prompts=0 writes nothing.
+- The answers come from the decode engine and equal the eager oracle's (tests/oracle_decode.py).
 - `kdistill report` prints the latest samples beside the teacher's, and --json carries them.
 """
 
@@ -12,14 +13,17 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 import yaml
 
 from kdistill.data.chat import Conversation, tokenize_conversation
 from kdistill.data.chat_pack import pack_conversations
 from kdistill.data.chat_template import ChatTemplate
-from kdistill.generate import Sampling, generate_ids, sample_prompts
+from kdistill.decode import Sampling
 from kdistill.models.hf_io import load_model
 from kdistill.models.tokenizer import load_tokenizer
+from kdistill.samples import sample_prompts
+from tests.oracle_decode import generate_ids
 from tests.test_chat_train import TEMPLATE, write_chat_files
 from tests.test_train_kit import assets, base_config, read_summary, run_cli
 
@@ -121,3 +125,24 @@ def test_sample_settings_are_validated():
     with pytest.raises(UserError, match="schedule.sample_prompts is -1, expected 0 or a positive integer"):
         ScheduleConfig(sample_prompts=-1).validate()
     ScheduleConfig(sample_prompts=0).validate()
+
+
+def test_a_runs_samples_are_the_engines_greedy_answers_equal_to_the_oracle(tmp_path):
+    """answer_rows writes with the decode engine (on the CPU: eager, the model's own fp32 weights) the
+    oracle's greedy tokens, each row's stop token last in its ids and left out of its text; the model's
+    weights and mode are untouched."""
+    from kdistill.samples import answer_rows
+    from tests.tiny import make_tiny_model, sample_ids
+
+    model = load_model(make_tiny_model(tmp_path, family="qwen3")).train()
+    v = model.spec.vocab_size
+    prompts = [sample_ids(v, 1, n, seed=n)[0].add(1).clamp(max=v - 1).tolist() for n in (3, 16, 1, 9)]
+    free = generate_ids(model, prompts, Sampling(max_new_tokens=6))
+    stops = {free[0][2]}
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    rows = answer_rows(model, prompts, 6, stops, lambda ids: " ".join(map(str, ids)), max_len=64)
+    want = generate_ids(model, prompts, Sampling(max_new_tokens=6), stops, pad_id=min(stops))
+    assert [r["answer_ids"] for r in rows] == want
+    assert rows[0]["answer_ids"][-1] in stops and rows[0]["answer"] == " ".join(map(str, want[0][:-1]))
+    assert [r["prompt"] for r in rows] == [" ".join(map(str, p)) for p in prompts]
+    assert model.training and all(torch.equal(p, before[n]) for n, p in model.state_dict().items())

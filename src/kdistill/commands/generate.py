@@ -21,11 +21,10 @@ import json
 import sys
 from typing import Any
 
-from kdistill.answer_file import generate_to_file
 from kdistill.data.chat_template import using_chat_template
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
-from kdistill.generate import generate_texts
+from kdistill.generate import generate_texts, generate_to_file
 from kdistill.speculative import DEFAULT_DRAFT_TOKENS, generate_texts_speculative
 
 

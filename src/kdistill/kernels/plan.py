@@ -327,18 +327,16 @@ def required_kernels(
         out |= gemm_kernels(extra, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
     kd = run.kd
     if getattr(kd, "on_policy", 0) > 0 or getattr(kd, "seq_kd", 0) > 0:
-        # generated steps (kdistill.train.rollouts): every micro-batch's rows decoded at once. On a GPU
-        # the decode engine in bf16 (generation_kernels: prefill at the longest prompt, the one-token
-        # step over seq_len + 1 cache slots); on a CPU the eager path in the run's precision.
+        # generated steps (kdistill.train.rollouts): every micro-batch's rows decoded at once by the
+        # decode engine (generation_kernels: prefill at the longest prompt, the one-token step over
+        # seq_len + 1 cache slots), in bf16 on a GPU and in the writer's own dtype on a CPU.
         rows, prompt = b * run.schedule.grad_accum, t + 1 - kd.max_new_tokens
         writers = [student_spec] + ([teacher_spec] if kd.seq_kd > 0 and not cached else [])
-        eager = arch == "cpu" or getattr(run.runtime, "device", "auto") == "cpu"
+        on_cpu = arch == "cpu" or getattr(run.runtime, "device", "auto") == "cpu"
         for spec in writers:
-            if eager:
-                w = prec.student_weights if spec is student_spec else prec.teacher_weights
-                out |= model_kernels(spec, arch, prec, w, grad=False, batch=rows, seq=prompt, masked=True)
-            else:
-                out |= generation_kernels(spec, arch, "bf16", batch=rows, prompt_len=prompt, max_len=t + 1)
+            w = prec.student_weights if spec is student_spec else prec.teacher_weights
+            dt = w if on_cpu else "bf16"
+            out |= generation_kernels(spec, arch, dt, batch=rows, prompt_len=prompt, max_len=t + 1)
         if documents:  # generated rows are not packed: the update's forward attends without documents,
             # as does the scoring of one tokenizer's live teacher (across tokenizers it scores its own
             # packed rendering: masked, above)

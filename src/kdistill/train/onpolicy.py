@@ -58,8 +58,9 @@ from kdistill.data import Batcher
 from kdistill.data.chat_pack import PackedRows
 from kdistill.decode import MIN_TEMPERATURE
 from kdistill.errors import UserError
-from kdistill.generate import sample_prompts, stop_token_ids
+from kdistill.generate import stop_token_ids
 from kdistill.ops.kd_loss import label_count
+from kdistill.samples import sample_prompts
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.rollouts import Rollout, RolloutSampling, rollout

@@ -42,13 +42,14 @@ from kdistill.data.cross_chat import AlignedRows, CompletionSide, cross_prompt_p
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json, write_guard
-from kdistill.generate import answer_rows, sample_prompts, stop_token_ids
+from kdistill.generate import stop_token_ids
 from kdistill.kernels import seal
 from kdistill.memory import GIB, Layout, estimate_memory
 from kdistill.models.hf_io import save_model
 from kdistill.models.lora import has_lora, save_adapter
 from kdistill.models.spec import ModelSpec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
+from kdistill.samples import answer_rows, sample_prompts
 from kdistill.scoring import heldout_eval_cached
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
@@ -507,12 +508,9 @@ class Samples:
         if not self.teacher_done and ctx.teacher is not None and ctx.cross is None:
             models.append(("teacher", ctx.teacher))
         lines = []
-        for name, model in models:
-            was_training = model.training
-            model.eval()
-            with ctx.amp:
-                rows = answer_rows(model, self.prompts, tokens, stops, self.run.tokenizer.decode)
-            model.train(was_training)
+        cache = self.run.cfg.data.seq_len + 1 + tokens  # the cache length the kernel plan holds
+        for name, model in models:  # a decode engine of its own (kdistill.samples), dropped after
+            rows = answer_rows(model, self.prompts, tokens, stops, self.run.tokenizer.decode, max_len=cache)
             lines += [json.dumps({"step": step, "model": name, **r}, ensure_ascii=False) for r in rows]
         self.teacher_done = True
         with open(self.path, "a", encoding="utf-8") as f:
