@@ -18,7 +18,8 @@ Job, the Job a decode engine, the engine's answers rows (printed, or a resumable
 
 Greedy by default (decode.Sampling: temperature 0); a seed reproduces sampled tokens on the same device.
 A row stops at its first stop token, the last of its `token_ids`; its `text` leaves the stop token out.
-Speculative decoding (--draft) builds on the same Job (kdistill.speculative).
+--draft: the same steps with a draft model beside the target (check_draft, build_speculative), whose
+SpeculativeDecoder (kdistill.speculative) answers as the engine does.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from kdistill.data.chat import (
     tools_header,
     with_file_tools,
 )
-from kdistill.data.chat_template import CHAT_TEMPLATE_OVERRIDE, ChatTemplate, load_chat_template
+from kdistill.data.chat_template import ChatTemplate, load_chat_template
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.errors import UserError
 from kdistill.kernels import pack as packs
@@ -53,6 +54,13 @@ from kdistill.models.decoder import Decoder
 from kdistill.models.hf_io import load_model
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
+from kdistill.speculative import (
+    DEFAULT_DRAFT_TOKENS,
+    SpeculativeDecoder,
+    check_draft_tokens,
+    check_same_tokenizer,
+    prepare_speculative_kernels,
+)
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_SAMPLING = Sampling()  # greedy, 128 new tokens
@@ -67,6 +75,7 @@ def generate_texts(
     prompts: Sequence[str] = (),
     messages_file: str | Path | None = None,
     chat: bool = False,
+    chat_template: str | Path | None = None,
     sampling: Sampling = DEFAULT_SAMPLING,
     device: str = "auto",
     on_text: Callable[[str], None] | None = None,
@@ -83,7 +92,9 @@ def generate_texts(
     kernel pack folder (`kdistill kernels build --out`) the decode kernels are loaded from on a GPU."""
     check_samples(samples_per_prompt)
     pack = check_kernel_pack(kernel_pack, resolve_device(device))  # before the model directory is read
-    job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
+    job = prepare_job(
+        model_dir, prompts=prompts, messages_file=messages_file, chat=chat, chat_template=chat_template
+    )
     check_samples(samples_per_prompt, len(job.ids))
     work = [(i, j) for i in range(len(job.ids)) for j in range(samples_per_prompt)]
     engine, _info = build_engine(
@@ -105,6 +116,7 @@ def generate_to_file(
     prompts: Sequence[str] = (),
     messages_file: str | Path | None = None,
     chat: bool = False,
+    chat_template: str | Path | None = None,
     sampling: Sampling = DEFAULT_SAMPLING,
     samples_per_prompt: int = 1,
     device: str = "auto",
@@ -120,7 +132,9 @@ def generate_to_file(
     check_samples(samples_per_prompt)
     out = answer_file.check_out(out)
     pack = check_kernel_pack(kernel_pack, resolve_device(device))  # before the model directory is read
-    job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
+    job = prepare_job(
+        model_dir, prompts=prompts, messages_file=messages_file, chat=chat, chat_template=chat_template
+    )
     check_samples(samples_per_prompt, len(job.ids))
     current = answer_file.settings(job.model_dir, job.ids, sampling, samples_per_prompt, max_length, chat)
     with answer_file.locked(out):  # one process per output file
@@ -146,6 +160,53 @@ def generate_to_file(
                 **appender.stats(),
             )
         return answer_file.finish(out, manifest)
+
+
+def generate_texts_speculative(
+    model_dir: str | Path,
+    draft_dir: str | Path,
+    *,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    prompts: Sequence[str] = (),
+    messages_file: str | Path | None = None,
+    chat: bool = False,
+    chat_template: str | Path | None = None,
+    sampling: Sampling = DEFAULT_SAMPLING,
+    device: str = "auto",
+    on_text: Callable[[str], None] | None = None,
+    batch_size: int = 32,
+    max_length: int | None = None,
+    samples_per_prompt: int = 1,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    cuda_graphs: str = "auto",
+    kernel_pack: str | Path | None = None,
+) -> list[dict[str, Any]]:
+    """generate_texts with draft_dir's model proposing draft_tokens tokens per verify step of
+    model_dir's: the same rows (the same tokens when greedy)."""
+    if (
+        isinstance(samples_per_prompt, bool)
+        or not isinstance(samples_per_prompt, int)
+        or samples_per_prompt < 1
+    ):
+        raise UserError(f"--samples-per-prompt is {samples_per_prompt!r}, expected an integer >= 1")
+    check_draft_tokens(draft_tokens)
+    pack = check_kernel_pack(kernel_pack, resolve_device(device))
+    job = prepare_job(
+        model_dir, prompts=prompts, messages_file=messages_file, chat=chat, chat_template=chat_template
+    )
+    work = [(i, j) for i in range(len(job.ids)) for j in range(samples_per_prompt)]
+    dec, _info = build_speculative(
+        job,
+        draft_dir,
+        sampling,
+        draft_tokens=draft_tokens,
+        device=device,
+        batch_size=batch_size,
+        max_length=max_length,
+        cuda_graphs=cuda_graphs,
+        kernel_pack=pack,
+    )
+    return run_job(job, dec, work, on_row=on_row, on_text=on_text)  # type: ignore[arg-type]
 
 
 # -- 1. the flags that need nothing read --------------------------------------------------------
@@ -235,15 +296,17 @@ def prepare_job(
     prompts: Sequence[str] = (),
     messages_file: str | Path | None = None,
     chat: bool = False,
+    chat_template: str | Path | None = None,
 ) -> Job:
-    """Read the model's config, tokenizer and template and encode every prompt (no weights loaded)."""
+    """Read the model's config, tokenizer and template (chat_template: --chat-template PATH, else the
+    model's) and encode every prompt (no weights loaded)."""
     model_dir = Path(model_dir)
     if not prompts and messages_file is None:
         raise UserError("expected --prompt TEXT or --messages FILE")
     spec = load_spec(model_dir)
     convs_in = read_messages_file(messages_file) if messages_file is not None else []
     tokenizer = load_tokenizer(model_dir)
-    template = _template(model_dir, needed=chat or bool(convs_in))
+    template = _template(model_dir, chat_template, needed=chat or bool(convs_in))
     ids = encode_prompts(tokenizer, template, prompts=prompts, conversations=convs_in, chat=chat)
     if chat or convs_in:
         convs: list[list[dict[str, Any]] | None] = [[{"role": "user", "content": p}] for p in prompts]
@@ -308,10 +371,10 @@ def read_messages_file(path: str | Path) -> list[Conversation]:
     return out
 
 
-def _template(model_dir: Path, needed: bool) -> ChatTemplate | None:
-    """The chat template: `--chat-template PATH` when given (kdistill.data.chat_template.
-    using_chat_template), else the model's; None when it has none and none is needed (plain prompts)."""
-    override = CHAT_TEMPLATE_OVERRIDE.get()
+def _template(model_dir: Path, override: str | Path | None, needed: bool) -> ChatTemplate | None:
+    """The chat template: --chat-template PATH (override) when given, else the model's; None when it
+    has none and none is needed (plain prompts)."""
+    override = None if override is None or str(override) == "" else override
     try:
         return load_chat_template(model_dir, override, field="--chat-template")
     except UserError:
@@ -395,7 +458,7 @@ def _config_eos_ids(model_dir: Path) -> set[int]:
     return out
 
 
-# -- 3. the engine: sizes, memory, weights, kernels ----------------------------------------
+# -- 3. the engine: sizes, memory, weights, kernels (and a draft's, for speculative decoding) ----------------------------------------
 def build_engine(
     job: Job,
     sampling: Sampling,
@@ -433,6 +496,78 @@ def build_engine(
     del model
     info.update(batch=batch, max_len=max_len)
     return engine, info
+
+
+def build_speculative(
+    job: Job,
+    draft_dir: str | Path,
+    sampling: Sampling,
+    *,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    device: str = "auto",
+    batch_size: int = 32,
+    max_length: int | None = None,
+    cuda_graphs: str = "auto",
+    kernel_pack: str | Path | None = None,
+) -> tuple[SpeculativeDecoder, dict[str, Any]]:
+    """build_engine with a draft: check sizes, the draft and memory (both models, both caches)
+    before any weight is read, load both, prewarm and seal, build the SpeculativeDecoder."""
+    k = check_draft_tokens(draft_tokens)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UserError(f"--batch-size is {batch_size!r}, expected an integer >= 1")
+    draft_spec = check_draft(job, draft_dir)
+    max_len = cache_length(job, sampling, max_length)
+    dev = resolve_device(device)
+    batch = min(batch_size, 1 << max(0, len(job.ids) - 1).bit_length())
+    prefill_tokens = 16384
+    if dev.type == "cuda":
+        need = sum(
+            generation_bytes(s, batch, max_len + k + 1, prefill_tokens) for s in (job.spec, draft_spec)
+        )
+        free, _total = torch.cuda.mem_get_info(dev)
+        if need > free:
+            raise UserError(
+                f"speculative generation needs about {need / 2**30:.1f} GiB on {dev} (both models and their "
+                f"KV caches) but {free / 2**30:.1f} GiB are free: lower --batch-size or --max-length"
+            )
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = load_model(job.model_dir, dev, dtype).eval()
+    draft = load_model(Path(draft_dir), dev, dtype).eval()
+    longest = max(len(r) for r in job.ids)
+    info = prepare_speculative_kernels(target, draft, batch, longest, max_len + k + 1, k, pack=kernel_pack)
+    dec = SpeculativeDecoder(
+        target,
+        draft,
+        draft_tokens=k,
+        batch_size=batch,
+        max_len=max_len,
+        sampling=sampling,
+        stop_ids=job.stops,
+        pad_id=job.tokenizer.eos_id if job.tokenizer.eos_id is not None else 0,
+        cuda_graphs=cuda_graphs,
+        prefill_tokens=prefill_tokens,
+    )
+    del target, draft  # the decoder keeps its own copies of the weights
+    info.update(batch=batch, max_len=max_len, draft_tokens=k)
+    return dec, info
+
+
+def check_draft(job: Job, draft_dir: str | Path) -> ModelSpec:
+    """The draft's spec, after refusing in one line a draft that is not a model directory, does not
+    share the target's tokenizer, or has fewer embedding rows than the tokenizer has tokens."""
+    draft_dir = Path(draft_dir)
+    if not draft_dir.is_dir():
+        raise UserError(
+            f"--draft '{draft_dir}' is not a model directory (config.json, weights, tokenizer.json)"
+        )
+    spec = load_spec(draft_dir)
+    check_same_tokenizer(job.model_dir, draft_dir)
+    if spec.vocab_size < job.tokenizer.vocab_size:
+        raise UserError(
+            f"{draft_dir / 'config.json'}: vocab_size {spec.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({job.tokenizer.vocab_size})"
+        )
+    return spec
 
 
 def cache_length(job: Job, sampling: Sampling, max_length: int | None) -> int:
