@@ -344,6 +344,18 @@ def required_kernels(
             out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, **plain)
             if not cached and not getattr(kd, "cross_tokenizer", False):
                 out |= model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **plain)
+    if getattr(run.schedule, "sample_prompts", 0) and not sharded:
+        # a run's samples at each eval (kdistill.samples): a decode engine of sample_prompts rows over
+        # seq_len + 1 + sample_tokens slots for the student and, once, the teacher (one of the
+        # student's tokenizer, live), in bf16 on a GPU and in the model's own dtype on a CPU
+        on_cpu = arch == "cpu" or getattr(run.runtime, "device", "auto") == "cpu"
+        rows, slots = run.schedule.sample_prompts, t + 1 + run.schedule.sample_tokens
+        writers = [(student_spec, prec.student_weights)]
+        if not cached and not getattr(kd, "cross_tokenizer", False):
+            writers.append((teacher_spec, prec.teacher_weights))
+        for spec, w in writers:
+            dt = w if on_cpu else "bf16"
+            out |= generation_kernels(spec, arch, dt, batch=rows, prompt_len=min(t, 16), max_len=slots)
     return out
 
 
