@@ -373,7 +373,7 @@ def on_policy_memory(s: StepShape, fixed: dict[str, int], forward_peak: dict[str
         fixed["decode_engine_weights"] = engine_weights(student, full=True)
         if kd.seq_kd > 0:
             fixed["decode_engine_weights"] += engine_weights(teacher, full=teacher_gathered)
-    elif w > 1:  # the eager path writes with a gathered whole copy of each sharded writer, kept
+    elif w > 1:  # on a CPU a gathered whole copy of each sharded writer is kept (its engine shares it)
         ps = student.param_counts()["total"]
         fixed["gathered_writers"] = (ps + (teacher.param_counts()["total"] if teacher_gathered else 0)) * 4
     generation = generation_memory(
