@@ -2,9 +2,11 @@
 
     PYTHONPATH=src:. python3 benchmarks/module_hops.py            # a tiny chat model built on the fly, CPU
     PYTHONPATH=src:. python3 benchmarks/module_hops.py --modules generate,answer_file,data.chat_template
+    PYTHONPATH=OTHER/src:. python3 benchmarks/module_hops.py   # another tree's code (e.g. `git archive`)
 
-Runs `kdistill generate` in this process under sys.setprofile, on the CPU, twice: printing answers
-(`--prompt ... --chat`) and writing an answer file (`--messages FILE --out FILE`). Every Python call whose
+Runs `kdistill generate` in this process under sys.setprofile, on the CPU, three times: printing answers
+(`--prompt ... --chat`), writing an answer file (`--messages FILE --out FILE`) and speculative decoding
+(`--draft`, the model drafting for itself). Every Python call whose
 code lives under src/kdistill is attributed to its module; a call from one module into another is a
 hop (an edge caller -> callee), and a call into a module that is already on the stack below the caller
 (A -> B -> A: the reader following the code goes back up into a file they had left) is a bounce. The
@@ -110,6 +112,7 @@ def main() -> None:
         runs = {
             "print": [*common, "--prompt", "hello", "--chat"],
             "out": [*common, "--messages", str(msgs), "--out", str(tmp / "a.jsonl")],
+            "draft": [*common, "--prompt", "hello", "--chat", "--draft", str(model)],
         }
         for name, argv in runs.items():
             hops, bounces, order = trace(argv, keep, root)
