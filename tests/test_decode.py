@@ -1,8 +1,10 @@
-"""The decode engine on the CPU: the same tokens as transformers and as the reference path, slot refill
+"""The decode engine on the CPU: the same tokens as transformers and as the oracle, slot refill
 bookkeeping, stops found on the device, seeded sampling, the planned keys, and `generate --out`.
 
 - Greedy tokens equal transformers' `generate` for a ragged batch with a stop token, whatever the
   bucket (1, 2 or 8 rows at once: rows wait and take freed slots).
+- On a CPU the engine runs eagerly in the model's dtype, sharing its tensors, and equals the left-padded
+  eager oracle (tests/oracle_decode.py) token for token: prompts of 1 to 21 tokens, 1, 3 or 8 slots.
 - Slot refill: answers come back in prompt order, on_finish once per prompt as each ends, and a row
   ends at its stop token, its budget or the cache's end.
 - The sampler: inverse CDF over the kept tokens (top-k, top-p), greedy below MIN_TEMPERATURE; seeded
@@ -25,11 +27,11 @@ import pytest
 import torch
 
 from kdistill.decode import MIN_TEMPERATURE, DecodeEngine, Sampling, sample_tokens
-from kdistill.generate import generate_ids
 from kdistill.kernels import plan as plan_mod
 from kdistill.kernels import runtime
 from kdistill.models.hf_io import load_model
 from tests import test_generate
+from tests.oracle_decode import generate_ids
 from tests.test_generate import cli, hf_greedy
 from tests.tiny import load_hf, make_tiny_model, sample_ids
 
@@ -59,6 +61,46 @@ def test_greedy_equals_transformers_in_every_bucket(pair):
         )
         assert eng.generate(rows) == want, batch
     assert len({len(r) for r in want}) > 1
+
+
+ORACLE_LENS = (1, 2, 5, 8, 13, 21, 3)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_engine_on_the_cpu_equals_the_oracle_token_for_token(pair, batch):
+    """On a CPU the engine steps eagerly in the model's own dtype, sharing its tensors, and writes the
+    left-padded eager oracle's greedy tokens (tests/oracle_decode.py) for prompts of 1 to 21 tokens,
+    whether all rows run at once or fewer slots are refilled as rows finish."""
+    model, _ = pair
+    v = model.spec.vocab_size
+    rows = [sample_ids(v, 1, n, seed=40 + n)[0].add(1).clamp(max=v - 1).tolist() for n in ORACLE_LENS]
+    free = generate_ids(model, rows, Sampling(max_new_tokens=9))
+    stop = free[1][4]  # a token greedy decoding meets: rows end at different steps
+    want = generate_ids(model, rows, Sampling(max_new_tokens=9), {stop})
+    eng = DecodeEngine(
+        model, batch_size=batch, max_len=32, sampling=Sampling(max_new_tokens=9), stop_ids={stop}
+    )
+    assert not eng.graphs and eng.dtype == torch.float32 and eng.sync_every == 1
+    assert eng.weights.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # shared, not copied
+    assert eng.weights.layers[0].down.data_ptr() == model.model.layers[0].mlp.down_proj.weight.data_ptr()
+    assert eng.generate(rows) == want
+    assert len({len(r) for r in want}) > 1 and any(r[-1] == stop for r in want)
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 4])
+def test_the_host_queues_a_round_ahead_but_none_past_the_rows_budgets(pair, sync_every):
+    """The host reads each round's done flags while the next round runs (the device never waits for
+    it), and queues no round past the one that ends every row's budget: rows that all run to
+    max_new_tokens cost the steps a one-round-at-a-time loop runs, and the tokens are the same."""
+    model, _ = pair
+    rows = ragged(model.spec.vocab_size)[:4]
+    s = Sampling(max_new_tokens=10)
+    one = DecodeEngine(model, batch_size=4, max_len=40, sampling=s, sync_every=1)
+    eng = DecodeEngine(model, batch_size=4, max_len=40, sampling=s, sync_every=sync_every)
+    out = eng.generate(rows)
+    assert out == one.generate(rows) and all(len(r) == 10 for r in out)
+    assert one.steps == 9  # the prefill samples each row's first token, a step each of the other nine
+    assert eng.steps == -(-one.steps // sync_every) * sync_every  # whole rounds, none beyond the budget
 
 
 def test_slot_refill_bookkeeping(pair):

@@ -19,10 +19,11 @@ import torch
 
 from kdistill.cli import main
 from kdistill.data.chat_template import ChatTemplate, load_chat_template
-from kdistill.generate import Sampling, encode_prompts, generate_ids, read_messages_file, stop_token_ids
+from kdistill.generate import Sampling, encode_prompts, read_messages_file, stop_token_ids
 from kdistill.models.decoder import KVCache
 from kdistill.models.hf_io import load_model
 from kdistill.models.tokenizer import load_tokenizer
+from tests.oracle_decode import generate_ids
 from tests.tiny import load_hf, make_tiny_model, sample_ids
 
 PROMPT_LENS = (7, 3, 11)

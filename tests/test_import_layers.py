@@ -39,7 +39,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),
     ("models",),
     ("data", "memory", "decode"),
-    ("train", "scoring", "generate", "teacher_cache", "answer_file", "speculative", "acceptance"),
+    (
+        "train",
+        "scoring",
+        "generate",
+        "samples",
+        "teacher_cache",
+        "answer_file",
+        "speculative",
+        "acceptance",
+    ),
     ("api", "demo", "commands"),
     ("cli", "__main__", "__init__"),
 ]

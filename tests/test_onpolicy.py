@@ -154,17 +154,22 @@ def test_rollout_is_reproduced_from_the_generator_state_and_stops_at_a_stop_toke
         assert (c[-1] == stop) == s and all(t != stop for t in c[:-1])
 
 
-def test_engine_rollout_equals_the_eager_one_and_follows_the_weights():
-    """The decode engine behind rollout (the GPU's path; here on the CPU): the same greedy completions
-    and stops as the eager path, reproducible from the generator state when sampling, and a cached
-    engine sees the model's new weights after an update."""
+def test_a_rollout_is_the_oracles_greedy_decoding_and_a_kept_engine_follows_the_weights():
+    """rollout writes with the decode engine on the CPU too: the greedy completions and stops of the
+    left-padded eager oracle (tests/oracle_decode.py), with or without a kept engine; reproducible from
+    the generator state when sampling; a kept engine sees the model's new weights after an update."""
+    from kdistill.decode import Sampling
+    from tests.oracle_decode import generate_ids
+
     _, student = _pair()
-    stop = rollout(student, PROMPTS, RolloutSampling(8, 0.0), set(), None).completions[1][3]
-    eager = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, None)
+    stop = generate_ids(student, PROMPTS, Sampling(max_new_tokens=8))[1][3]
+    want = generate_ids(student, PROMPTS, Sampling(max_new_tokens=8), {stop})
+    alone = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, None)
+    assert alone.completions == want and alone.stopped == [r[-1] == stop for r in want]
     engines: dict = {}
     gen = torch.Generator().manual_seed(0)
     got = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, gen, engines=engines, max_len=40)
-    assert got.completions == eager.completions and got.stopped == eager.stopped
+    assert got == alone and list(engines) == [id(student)]
     state = gen.get_state()
     a = rollout(student, PROMPTS, RolloutSampling(8, 1.0), {stop}, gen, engines=engines, max_len=40)
     gen.set_state(state)
@@ -172,18 +177,17 @@ def test_engine_rollout_equals_the_eager_one_and_follows_the_weights():
     with torch.no_grad():
         for p in student.parameters():
             p.mul_(1.5)  # an "update"
-    fresh = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, None)
+    fresh = generate_ids(student, PROMPTS, Sampling(max_new_tokens=8), {stop})
     again = rollout(student, PROMPTS, RolloutSampling(8, 0.0), {stop}, gen, engines=engines, max_len=40)
-    assert again.completions == fresh.completions
+    assert again.completions == fresh != want
 
 
 @pytest.mark.parametrize("temperature", [1e-9, 5e-324, 0.99e-5])
 def test_a_tiny_positive_temperature_is_greedy_on_every_sampling_path(temperature):
-    """Below decode.MIN_TEMPERATURE a temperature is greedy in the decode engine; the eager rollout
-    (the CPU's on-policy and teacher-written steps) and generate_ids (reference path) follow the same
-    rule instead of dividing the logits by almost nothing."""
+    """Below decode.MIN_TEMPERATURE a temperature is greedy in the decode engine, whether a rollout
+    keeps its engine or not, as in the oracle, instead of dividing the logits by almost nothing."""
     from kdistill.decode import Sampling
-    from kdistill.generate import generate_ids
+    from tests.oracle_decode import generate_ids
 
     _, student = _pair()
     greedy = rollout(student, PROMPTS, RolloutSampling(8, 0.0), set(), None)
@@ -225,7 +229,7 @@ def test_memory_plan_counts_the_gathered_writers_under_torchrun():
     part = estimate_memory(t, s, cfg, batch=1, layout=replicated)["decode_engine_weights"]
     assert full == engine_weights(s, full=True) + engine_weights(t, full=True)
     assert part == engine_weights(s, full=True) + engine_weights(t, full=False) < full
-    # CPU: the eager path's gathered fp32 copies of the sharded writers
+    # CPU: the gathered fp32 copies of the sharded writers (the engine of each shares its tensors)
     cpu = estimate_memory(t, s, cfg, "cpu", batch=1, layout=sharded)
     assert cpu["gathered_writers"] == (s.param_counts()["total"] + t.param_counts()["total"]) * 4
     assert "gathered_writers" not in estimate_memory(t, s, cfg, "cpu", batch=2)  # one process: none
@@ -437,7 +441,7 @@ def test_on_policy_prompts_are_the_conversation_up_to_its_answer_whatever_train_
     """data.train_on=all learns every token, so the first learned token no longer marks the answer:
     the prompts of generated steps and of the run's samples are still each conversation up to its
     first answer, the answer's generation prompt ("assistant: ") included, as with train_on=assistant."""
-    from kdistill.generate import sample_prompts
+    from kdistill.samples import sample_prompts
 
     want, tok = _prepared(tmp_path / "a", "assistant")
     got, _ = _prepared(tmp_path / "b", "all")
@@ -522,7 +526,7 @@ def test_lora_student_and_fp8_teacher_train_on_generated_steps(tmp_path, capsys)
 
 
 def test_kernel_plan_covers_the_generated_steps_decoding():
-    from kdistill.kernels.plan import required_kernels
+    from kdistill.kernels.plan import generation_kernels, required_kernels
 
     t, s = make_spec(hidden=32, vocab=VOCAB), make_spec(hidden=24, vocab=VOCAB)
     cfg = _cfg()
@@ -533,8 +537,8 @@ def test_kernel_plan_covers_the_generated_steps_decoding():
     assert any(p["B"] == 4 and p["T"] == prompt and not p.get("masked") for p in sdpa)
     assert any(k.op == "rmsnorm_fwd" and k["w_dtype"] == "bf16" for k in plan)
     on_cpu = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device="cpu"))
-    cpu = required_kernels(t, s, on_cpu, "sm_90")  # the eager path: masked attention over the KV cache
-    masked = [dict(k.params) for k in cpu if k.op == "sdpa" and k.get("masked")]
-    assert any(p["B"] == 4 and p["T"] == prompt for p in masked)
+    cpu = required_kernels(t, s, on_cpu, "sm_90")  # the engine in the student's own dtype (fp32)
+    engine = generation_kernels(s, "sm_90", "fp32", batch=4, prompt_len=prompt, max_len=cfg.data.seq_len + 1)
+    assert engine <= cpu and not engine <= plan
     off = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, on_policy=0.0))
     assert required_kernels(t, s, off, "sm_90") < plan

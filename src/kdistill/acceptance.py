@@ -35,12 +35,13 @@ import torch
 from kdistill.data import TokenCache, cache_dir, load_files
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
-from kdistill.generate import RAW_PROMPT_TOKENS, resolve_device, sample_prompts
+from kdistill.generate import resolve_device
 from kdistill.kernels import runtime
 from kdistill.models.decoder import Decoder
 from kdistill.models.hf_io import load_model
 from kdistill.models.spec import load_spec
 from kdistill.models.tokenizer import load_tokenizer
+from kdistill.samples import RAW_PROMPT_TOKENS, sample_prompts
 from kdistill.scoring import eval_sequences
 from kdistill.speculative import (
     DEFAULT_DRAFT_TOKENS,

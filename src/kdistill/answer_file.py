@@ -2,6 +2,9 @@
 
     kdistill generate --model TEACHER --messages prompts.jsonl --out answers.jsonl --samples-per-prompt 4
 
+The file's side of `kdistill generate --out` (kdistill.generate.generate_to_file drives it: check_out,
+settings, locked, resume, start, Appender, finish); nothing here loads a model or generates.
+
 Each line of the output is one answer (answer_row in kdistill.generate): for conversations, the
 conversation with the model's answer appended as an assistant turn ({"messages": [...]}, the format
 `kdistill run` trains on), for plain prompts {"prompt", "completion"}; with "index" (the prompt's line),
@@ -23,12 +26,14 @@ One process per output file (a lock beside it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +42,10 @@ from tqdm import tqdm
 from kdistill import __version__
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
-from kdistill.generate import (
-    Job,
-    build_engine,
-    check_kernel_pack,
-    check_samples,
-    prepare_job,
-    resolve_device,
-    run_job,
-)
-from kdistill.kernels.seal import jit_after_prewarm
 from kdistill.outputs import output_lock
 from kdistill.train import faults
 
 KIND = "kdistill-generate"
-GREEDY = Sampling()
 CHUNK_ROWS = 64  # answers per append
 CHUNK_SECONDS = 10.0  # or this long since the last append
 FULL_HASH_BYTES = 256 << 20  # model files up to this size are hashed whole; larger ones are sampled
@@ -112,17 +106,34 @@ def model_identity(model_dir: Path) -> dict[str, str]:
     return out
 
 
-def _settings(
-    job: Job, sampling: Sampling, samples: int, max_length: int | None, chat: bool
+def check_out(out: str | Path) -> Path:
+    """--out: a file path in an existing directory (checked before anything is read)."""
+    out = Path(out)
+    if out.is_dir():
+        raise UserError(f"--out '{out}' is a directory, expected a .jsonl file path")
+    if not out.parent.is_dir():
+        raise UserError(f"--out '{out}': its directory does not exist")
+    return out
+
+
+def settings(
+    model_dir: Path,
+    ids: Sequence[Sequence[int]],
+    sampling: Sampling,
+    samples: int,
+    max_length: int | None,
+    chat: bool,
 ) -> dict[str, Any]:
+    """What the manifest records of a call (its prompts as the sha256 of their token ids), and what a
+    later start must match to resume the file."""
     digest = hashlib.sha256()
-    for row in job.ids:
+    for row in ids:
         digest.update(json.dumps(row).encode())
         digest.update(b"\n")
     return {
-        "model": str(job.model_dir.resolve()),
-        "model_files": model_identity(job.model_dir),
-        "prompts": len(job.ids),
+        "model": str(model_dir.resolve()),
+        "model_files": model_identity(model_dir),
+        "prompts": len(ids),
         "prompts_sha256": digest.hexdigest(),
         "chat": bool(chat),
         "sampling": dataclasses.asdict(sampling),
@@ -158,43 +169,16 @@ def read_rows(out: Path) -> tuple[list[dict[str, Any]], int]:
     return rows, good
 
 
-def generate_to_file(
-    model_dir: str | Path,
-    out: str | Path,
-    *,
-    prompts: tuple[str, ...] | list[str] = (),
-    messages_file: str | Path | None = None,
-    chat: bool = False,
-    sampling: Sampling = GREEDY,
-    samples_per_prompt: int = 1,
-    device: str = "auto",
-    batch_size: int = 32,
-    max_length: int | None = None,
-    progress: bool = True,
-    on_row: Any = None,
-    kernel_pack: str | Path | None = None,
-) -> dict[str, Any]:
-    """Answer every prompt into `out` (resuming an earlier start); returns the final manifest.
-    kernel_pack: a kernel pack folder the decode kernels are loaded from on a GPU (checked before
-    anything is read or written)."""
-    out = Path(out)
-    check_samples(samples_per_prompt)
-    if out.is_dir():
-        raise UserError(f"--out '{out}' is a directory, expected a .jsonl file path")
-    if not out.parent.is_dir():
-        raise UserError(f"--out '{out}': its directory does not exist")
-    pack = check_kernel_pack(kernel_pack, resolve_device(device))
-    job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
-    check_samples(samples_per_prompt, len(job.ids))
-    settings = _settings(job, sampling, samples_per_prompt, max_length, chat)
-    with output_lock(out):  # one process per output file
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """One process per output file (a lock beside it); a killed start's temp files are removed first."""
+    with output_lock(out):
         for stale in [
             *out.parent.glob(f".{out.name}.tmp-*"),
             *out.parent.glob(f".{out.name}.manifest.json.tmp-*"),
         ]:
             stale.unlink(missing_ok=True)  # a killed start's rewrite or manifest, never renamed
-        return _generate_locked(job, out, settings, sampling, samples_per_prompt, device, batch_size,
-                                max_length, progress, on_row, pack)  # fmt: skip
+        yield
 
 
 def _read_manifest(mpath: Path) -> dict[str, Any]:
@@ -258,60 +242,67 @@ def check_rows(out: Path, rows: list[dict[str, Any]], prompts: int, samples: int
     return done
 
 
-def _generate_locked(
-    job: Job,
-    out: Path,
-    settings: dict[str, Any],
-    sampling: Sampling,
-    samples: int,
-    device: str,
-    batch_size: int,
-    max_length: int | None,
-    progress: bool,
-    on_row: Any,
-    pack: str | None,
-) -> dict[str, Any]:
+@dataclasses.dataclass
+class Resume:
+    """What an earlier start left: `work`, the (prompt, sample) pairs still to answer, in order;
+    `finished`, the manifest of a file that is complete and in order (nothing to do); `good`, the bytes
+    of its complete lines; `written`, how many answers they hold."""
+
+    work: list[tuple[int, int]]
+    finished: dict[str, Any] | None = None
+    good: int = 0
+    written: int = 0
+
+
+def resume(out: Path, current: dict[str, Any], prompts: int, samples: int) -> Resume:
+    """Check an earlier start's manifest and answers against this call's settings (one line naming the
+    first difference) and say what is left to answer. Reads only; call it under `locked`."""
     mpath = manifest_path(out)
     old: dict[str, Any] | None = None
     if mpath.exists():
         old = _read_manifest(mpath)
-        _check_settings(old, settings, out)
+        _check_settings(old, current, out)
     elif out.exists():
         raise UserError(
             f"--out {out} exists and was not written by kdistill generate (no {mpath.name}): choose another path"
         )
     rows, good = read_rows(out)
-    done = check_rows(out, rows, len(job.ids), samples)
-    total = len(job.ids) * samples
+    done = check_rows(out, rows, prompts, samples)
+    total = prompts * samples
     if old is not None and old.get("status") == "complete" and len(done) < total:
-        first = next((i, j) for i in range(len(job.ids)) for j in range(samples) if (i, j) not in done)
+        first = next((i, j) for i in range(prompts) for j in range(samples) if (i, j) not in done)
         raise UserError(
             f"{out}: marked complete but {total - len(done)} of its {total} answers are missing (the first: "
             f"prompt {first[0]} sample {first[1]}); the file was changed by hand: move it and {mpath.name} aside"
         )
     order = [(r["index"], r["sample"]) for r in rows]
     if old is not None and old.get("status") == "complete" and order == sorted(order) and good == _size(out):
-        return old  # nothing to do, nothing changed
-    work = [(i, j) for i in range(len(job.ids)) for j in range(samples) if (i, j) not in done]
-    engine = None
-    if work:  # every size and memory check, and the model loaded, before anything is written
-        engine = build_engine(
-            job, sampling, device=device, batch_size=batch_size, max_length=max_length, kernel_pack=pack
-        )
-    if good < _size(out):  # drop a torn last line
+        return Resume(work=[], finished=old)  # nothing to do, nothing changed
+    work = [(i, j) for i in range(prompts) for j in range(samples) if (i, j) not in done]
+    return Resume(work=work, good=good, written=len(done))
+
+
+def start(out: Path, left: Resume, current: dict[str, Any], total: int) -> dict[str, Any]:
+    """The first write of a start (after every check has passed and the model is loaded): drop a torn
+    last line, then record the manifest as running. Returns the manifest."""
+    if left.good < _size(out):  # drop a torn last line
         with open(out, "r+b") as f:
-            f.truncate(good)
-    manifest = {"kind": KIND, "kdistill": __version__, **settings, "rows": total}
-    manifest.update(written=len(done), status="running")
-    _write_json_atomic(mpath, manifest)
-    if engine is not None:
-        manifest.update(_answer(job, out, work, engine, progress, on_row))
+            f.truncate(left.good)
+    manifest = {"kind": KIND, "kdistill": __version__, **current, "rows": total}
+    manifest.update(written=left.written, status="running")
+    _write_json_atomic(manifest_path(out), manifest)
+    return manifest
+
+
+def finish(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Every answer is written: the file rewritten in prompt order, then the manifest marked complete.
+    Returns the final manifest."""
     rows, _ = read_rows(out)
     faults.at("generate.rewrite")  # every answer written, not yet in order
     _rewrite_in_order(out, rows)
     faults.at("generate.mark")  # in order, not yet marked complete
     manifest.update(written=len(rows), status="complete")
-    _write_json_atomic(mpath, manifest)
+    _write_json_atomic(manifest_path(out), manifest)
     return manifest
 
 
@@ -322,67 +313,75 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _answer(
-    job: Job,
-    out: Path,
-    work: list[tuple[int, int]],
-    built: tuple[Any, dict[str, Any]],
-    show: bool,
-    on_row: Any,
-) -> dict[str, Any]:
-    engine, info = built
-    pending: list[str] = []
-    chunk_rows = int(os.environ.get(faults.GENERATE_CHUNK_ENV) or CHUNK_ROWS)
-    chunks = [0]
-    last = [time.monotonic()]
-    tokens = [0]
-    t0 = time.monotonic()
-    bar = tqdm(total=len(work), desc="generate", unit="answer", file=sys.stderr, disable=not show, leave=True)
+class Appender:
+    """Answers appended to `out` in chunks (CHUNK_ROWS rows or CHUNK_SECONDS, each chunk one write
+    flushed to disk), with a progress bar of `total` answers on stderr.
 
-    def flush() -> None:
-        if not pending:
-            return
-        data = "".join(pending).encode()
+        with Appender(out, len(work), show=True, on_row=None) as add:
+            ...add(row) for each answer as it is complete...
+        appender.stats()   # new tokens, seconds, tokens/s
+    """
+
+    def __init__(
+        self, out: Path, total: int, show: bool, on_row: Callable[[dict[str, Any]], None] | None
+    ) -> None:
+        self.out, self.on_row = out, on_row
+        self.pending: list[str] = []
+        self.chunk_rows = int(os.environ.get(faults.GENERATE_CHUNK_ENV) or CHUNK_ROWS)
+        self.chunks = 0
+        self.tokens = 0
+        self.t0 = self.last = time.monotonic()
+        self.seconds = 0.0
+        self.bar = tqdm(
+            total=total, desc="generate", unit="answer", file=sys.stderr, disable=not show, leave=True
+        )
+
+    def __enter__(self) -> Callable[[dict[str, Any]], None]:
+        return self.add
+
+    def __exit__(self, *exc: object) -> None:
         try:
-            with open(out, "ab") as f:
+            self.flush()
+        finally:
+            self.bar.close()
+            self.seconds = time.monotonic() - self.t0
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.pending.append(json.dumps(row, ensure_ascii=False) + "\n")
+        self.tokens += len(row["token_ids"])
+        self.bar.update(1)
+        rate = self.tokens / max(time.monotonic() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+        if self.on_row is not None:
+            self.on_row(row)
+        if len(self.pending) >= self.chunk_rows or time.monotonic() - self.last > CHUNK_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        data = "".join(self.pending).encode()
+        try:
+            with open(self.out, "ab") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
             raise UserError(
-                f"{out}: cannot write ({e.strerror or e.__class__.__name__}); the answers written so far "
+                f"{self.out}: cannot write ({e.strerror or e.__class__.__name__}); the answers written so far "
                 "are kept: run the same command again to resume"
             ) from None
-        pending.clear()
-        last[0] = time.monotonic()
-        chunks[0] += 1
-        faults.at(f"generate.{chunks[0]}")
+        self.pending.clear()
+        self.last = time.monotonic()
+        self.chunks += 1
+        faults.at(f"generate.{self.chunks}")
 
-    def row_done(row: dict[str, Any]) -> None:
-        pending.append(json.dumps(row, ensure_ascii=False) + "\n")
-        tokens[0] += len(row["token_ids"])
-        bar.update(1)
-        bar.set_postfix_str(f"{tokens[0] / max(time.monotonic() - t0, 1e-9):,.0f} tok/s", refresh=False)
-        if on_row is not None:
-            on_row(row)
-        if len(pending) >= chunk_rows or time.monotonic() - last[0] > CHUNK_SECONDS:
-            flush()
-
-    try:
-        run_job(job, engine, work, on_row=row_done)
-    finally:
-        flush()
-        bar.close()
-    seconds = time.monotonic() - t0
-    return {
-        "jit_after_prewarm": jit_after_prewarm(),
-        "device": info.get("arch") if info.get("mode") == "triton" else str(engine.device),
-        "batch_size": info["batch"],
-        "cache_length": info["max_len"],
-        "new_tokens": tokens[0],
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens[0] / max(seconds, 1e-9), 1),
-    }
+    def stats(self) -> dict[str, Any]:
+        return {
+            "new_tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1),
+        }
 
 
 def _rewrite_in_order(out: Path, rows: list[dict[str, Any]]) -> None:

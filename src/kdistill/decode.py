@@ -1,14 +1,17 @@
 """The decode engine: static KV cache, one-token step captured as a CUDA graph, sampling on the device,
-slots refilled as rows finish. Used by `kdistill generate`, a run's samples and on-policy rollouts.
+slots refilled as rows finish. Every generation goes through it: `kdistill generate` (and speculative
+decoding), a run's samples (kdistill.samples) and on-policy rollouts (kdistill.train.rollouts), on a
+GPU and on a CPU alike.
 
     engine = DecodeEngine(model, batch_size=32, max_len=640, sampling=Sampling(max_new_tokens=128),
                           stop_ids={eos})
     new = engine.generate(prompts)          # new token ids per prompt (a row's stop token last)
     engine.refresh(model)                   # the model's weights changed (a training step): copy them in
 
-Layout. The engine keeps its own copy of the weights in the decode dtype (bf16 on a GPU, the model's
-on a CPU), with q/k/v and gate/up stacked once (a decode step reads each weight once, and no
-concatenation runs per step). The KV cache is (B, Hkv, M, D) per layer, allocated once per
+Layout. The engine keeps its weights in the decode dtype (bf16 on a GPU, the model's own on a CPU),
+with q/k/v and gate/up stacked once (a decode step reads each weight once, and no concatenation runs
+per step). A tensor of the model already in that dtype and device is shared, not copied (unless FSDP
+manages it), so on a CPU only the stacked q/k/v and gate/up are copies. The KV cache is (B, Hkv, M, D) per layer, allocated once per
 (batch bucket B, max length M); row b's slot i holds position i, so a prompt is written from slot 0
 whatever its length (no left padding) and rows grow independently.
 
@@ -19,6 +22,13 @@ token is appended to the row's output unless the row is done, and the row become
 token, at its token budget, or when the cache is full. On a GPU the step is captured once per bucket
 as a CUDA graph after prewarm (capture compiles nothing: the Triton binaries are already loaded by two
 eager warm-up steps) and replayed; the host reads the done flags every `sync_every` steps.
+
+On a CPU. The same engine, the same layout and the same step, run eagerly: every op goes through the
+dispatcher, which runs its PyTorch reference (and, when asked, records the key a GPU would launch: the
+CPU tests prove the GPU's plan with the GPU's own code path). The CPU decodes in the model's dtype (fp32
+as loaded on a CPU): the weights are shared rather than converted, and the tokens are those of the
+model's own forward. Reading the done flags costs nothing there (no device to wait for), so the host
+reads them after every step (sync_every 1): no step is run for rows that have already finished.
 
 Slot refill. Prompts wait in order; whenever rows finish, the waiting prompts are prefilled into the
 freed slots (a right-padded causal prefill of the new prompts only, written into their cache rows),
@@ -454,7 +464,8 @@ class DecodeEngine:
     batch_size: the most rows decoded at once (a call with fewer prompts uses the smallest power-of-two
     bucket that holds them). max_len: cache slots per row (prompt + new tokens). cuda_graphs: "auto"
     (on a CUDA device), "on" or "off" (the same step run eagerly: the reference of the graph path).
-    sync_every: decode steps between two reads of the done flags by the host. generator: draws the
+    sync_every: decode steps between two reads of the done flags by the host (default 8 on a GPU, 1 on a
+    CPU, where a read is free). generator: draws the
     sampler's uniforms (default: a new one seeded with sampling.seed)."""
 
     def __init__(
@@ -468,7 +479,7 @@ class DecodeEngine:
         pad_id: int = 0,
         dtype: torch.dtype | None = None,
         cuda_graphs: str = "auto",
-        sync_every: int = 8,
+        sync_every: int | None = None,
         prefill_tokens: int = 16384,
         generator: torch.Generator | None = None,
     ) -> None:
@@ -488,7 +499,7 @@ class DecodeEngine:
         self.sampling = sampling
         self.stops = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.int64, device=self.device)
         self.pad_id = int(pad_id)
-        self.sync_every = max(1, int(sync_every))
+        self.sync_every = max(1, int(sync_every if sync_every is not None else 8 if on_gpu else 1))
         self.prefill_tokens = max(1, int(prefill_tokens))
         # The caller's generator (its state checkpointed with a run) or one seeded by sampling.seed.
         self.generator = generator or torch.Generator(device=self.device).manual_seed(int(sampling.seed))
@@ -738,7 +749,8 @@ def run_slots(
     so the device never idles while the host reads (a done row's steps change nothing; a finished row is
     noticed one round after it stopped). A finished slot's tokens are its prompt's answer (on_finish(i,
     ids); on_done(i, flags[:, slot]) for any bookkeeping of the other rows) and the slot takes the next
-    waiting prompts; on_tokens(i, ids so far) streams."""
+    waiting prompts; on_tokens(i, ids so far) streams. No round is queued past the one that the rows'
+    budgets (limits) end: a batch of rows that all run to their budget wastes no step."""
     waiting = deque(range(len(prompts)))
     owner: list[int | None] = [None] * slots
     results: list[list[int] | None] = [None] * len(prompts)
@@ -763,12 +775,25 @@ def run_slots(
             step()
         return _Snapshot(flags())
 
+    def ends_in_flight(f: torch.Tensor | None) -> bool:
+        """Whether every row still running at the read flags f has at most one round of tokens left
+        (each step adds at least one token to a running row): the round queued after f finishes them
+        all, and another would be wasted."""
+        if f is None:
+            return False
+        left = [
+            int(limits[i]) - int(f[1, s]) for s, i in enumerate(owner) if i is not None and not bool(f[0, s])
+        ]
+        return all(n <= sync_every for n in left)
+
     fill(list(range(slots)))
     last: _Snapshot | None = None  # the flags after the last queued round, not yet read
+    f: torch.Tensor | None = None  # the flags read last
     while any(o is not None for o in owner):
         if last is None:  # after a prefill: flags taken before it would show the old rows
-            last = round_()
-        queued = round_()  # the device works on this round while the host reads the last one's flags
+            last, f = round_(), None
+        # the device works on the next round while the host reads the last one's flags
+        queued = None if ends_in_flight(f) else round_()
         f, last = last.read(), queued
         finished = [s for s, o in enumerate(owner) if o is not None and bool(f[0, s])]
         if finished:

@@ -244,8 +244,15 @@ def estimate_memory(
         terms = {**fixed, "generation_kv_cache_and_logits": generation}
     elif evaluation > live_forward:
         terms = {**fixed, "heldout_eval_with_document_mask": evaluation}
-    if s.gpu and _graphed(cfg, w):
-        terms["eval_beside_graph_pool"] = eval_beside_graph_pool(s)
+    # the samples' engines: the teacher's before the first step, the student's at each eval (after a
+    # step: its activations are free, but not a captured step's pool, which nothing else reuses)
+    student_samples, teacher_samples = sample_engine_memory(s)
+    graphed = s.gpu and _graphed(cfg, w)
+    samples = teacher_samples if graphed else max(student_samples, teacher_samples)
+    if samples > sum(v for k, v in terms.items() if k not in fixed):
+        terms = {**fixed, "sample_engine": samples}
+    if graphed:
+        terms["eval_beside_graph_pool"] = max(eval_beside_graph_pool(s), student_samples)
     terms["total"] = sum(terms.values())
     return terms
 
@@ -426,7 +433,7 @@ def on_policy_memory(s: StepShape, fixed: dict[str, int], forward_peak: dict[str
         fixed["decode_engine_weights"] = engine_weights(student, full=True)
         if kd.seq_kd > 0:
             fixed["decode_engine_weights"] += engine_weights(teacher, full=teacher_gathered)
-    elif w > 1:  # the eager path writes with a gathered whole copy of each sharded writer, kept
+    elif w > 1:  # on a CPU a gathered whole copy of each sharded writer is kept (its engine shares it)
         ps = student.param_counts()["total"]
         fixed["gathered_writers"] = (ps + (teacher.param_counts()["total"] if teacher_gathered else 0)) * 4
     rows = s.rows * s.cfg.schedule.grad_accum  # every micro-batch's rows are written in one generation
@@ -474,6 +481,26 @@ def heldout_eval_memory(s: StepShape) -> int:
     a document bias): the forward's document bias beside the final hidden states of both models, one
     block's transient activations and two [chunk x vocab] fp32 logits buffers (`eval_beside_graph_pool`)."""
     return eval_beside_graph_pool(s)
+
+
+def sample_engine_memory(s: StepShape) -> tuple[int, int]:
+    """schedule.sample_prompts on a GPU (one process): the decode engines that write a run's samples
+    (kdistill.samples), each built and dropped: (the student's, at each eval; the teacher's, once before
+    the first step). Each is its bf16 weights (all of an fp32 student's; of a bf16 teacher only the
+    stacked q/k/v and gate/up, the rest shared; all of an FP8 teacher's, dequantised), the KV cache of
+    sample_prompts rows over seq_len + 1 + sample_tokens slots, and the sampler's logits."""
+    sched, cfg = s.cfg.schedule, s.cfg
+    if not s.gpu or not sched.sample_prompts or s.layout.world > 1:
+        return 0, 0
+    slots = cfg.data.seq_len + 1 + sched.sample_tokens
+
+    def engine(spec: ModelSpec, full: bool) -> int:
+        return engine_weights(spec, full) + generation_memory([spec], sched.sample_prompts, slots, 2)
+
+    teacher = 0
+    if not s.cached and not cfg.kd.cross_tokenizer:
+        teacher = engine(s.teacher, cfg.teacher.precision == "fp8")
+    return engine(s.student, True), teacher
 
 
 def _graphed(cfg: RunConfig, world: int) -> bool:

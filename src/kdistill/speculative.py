@@ -48,20 +48,9 @@ import torch.nn.functional as F
 
 from kdistill.decode import DecodeEngine, Sampling, _Slots, inverse_cdf, run_slots
 from kdistill.errors import UserError
-from kdistill.generate import (
-    Job,
-    cache_length,
-    check_kernel_pack,
-    generation_bytes,
-    prepare_job,
-    resolve_device,
-    run_job,
-)
 from kdistill.kernels.plan import speculative_kernels
 from kdistill.kernels.seal import configure, prewarm, seal, unseal
 from kdistill.models.decoder import Decoder
-from kdistill.models.hf_io import load_model
-from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import load_tokenizer
 
 DEFAULT_DRAFT_TOKENS = 4
@@ -397,7 +386,7 @@ def timed(
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-# -- `kdistill generate --draft` ------------------------------------------------------------------
+# -- the kernels of `kdistill generate --draft` (kdistill.generate.build_speculative) ---------------
 def prepare_speculative_kernels(
     target: Decoder,
     draft: Decoder,
@@ -430,119 +419,3 @@ def prepare_speculative_kernels(
         seal(strict=rt.strict)
         info.update(planned=len(plan), prewarm=report.line())
     return info
-
-
-def check_draft(job: Job, draft_dir: str | Path) -> ModelSpec:
-    """The draft's spec, after refusing in one line a draft that is not a model directory, does not
-    share the target's tokenizer, or has fewer embedding rows than the tokenizer has tokens."""
-    draft_dir = Path(draft_dir)
-    if not draft_dir.is_dir():
-        raise UserError(
-            f"--draft '{draft_dir}' is not a model directory (config.json, weights, tokenizer.json)"
-        )
-    spec = load_spec(draft_dir)
-    check_same_tokenizer(job.model_dir, draft_dir)
-    if spec.vocab_size < job.tokenizer.vocab_size:
-        raise UserError(
-            f"{draft_dir / 'config.json'}: vocab_size {spec.vocab_size} is smaller than the tokenizer's "
-            f"vocabulary ({job.tokenizer.vocab_size})"
-        )
-    return spec
-
-
-def build_speculative(
-    job: Job,
-    draft_dir: str | Path,
-    sampling: Sampling,
-    *,
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-    device: str = "auto",
-    batch_size: int = 32,
-    max_length: int | None = None,
-    cuda_graphs: str = "auto",
-    kernel_pack: str | Path | None = None,
-) -> tuple[SpeculativeDecoder, dict[str, Any]]:
-    """generate.build_engine with a draft: check sizes, the draft and memory (both models, both caches)
-    before any weight is read, load both, prewarm and seal, build the SpeculativeDecoder."""
-    k = check_draft_tokens(draft_tokens)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise UserError(f"--batch-size is {batch_size!r}, expected an integer >= 1")
-    draft_spec = check_draft(job, draft_dir)
-    max_len = cache_length(job, sampling, max_length)
-    dev = resolve_device(device)
-    batch = min(batch_size, 1 << max(0, len(job.ids) - 1).bit_length())
-    prefill_tokens = 16384
-    if dev.type == "cuda":
-        need = sum(
-            generation_bytes(s, batch, max_len + k + 1, prefill_tokens) for s in (job.spec, draft_spec)
-        )
-        free, _total = torch.cuda.mem_get_info(dev)
-        if need > free:
-            raise UserError(
-                f"speculative generation needs about {need / 2**30:.1f} GiB on {dev} (both models and their "
-                f"KV caches) but {free / 2**30:.1f} GiB are free: lower --batch-size or --max-length"
-            )
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target = load_model(job.model_dir, dev, dtype).eval()
-    draft = load_model(Path(draft_dir), dev, dtype).eval()
-    longest = max(len(r) for r in job.ids)
-    info = prepare_speculative_kernels(target, draft, batch, longest, max_len + k + 1, k, pack=kernel_pack)
-    dec = SpeculativeDecoder(
-        target,
-        draft,
-        draft_tokens=k,
-        batch_size=batch,
-        max_len=max_len,
-        sampling=sampling,
-        stop_ids=job.stops,
-        pad_id=job.tokenizer.eos_id if job.tokenizer.eos_id is not None else 0,
-        cuda_graphs=cuda_graphs,
-        prefill_tokens=prefill_tokens,
-    )
-    del target, draft  # the decoder keeps its own copies of the weights
-    info.update(batch=batch, max_len=max_len, draft_tokens=k)
-    return dec, info
-
-
-def generate_texts_speculative(
-    model_dir: str | Path,
-    draft_dir: str | Path,
-    *,
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-    prompts: Sequence[str] = (),
-    messages_file: str | Path | None = None,
-    chat: bool = False,
-    sampling: Sampling = DEFAULT_SAMPLING,
-    device: str = "auto",
-    on_text: Callable[[str], None] | None = None,
-    batch_size: int = 32,
-    max_length: int | None = None,
-    samples_per_prompt: int = 1,
-    on_row: Callable[[dict[str, Any]], None] | None = None,
-    cuda_graphs: str = "auto",
-    kernel_pack: str | Path | None = None,
-) -> list[dict[str, Any]]:
-    """generate.generate_texts with draft_dir's model proposing draft_tokens tokens per verify step of
-    model_dir's: the same rows (the same tokens when greedy)."""
-    if (
-        isinstance(samples_per_prompt, bool)
-        or not isinstance(samples_per_prompt, int)
-        or samples_per_prompt < 1
-    ):
-        raise UserError(f"--samples-per-prompt is {samples_per_prompt!r}, expected an integer >= 1")
-    check_draft_tokens(draft_tokens)
-    pack = check_kernel_pack(kernel_pack, resolve_device(device))
-    job = prepare_job(model_dir, prompts=prompts, messages_file=messages_file, chat=chat)
-    work = [(i, j) for i in range(len(job.ids)) for j in range(samples_per_prompt)]
-    dec, _info = build_speculative(
-        job,
-        draft_dir,
-        sampling,
-        draft_tokens=draft_tokens,
-        device=device,
-        batch_size=batch_size,
-        max_length=max_length,
-        cuda_graphs=cuda_graphs,
-        kernel_pack=pack,
-    )
-    return run_job(job, dec, work, on_row=on_row, on_text=on_text)  # type: ignore[arg-type]

@@ -21,22 +21,15 @@ import json
 import sys
 from typing import Any
 
-from kdistill.answer_file import generate_to_file
-from kdistill.data.chat_template import using_chat_template
 from kdistill.decode import Sampling
 from kdistill.errors import UserError
-from kdistill.generate import generate_texts
-from kdistill.speculative import DEFAULT_DRAFT_TOKENS, generate_texts_speculative
+from kdistill.generate import generate_texts, generate_texts_speculative, generate_to_file
+from kdistill.speculative import DEFAULT_DRAFT_TOKENS
 
 
 def generate_command(args: Any) -> int:
     """Validate the flags, generate, print text (streamed for one prompt) or JSON lines, or write --out;
     with --chat-template PATH, every rendering uses that template."""
-    with using_chat_template(getattr(args, "chat_template", None)):
-        return _generate(args)
-
-
-def _generate(args: Any) -> int:
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -49,6 +42,7 @@ def _generate(args: Any) -> int:
         prompts=prompts,
         messages_file=args.messages,
         chat=args.chat,
+        chat_template=getattr(args, "chat_template", None),
         sampling=sampling,
         device=args.device,
         batch_size=args.batch_size,

@@ -505,23 +505,6 @@ def load_chat_template(
     return template
 
 
-# The template `kdistill generate --chat-template PATH` asked for, for the calls made inside
-# `using_chat_template(PATH)` (see kdistill.generate._template).
-CHAT_TEMPLATE_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "kdistill_chat_template_override", default=None
-)
-
-
-@contextlib.contextmanager
-def using_chat_template(path: str | Path | None) -> Iterator[None]:
-    """Inside the block, generation renders with the template at `path` (None: the model's own)."""
-    token = CHAT_TEMPLATE_OVERRIDE.set(None if path is None or str(path) == "" else str(path))
-    try:
-        yield
-    finally:
-        CHAT_TEMPLATE_OVERRIDE.reset(token)
-
-
 def _read_text(path: Path) -> str:
     try:
         if path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:

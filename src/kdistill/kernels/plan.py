@@ -327,21 +327,17 @@ def required_kernels(
         out |= gemm_kernels(extra, arch, prec.compute, grad=False, tokens=b * t, chunk=run.kd.chunk_size)
     kd = run.kd
     if getattr(kd, "on_policy", 0) > 0 or getattr(kd, "seq_kd", 0) > 0:
-        # generated steps (kdistill.train.rollouts): every micro-batch's rows decoded at once. On a GPU
-        # the decode engine in bf16 (generation_kernels: prefill at the longest prompt, the one-token
-        # step over seq_len + 1 cache slots); on a CPU the eager path in the run's precision.
+        # generated steps (kdistill.train.rollouts): every micro-batch's rows decoded at once by the
+        # decode engine (generation_kernels: prefill at the longest prompt, the one-token step over
+        # seq_len + 1 cache slots), in bf16 on a GPU and in the writer's own dtype on a CPU.
         rows, prompt = b * run.schedule.grad_accum, t + 1 - kd.max_new_tokens
         writers = [student_spec] + ([teacher_spec] if kd.seq_kd > 0 and not cached else [])
-        eager = arch == "cpu" or getattr(run.runtime, "device", "auto") == "cpu"
+        on_cpu = arch == "cpu" or getattr(run.runtime, "device", "auto") == "cpu"
         for spec in writers:
-            if eager:
-                w = prec.student_weights if spec is student_spec else prec.teacher_weights
-                out |= model_kernels(spec, arch, prec, w, grad=False, batch=rows, seq=prompt, masked=True)
-            else:
-                slots = min(
-                    getattr(kd, "rollout_batch", 0) or rows, rows
-                )  # kd.rollout_slots: the engine's rows
-                out |= generation_kernels(spec, arch, "bf16", batch=slots, prompt_len=prompt, max_len=t + 1)
+            w = prec.student_weights if spec is student_spec else prec.teacher_weights
+            dt = w if on_cpu else "bf16"
+            slots = min(getattr(kd, "rollout_batch", 0) or rows, rows)  # kd.rollout_slots: the engine's rows
+            out |= generation_kernels(spec, arch, dt, batch=slots, prompt_len=prompt, max_len=t + 1)
         if documents:  # generated rows are not packed: the update's forward attends without documents,
             # as does the scoring of one tokenizer's live teacher (across tokenizers it scores its own
             # packed rendering: masked, above)
@@ -349,6 +345,18 @@ def required_kernels(
             out |= model_kernels(student_spec, arch, prec, prec.student_weights, grad=True, **plain)
             if not cached and not getattr(kd, "cross_tokenizer", False):
                 out |= model_kernels(teacher_spec, arch, prec, prec.teacher_weights, grad=False, **plain)
+    if getattr(run.schedule, "sample_prompts", 0) and not sharded:
+        # a run's samples at each eval (kdistill.samples): a decode engine of sample_prompts rows over
+        # seq_len + 1 + sample_tokens slots for the student and, once, the teacher (one of the
+        # student's tokenizer, live), in bf16 on a GPU and in the model's own dtype on a CPU
+        on_cpu = arch == "cpu" or getattr(run.runtime, "device", "auto") == "cpu"
+        rows, slots = run.schedule.sample_prompts, t + 1 + run.schedule.sample_tokens
+        writers = [(student_spec, prec.student_weights)]
+        if not cached and not getattr(kd, "cross_tokenizer", False):
+            writers.append((teacher_spec, prec.teacher_weights))
+        for spec, w in writers:
+            dt = w if on_cpu else "bf16"
+            out |= generation_kernels(spec, arch, dt, batch=rows, prompt_len=min(t, 16), max_len=slots)
     return out
 
 

@@ -34,7 +34,8 @@ stop early wait for nobody: the decode engine (GPU) gathers a sharded writer's w
 once per generation (kdistill.decode.copy_whole: a few bucketed all-gathers in bf16, each parameter
 written straight into the engine's rows; or, with the student's blocks kept gathered from forward to
 backward, FSDP's own gather of the whole student, which the update's forward then uses without
-gathering again), the eager path (CPU) writes with a gathered plain copy (distributed.gathered_copy).
+gathering again); on a CPU the engine of each rollout writes with a gathered plain copy
+(distributed.gathered_copy), whose tensors it shares.
 Each process scores its own rows, then one all-reduce of the completion-token counts (after scoring: a
 process that wrote faster scores while the others still write): each process's loss is
 weighted by its share of the micro-batch's tokens over all processes (as off-policy steps weigh theirs),
@@ -59,8 +60,9 @@ from kdistill.data import Batcher
 from kdistill.data.chat_pack import PackedRows
 from kdistill.decode import MIN_TEMPERATURE
 from kdistill.errors import UserError
-from kdistill.generate import sample_prompts, stop_token_ids
+from kdistill.generate import stop_token_ids
 from kdistill.ops.kd_loss import label_count
+from kdistill.samples import sample_prompts
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
@@ -153,7 +155,7 @@ class OnPolicy:
         self.batcher = Batcher(np.arange(len(prompts)), self.per_micro * sched.grad_accum, sched.seed)
         self.rank = dist.info().rank if rows is not None else 0
         self.generator = torch.Generator(device=device).manual_seed(generator_seed(sched.seed, self.rank))
-        # under torchrun on the eager path: the gathered plain copy of each sharded writer (kept across steps)
+        # under torchrun on a CPU: the gathered plain copy of each sharded writer (kept across steps)
         self.copies: dict[int, torch.nn.Module] = {}
         self.sampling = RolloutSampling(kd.max_new_tokens, kd.sampling_temperature)
         self.prompt_len = cfg.data.seq_len + 1 - kd.max_new_tokens  # the longest prompt kept

@@ -42,13 +42,14 @@ from kdistill.data.cross_chat import AlignedRows, CompletionSide, cross_prompt_p
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import atomic_write_json, write_guard
-from kdistill.generate import answer_rows, sample_prompts, stop_token_ids
+from kdistill.generate import stop_token_ids
 from kdistill.kernels import seal
 from kdistill.memory import GIB, Layout, estimate_memory
 from kdistill.models.hf_io import save_model
 from kdistill.models.lora import has_lora, save_adapter
 from kdistill.models.spec import ModelSpec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
+from kdistill.samples import answer_rows, sample_prompts
 from kdistill.scoring import heldout_eval_cached
 from kdistill.train import checkpoint as ckpt
 from kdistill.train import distributed as dist
@@ -485,8 +486,13 @@ class Evaluator:
 class Samples:
     """What the student says: at each eval, greedy answers (schedule.sample_tokens new tokens) to the
     first schedule.sample_prompts held-out prompts, appended to samples.jsonl as {step, model, prompt,
-    answer, answer_ids}; the teacher's answers once. Off under torchrun (a sharded student) and for
-    data read as token ids without a tokenizer."""
+    answer, answer_ids}; the teacher's answers once, with the first eval's. Off under torchrun (a
+    sharded student) and for data read as token ids without a tokenizer.
+
+    Each model answers through a decode engine of its own (kdistill.samples), dropped after. The
+    teacher answers here, before the first step, while the memory the step's activations, optimizer
+    state and captured graph will take is still free (its engine's copy of a big teacher's stacked
+    weights would not fit beside them: memory.sample_engine_memory); the student at each eval."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -495,9 +501,11 @@ class Samples:
         if sched.sample_prompts and not dist.active() and isinstance(run.tokenizer, Tokenizer):
             self.prompts = sample_prompts(run.held.sequences, sched.sample_prompts)
         self.path = run.run_dir / "samples.jsonl"
-        self.teacher_done = self.path.is_file() and any(
-            r.get("model") == "teacher" for r in read_metrics(self.path)
-        )
+        done = self.path.is_file() and any(r.get("model") == "teacher" for r in read_metrics(self.path))
+        self.teacher_rows: list[dict[str, Any]] = []  # written with the first eval's
+        teacher, cross = run.ctx.teacher, run.ctx.cross
+        if self.prompts and not done and teacher is not None and cross is None:
+            self.teacher_rows = self.answers(teacher)
 
     def stops(self) -> set[int]:
         tok, cfg = self.run.tokenizer, self.run.cfg
@@ -507,22 +515,20 @@ class Samples:
             template = load_chat_template(model, cfg.data.chat_template or None)
         return stop_token_ids(model, tok, template, cfg.data.template_kwargs)
 
+    def answers(self, model: torch.nn.Module) -> list[dict[str, Any]]:
+        tokens = self.run.cfg.schedule.sample_tokens
+        cache = self.run.cfg.data.seq_len + 1 + tokens  # the cache length the kernel plan holds
+        return answer_rows(
+            model, self.prompts, tokens, self.stops(), self.run.tokenizer.decode, max_len=cache
+        )
+
     def __call__(self, step: int) -> None:
         if not self.prompts:
             return
-        ctx, tokens, stops = self.run.ctx, self.run.cfg.schedule.sample_tokens, self.stops()
-        models = [("student", ctx.student)]
-        if not self.teacher_done and ctx.teacher is not None and ctx.cross is None:
-            models.append(("teacher", ctx.teacher))
-        lines = []
-        for name, model in models:
-            was_training = model.training
-            model.eval()
-            with ctx.amp:
-                rows = answer_rows(model, self.prompts, tokens, stops, self.run.tokenizer.decode)
-            model.train(was_training)
-            lines += [json.dumps({"step": step, "model": name, **r}, ensure_ascii=False) for r in rows]
-        self.teacher_done = True
+        rows = [("student", r) for r in self.answers(self.run.ctx.student)]
+        rows += [("teacher", r) for r in self.teacher_rows]
+        self.teacher_rows = []
+        lines = [json.dumps({"step": step, "model": name, **r}, ensure_ascii=False) for name, r in rows]
         with open(self.path, "a", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
 

@@ -5,17 +5,18 @@
     out.completions[i]        # new token ids of prompt i (its stop token last, when it stopped)
     out.stopped[i]            # whether row i stopped at a stop token (else it ran to max_new_tokens)
 
-The on-policy step's one generation (kdistill.train.onpolicy). Given `engines` (a dict the caller
-keeps; on a GPU), the decode engine (kdistill.decode: a bf16 copy of the writer's weights refreshed
-before each rollout, a static KV cache of max_len slots, the CUDA-graph step, sampling on the device)
-writes the completions and stays cached for the next step. Otherwise the eager path: the prompts
-left-padded (kdistill.generate.left_pad), one prefill, then one token per step through the decoder's
-KV cache (Decoder.forward_cached), of a whole model (under torchrun a sharded writer's gathered
-copy: distributed.gathered_copy). `batch` caps the engine's rows decoded at once (a row that stops
-frees its slot for the next prompt, in order: kdistill.decode.run_slots; kd.rollout_batch).
-Both sample with the caller's generator, so that a resumed run
-draws the same tokens from the generator state it saved. The model runs in eval mode (no dropout)
-and without gradients, in the caller's autocast.
+The on-policy step's one generation (kdistill.train.onpolicy), written by the decode engine
+(kdistill.decode) on every device: a copy of the writer's weights in the decode dtype (bf16 on a GPU; on
+a CPU the model's own dtype, sharing every tensor it does not stack), a static KV cache of max_len slots,
+the step (a CUDA graph on a GPU, eager on a CPU) and sampling on the device. Given `engines` (a dict the
+caller keeps) the engine stays cached for the next step and is refreshed from the weights before each
+rollout; without it the engine serves this call alone. Under torchrun the engine gathers a sharded
+writer's weights itself (decode.copy_whole); a call without `engines` wants a whole model (a sharded
+writer's gathered copy: distributed.gathered_copy). The engine samples with the caller's generator, so a
+resumed run draws the same tokens from the generator state it saved. `batch` caps the engine's rows
+decoded at once (a row that stops frees its slot for the next prompt, in order: kdistill.decode.run_slots;
+kd.rollout_batch). The writer's mode and autocast
+do not matter: the engine's weights are plain copies (LoRA merged, FP8 dequantised) in its own dtype.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kdistill.decode import MIN_TEMPERATURE, DecodeEngine, Sampling
-from kdistill.generate import left_pad
-from kdistill.models.decoder import Decoder, KVCache
+from kdistill.decode import DecodeEngine, Sampling
+from kdistill.models.decoder import Decoder
 from kdistill.train import distributed as dist
 
 
@@ -53,15 +53,6 @@ class Rollout:
         return sum(len(c) for c in self.completions)
 
 
-def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) fp32 logits -> (B,) token ids: argmax below MIN_TEMPERATURE (1 / T would overflow the
-    logits' scale), else a draw from softmax(logits / T)."""
-    if temperature < MIN_TEMPERATURE:
-        return logits.argmax(-1)
-    probs = (logits / temperature).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
 @torch.no_grad()
 def rollout(
     model: Decoder,
@@ -77,27 +68,26 @@ def rollout(
     batch: int | None = None,
 ) -> Rollout:
     """Completions of every prompt (each non-empty) by `model`, in one batch (see the module docstring).
-    engines: the decode engines of earlier rollouts, by model (None: the eager path); max_len: the
-    engine's cache slots per row (at least the longest prompt + max_new_tokens); batch: the engine's
-    rows decoded at once (None: every prompt's)."""
+    engines: the decode engines of earlier rollouts, by model (None: an engine for this call alone);
+    max_len: the engine's cache slots per row (at least the longest prompt + max_new_tokens); batch: the
+    engine's rows decoded at once (None: every prompt's). amp: the caller's autocast, which the engine
+    does not need (it decodes in its own dtype)."""
+    del amp
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("rollout needs at least one prompt, each with at least one token")
-    if engines is None and dist.is_sharded(model):  # each forward would gather: processes must agree
-        raise ValueError("the eager rollout writes with a whole model: pass distributed.gathered_copy(model)")
-    if engines is not None:  # the engine copies a sharded model's weights whole (decode.full_value)
-        slots = min(batch, len(prompts)) if batch else len(prompts)
-        return _engine_rollout(model, prompts, sampling, stop_ids, generator, pad_id, engines, max_len, slots)
-    was_training = model.training
+    if engines is None and dist.is_sharded(model):  # each call would gather the whole model again
+        raise ValueError(
+            "a rollout without engines writes with a whole model: pass distributed.gathered_copy(model)"
+        )
+    slots = min(batch, len(prompts)) if batch else len(prompts)
     threads = torch.get_num_threads()
     cpu = model.lm_head_weight.device.type == "cpu"
-    model.eval()
     try:
         if cpu:  # a decode step's ops are too small to split: threads would only wait on each other
             torch.set_num_threads(1)
-        with amp if amp is not None else contextlib.nullcontext():
-            return _decode(model, prompts, sampling, stop_ids, generator, pad_id)
+        kept = {} if engines is None else engines
+        return _engine_rollout(model, prompts, sampling, stop_ids, generator, pad_id, kept, max_len, slots)
     finally:
-        model.train(was_training)
         if cpu:
             torch.set_num_threads(threads)
 
@@ -134,44 +124,3 @@ def _engine_rollout(
     stops = set(stop_ids)
     new = eng.generate(prompts)
     return Rollout(new, [bool(r) and r[-1] in stops for r in new])
-
-
-def _decode(
-    model: Decoder,
-    prompts: Sequence[Sequence[int]],
-    sampling: RolloutSampling,
-    stop_ids: set[int] | Sequence[int],
-    generator: torch.Generator | None,
-    pad_id: int,
-) -> Rollout:
-    device = model.lm_head_weight.device
-    ids, pos, valid = left_pad(prompts, pad_id, device)  # (B, P) each
-    b, p = ids.shape
-    n = sampling.max_new_tokens
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    cache = KVCache.empty(
-        model.spec, batch=b, max_len=p + n, device=device, dtype=dtype or model.lm_head_weight.dtype
-    )
-    stops = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
-    w = model.lm_head_weight  # (V, H)
-    h = model.forward_cached(ids, pos, valid, cache)[:, -1]  # (B, H)
-    next_pos = pos[:, -1:] + 1  # (B, 1)
-    ones = torch.ones((b, 1), dtype=torch.bool, device=device)
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    steps: list[torch.Tensor] = []  # (B,) per step, kept on the device until the end
-    alive: list[torch.Tensor] = []  # (B,) whether the row was still writing at that step
-    for step in range(n):
-        tok = _next_token((h @ w.t().to(h.dtype)).float(), sampling.temperature, generator)  # (B,)
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        alive.append(~done)
-        done = done | torch.isin(tok, stops)
-        steps.append(tok)
-        # one host read per 16 steps: stop early when every row has stopped
-        if step == n - 1 or (step % 16 == 15 and bool(done.all())):
-            break
-        h = model.forward_cached(tok[:, None], next_pos, ones, cache)[:, -1]
-        next_pos = next_pos + 1
-    toks = torch.stack(steps, 1).tolist()  # (B, steps)
-    keep = torch.stack(alive, 1).tolist()
-    completions = [[t for t, k in zip(row, ks) if k] for row, ks in zip(toks, keep)]
-    return Rollout(completions, done.tolist())
