@@ -35,6 +35,7 @@ import atexit
 import functools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -237,7 +238,23 @@ def _first_batch(tmp: Path, cfg: Path, other: dict[str, Path]) -> tuple:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A free port below the kernel's ephemeral range: the standalone launches running beside the
+    two-node one take their stores' ports from that range (bind to port 0), so none of them can take
+    this one between the choice and the first node's bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every port tried was taken: any free one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

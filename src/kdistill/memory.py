@@ -28,6 +28,7 @@ import dataclasses
 import functools
 
 from kdistill.config import RunConfig
+from kdistill.data.chat_data import is_conversation_data
 from kdistill.errors import UserError
 from kdistill.models.spec import ModelSpec
 from kdistill.ops.attention import bias_row_stride
@@ -162,13 +163,13 @@ def rows_carry_documents(cfg: RunConfig) -> bool:
 
 @functools.lru_cache(maxsize=32)
 def _conversation_files(paths: tuple[str, ...]) -> bool:
-    from kdistill.data.chat_data import is_conversation_data
-    from kdistill.train.corpus import expand_data_paths
-
-    if not paths:
+    # the embedded corpus ("stdlib:train", "stdlib:heldout") is raw text: it never makes a file list
+    # conversations (beside conversation files it is refused as a mix when the run loads)
+    files = [p for p in paths if not p.startswith("stdlib:")]
+    if not files:
         return False
     try:
-        return is_conversation_data(expand_data_paths(list(paths)))
+        return is_conversation_data(files)
     except (UserError, OSError):
         return True
 
