@@ -20,10 +20,9 @@ import torch
 from kdistill.cli import main
 from kdistill.data.chat_template import ChatTemplate, load_chat_template
 from kdistill.generate import Sampling, encode_prompts, read_messages_file, stop_token_ids
-from kdistill.models.decoder import KVCache
 from kdistill.models.hf_io import load_model
 from kdistill.models.tokenizer import load_tokenizer
-from tests.oracle_decode import generate_ids
+from tests.oracle_decode import KVCache, forward_cached, generate_ids
 from tests.tiny import load_hf, make_tiny_model, sample_ids
 
 PROMPT_LENS = (7, 3, 11)
@@ -80,10 +79,10 @@ def test_cached_forward_matches_full_forward(pair):
     cache = KVCache.empty(model.spec, batch=2, max_len=9, device="cpu", dtype=torch.float32)
     pos = torch.arange(9).expand(2, 9)
     valid = torch.ones(2, 9, dtype=torch.bool)
-    h = model.forward_cached(ids[:, :6], pos[:, :6], valid[:, :6], cache)
+    h = forward_cached(model, ids[:, :6], pos[:, :6], valid[:, :6], cache)
     torch.testing.assert_close(h, full[:, :6], atol=1e-5, rtol=1e-5)
     for t in range(6, 9):
-        h = model.forward_cached(ids[:, t : t + 1], pos[:, t : t + 1], valid[:, t : t + 1], cache)
+        h = forward_cached(model, ids[:, t : t + 1], pos[:, t : t + 1], valid[:, t : t + 1], cache)
         torch.testing.assert_close(h[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
 
 

@@ -7,7 +7,6 @@
     y = dispatch.swiglu(gate, up)                           # (..., I)
     o = dispatch.attention(q, k, v)                         # SDPA (a library key is recorded)
     o = dispatch.attention(q, k, v, mask)                   # packed documents: (B, 1, T, T) bool mask
-    o = dispatch.cached_attention(q, k, v, mask)            # generation: q (B, Hq, T, D), k/v (B, Hkv, S, D)
     o = dispatch.decode_attention(q, k_cache, v_cache, pos) # one token per row over a static cache
     o = dispatch.decode_attention_multi(q, k_cache, v_cache, start, k, v)  # T tokens per row: (B, Hq, T, D)
     q, s = dispatch.quantize_rows(x)                        # FP8 GEMM input: (rows, K) e4m3, (rows,) fp32
@@ -53,7 +52,6 @@ from kdistill.kernels.seal import configure
 from kdistill.ops import kd_loss as kd_ops
 from kdistill.ops.attention import (
     attention_reference,
-    cached_attention_reference,
     decode_attention_multi_reference,
     decode_attention_reference,
 )
@@ -70,7 +68,6 @@ __all__ = [
     "aligned",
     "apply_rope",
     "attention",
-    "cached_attention",
     "configure",
     "current",
     "decode_attention",
@@ -439,13 +436,6 @@ def attention(
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     _record_sdpa(q, k, grad=grad, masked=mask is not None)
     return attention_reference(q, k, v, mask)
-
-
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Generation with a KV cache: q (B, Hq, T, D) over k and v (B, Hkv, S, D) with the cache's
-    (B, 1, T, S) bool mask -> (B, Hq, T, D). Records an SDPA library key with T and S (no grad)."""
-    _record_sdpa(q, k, grad=False, masked=True, kv_seq=k.shape[2])
-    return cached_attention_reference(q, k, v, mask)
 
 
 def decode_attention(

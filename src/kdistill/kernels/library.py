@@ -2,7 +2,6 @@
 
 sdpa_key("sm_90", batch=8, q_heads=14, kv_heads=2, seq=2048, head_dim=64, dtype="bf16", grad=True)
 sdpa_key(..., masked=True)      # packed conversations: SDPA with a (B, 1, T, T) document mask
-sdpa_key(..., seq=1, kv_seq=640, masked=True, grad=False)   # generation: one query over a KV cache
 gemm_key("sm_90", m=16384, n=896, k=4864, dtype="bf16", grad=True)
 fp8_gemm_key("sm_90", m=16384, n=2048, k=1536, dtype="bf16")   # an FP8 teacher's row-wise scaled GEMM
 """
@@ -16,7 +15,7 @@ import torch
 from kdistill.dtypes import torch_dtype
 from kdistill.kernels.keys import KernelKey, dtype_name, make_key
 from kdistill.kernels.spec import LibraryOp
-from kdistill.ops.attention import attention_reference, cached_attention_reference, document_bias
+from kdistill.ops.attention import attention_reference, document_bias
 
 
 def sdpa_key(
@@ -30,15 +29,11 @@ def sdpa_key(
     dtype: str,
     grad: bool,
     masked: bool = False,
-    kv_seq: int | None = None,
 ) -> KernelKey:
     """Causal SDPA at this shape (prewarm runs it once, forward and, if grad, backward). `masked`: with
     a boolean document mask instead of is_causal (another SDPA backend); the flag is in the key only
-    when set, so the keys of unmasked attention are unchanged. kv_seq: keys in a KV cache (generation:
-    T queries over S keys), in the key only when given."""
+    when set, so the keys of unmasked attention are unchanged."""
     extra: dict[str, Any] = {"masked": True} if masked else {}
-    if kv_seq is not None:
-        extra["S"] = int(kv_seq)
     return make_key(
         "sdpa",
         arch,
@@ -61,14 +56,6 @@ def gemm_key(arch: str, *, m: int, n: int, k: int, dtype: str, grad: bool) -> Ke
 def _run_sdpa(key: KernelKey, device: Any) -> None:
     tdt, grad = torch_dtype(key["dtype"]), bool(key["grad"])
     b, t, d = key["B"], key["T"], key["D"]
-    if key.get("S") is not None:  # generation: T queries over S cached keys, no grad
-        s = key["S"]
-        with torch.no_grad():
-            q = torch.zeros((b, key["HQ"], t, d), dtype=tdt, device=device)
-            kv = torch.zeros((b, key["HKV"], s, d), dtype=tdt, device=device)
-            mask = torch.ones((b, 1, t, s), dtype=torch.bool, device=device).tril(s - t)
-            cached_attention_reference(q, kv, kv, mask)
-        return
     with torch.enable_grad() if grad else torch.no_grad():
         q = torch.zeros((b, key["HQ"], t, d), dtype=tdt, device=device, requires_grad=grad)  # (B, Hq, T, D)
         kv = [

@@ -10,8 +10,8 @@ so the checkpoint weight map is the identity and an exported student loads in tr
     logits = model.logits(input_ids)        # (B, T, V): only for eval/tests; the KD loss never needs them
     hidden, states = model(input_ids, collect={0, 2})   # and {layer: that block's output (B, T, H)}
 
-    cache = KVCache.empty(spec, batch=B, max_len=P + N, device=..., dtype=...)   # inference only
-    hidden = model.forward_cached(ids, positions, valid, cache)   # prefill (B, P), then one token (B, 1)
+Generation does not run through this module's forward: the decode engine (kdistill.decode) runs the
+same weights through its own static-cache step.
 
 Every op goes through kdistill.dispatch, which picks a Triton kernel or the PyTorch reference.
 
@@ -35,8 +35,6 @@ SwiGLU output in backward (`dispatch.swiglu_down`) unless `model.keep_swiglu(Tru
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,7 +44,6 @@ from kdistill.dispatch import (
     add_rmsnorm,
     apply_rope,
     attention,
-    cached_attention,
     rmsnorm,
     swiglu,
     swiglu_down,
@@ -71,46 +68,6 @@ def rope_tables(
     freqs = torch.outer(pos, inv)  # (T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
     return emb.cos(), emb.sin()
-
-
-@dataclasses.dataclass
-class KVCache:
-    """Keys and values of every layer for generation (inference only; training never builds one).
-
-    k[i], v[i]: (B, Hkv, max_len, D) preallocated; slots 0..length-1 are filled. valid (B, max_len):
-    False for a left-padding slot, which no query attends to."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    valid: torch.Tensor
-    length: int = 0
-
-    @classmethod
-    def empty(
-        cls, spec: ModelSpec, *, batch: int, max_len: int, device: torch.device | str, dtype: torch.dtype
-    ) -> KVCache:
-        shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
-        n = spec.num_layers
-        return cls(
-            k=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)],
-            v=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)],
-            valid=torch.zeros((batch, max_len), dtype=torch.bool, device=device),
-        )
-
-    @property
-    def max_len(self) -> int:
-        return self.valid.shape[1]
-
-    def mask(self, t: int) -> torch.Tensor:
-        """(B, 1, t, length + t) bool for t new tokens at slots length..length+t-1: causal over the
-        filled slots, padding slots excluded; each query always sees its own slot (no empty row)."""
-        s0, s = self.length, self.length + t
-        keys = torch.arange(s, device=self.valid.device)
-        queries = torch.arange(s0, s, device=self.valid.device)
-        causal = keys[None, :] <= queries[:, None]  # (t, S)
-        own = keys[None, :] == queries[:, None]
-        m = (causal[None] & self.valid[:, None, :s]) | own[None]  # (B, t, S)
-        return m.unsqueeze(1)
 
 
 class RMSNorm(nn.Module):
@@ -189,33 +146,6 @@ class Attention(nn.Module):
         if self.capture is not None:
             self.capture.append((q, k))  # (B, Hq, T, D), (B, Hkv, T, D)
         o = attention(q, k, v, mask)  # (B, Hq, T, D)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, s.q_size))
-
-    def forward_cached(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        start: int,
-    ) -> torch.Tensor:
-        """Inference: x (B, T, H) at cache slots start..start+T-1, cos/sin (B, T, D), mask
-        (B, 1, T, start+T); writes this step's k and v into the caches (B, Hkv, max_len, D)."""
-        b, t, _ = x.shape
-        s = self.spec
-        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim)  # (B, T, Hq, D)
-        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        q, k = apply_rope(q, k, cos, sin)
-        k_cache[:, :, start : start + t] = k
-        v_cache[:, :, start : start + t] = v
-        end = start + t
-        o = cached_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)  # (B, Hq, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.q_size))
 
 
@@ -298,26 +228,6 @@ class Block(nn.Module):
         else:
             h, residual = add_rmsnorm(delta, residual, self.input_layernorm.weight, self.eps, to_gemm=True)
         a = self.self_attn(h, cos, sin, mask)
-        x, residual = add_rmsnorm(a, residual, self.post_attention_layernorm.weight, self.eps, to_gemm=True)
-        return self.mlp(x), residual
-
-    def forward_cached(
-        self,
-        delta: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        start: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() for generation: attention reads and extends this layer's KV cache `kv`."""
-        if residual is None:
-            residual = delta
-            h = rmsnorm(delta, self.input_layernorm.weight, self.eps, to_gemm=True)
-        else:
-            h, residual = add_rmsnorm(delta, residual, self.input_layernorm.weight, self.eps, to_gemm=True)
-        a = self.self_attn.forward_cached(h, cos, sin, mask, kv[0], kv[1], start)
         x, residual = add_rmsnorm(a, residual, self.post_attention_layernorm.weight, self.eps, to_gemm=True)
         return self.mlp(x), residual
 
@@ -405,35 +315,6 @@ class Decoder(nn.Module):
         else:
             out = add_rmsnorm(delta, residual, self.model.norm.weight, eps, to_gemm=True)[0]
         return out if collect is None else (out, states)
-
-    @torch.no_grad()
-    def forward_cached(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
-        """Inference with a KV cache: input_ids (B, T) fill cache slots length..length+T-1 (a prompt,
-        then one token per step) -> final-normed hidden states (B, T, H); the cache advances by T.
-
-        position_ids (B, T): each token's position (left-padded prompts start at 0 on their first real
-        token); valid (B, T) bool: False for padding. The same dispatch ops as forward()."""
-        t = input_ids.shape[1]
-        start = cache.length
-        if start + t > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} tokens; {start} + {t} do not fit")
-        eps = self.spec.rms_eps
-        cos, sin = self.rope(cache.max_len, input_ids.device)  # (max_len, D)
-        cos, sin = cos[position_ids], sin[position_ids]  # (B, T, D)
-        cache.valid[:, start : start + t] = valid
-        mask = cache.mask(t)  # (B, 1, T, start + T)
-        delta = self.model.embed_tokens(input_ids)  # (B, T, H)
-        residual = None
-        for i, block in enumerate(self.model.layers):
-            delta, residual = block.forward_cached(
-                delta, residual, cos, sin, mask, (cache.k[i], cache.v[i]), start
-            )
-        cache.length = start + t
-        if residual is None:
-            return rmsnorm(delta, self.model.norm.weight, eps, to_gemm=True)
-        return add_rmsnorm(delta, residual, self.model.norm.weight, eps, to_gemm=True)[0]
 
     def logits(
         self,

@@ -12,9 +12,6 @@ attention's dtype, built once per forward in blocks of queries and shared by eve
 mask would be converted by SDPA in every layer call (a new (B, 1, T, T) tensor in the query's dtype,
 plus a negated boolean copy while converting), and each layer's memory-efficient attention would keep
 its own converted copy for backward; the bias is one tensor, kept once (memory.document_mask_bytes).
-
-Generation with a KV cache attends T new queries to S >= T cached keys: `cached_attention_reference`
-takes the (B, 1, T, S) mask that the cache builds (causal over filled slots, left padding excluded).
 """
 
 from __future__ import annotations
@@ -78,15 +75,6 @@ def attention_reference(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask.dtype != torch.bool and mask.dtype != q.dtype:  # SDPA takes a bias in the query's dtype only
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def cached_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Inference with a KV cache: q (B, Hq, T, D) against k and v (B, Hkv, S, D), S >= T, with a
-    (B, 1, T, S) bool mask (True: may attend; the mask carries causality) -> (B, Hq, T, D)."""
-    gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
