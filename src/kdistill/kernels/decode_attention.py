@@ -391,6 +391,21 @@ def decode_attn_multi_split_kernel(
     _store_part(OP, LSE, part, rmask, m_i, l_i, acc, D)
 
 
+def _check_launch(
+    key: KernelKey, k_cache: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+) -> bool:
+    """Refuse a cache past the kernels' indexing and a RoPE key without its tables; the key's ROPE."""
+    b, hkv, m, d = k_cache.shape
+    if b * hkv * m * d > INT32_MAX * 64 or m > INT32_MAX:
+        raise KernelError(
+            f"decode_attention: a cache of {b} x {hkv} x {m} x {d} exceeds the kernel's indexing"
+        )
+    rope = bool(key["ROPE"])
+    if rope and (cos is None or sin is None):
+        raise KernelError("decode_attention: a RoPE key needs the cos and sin tables")
+    return rope
+
+
 def launch(
     key: KernelKey,
     q: torch.Tensor,
@@ -409,15 +424,9 @@ def launch(
     unrotated: the kernel rotates them at position pos[b]."""
     b, hq, d = q.shape
     hkv, m = k_cache.shape[1], k_cache.shape[2]
-    if b * hkv * m * d > INT32_MAX * 64 or m > INT32_MAX:
-        raise KernelError(
-            f"decode_attention: a cache of {b} x {hkv} x {m} x {d} exceeds the kernel's indexing"
-        )
+    rope = _check_launch(key, k_cache, cos, sin)
     parts, lse = empty_parts(key, q, m)
     nsplit = lse.shape[-1]
-    rope = bool(key["ROPE"])
-    if rope and (cos is None or sin is None):
-        raise KernelError("decode_attention: a RoPE key needs the cos and sin tables")
     kwargs = dict(
         D=d,
         HQ=hq,
@@ -462,15 +471,9 @@ def multi_launch(
     the key's ROPE, cos and sin are the fp32 (M', D) tables (M' > every slot), q and k_new unrotated."""
     b, hq, t, d = q.shape
     hkv, m = k_cache.shape[1], k_cache.shape[2]
-    if b * hkv * m * d > INT32_MAX * 64 or m > INT32_MAX:
-        raise KernelError(
-            f"decode_attention: a cache of {b} x {hkv} x {m} x {d} exceeds the kernel's indexing"
-        )
+    rope = _check_launch(key, k_cache, cos, sin)
     parts, lse = empty_multi_parts(key, q, m)
     nsplit = lse.shape[-1]
-    rope = bool(key["ROPE"])
-    if rope and (cos is None or sin is None):
-        raise KernelError("decode_attention: a RoPE key needs the cos and sin tables")
     for x in (q, k_new, v_new):
         if x.stride(3) != 1 or x.stride(1) != d:
             raise KernelError("decode_attention: q and the new k and v need contiguous heads in each token")

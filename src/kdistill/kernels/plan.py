@@ -375,15 +375,7 @@ def generation_kernels(
     prec = Precision(compute=dt, teacher_weights=dt, student_weights=dt)
     fwd = model_kernels(spec, arch, prec, dt, grad=False, batch=batch, seq=prompt_len, masked=True)
     out = {k for k in fwd if not k.is_library}
-    out |= registry.by_name("decode_attention").plan(
-        arch,
-        grad=False,
-        head_dim=spec.head_dim,
-        q_heads=spec.num_heads,
-        kv_heads=spec.num_kv_heads,
-        dtype=dt,
-        max_len=max_len,
-    )
+    out |= _decode_attention(spec, arch, dt, max_len)
     out |= registry.by_name("decode_gemv").plan(
         arch,
         grad=False,
@@ -410,6 +402,23 @@ def generation_kernels(
     return out
 
 
+def _decode_attention(
+    spec: ModelSpec, arch: str, dt: str, max_len: int, tokens: tuple[int, ...] = ()
+) -> set[keys.KernelKey]:
+    """The decode attention's keys for spec's heads over caches of max_len slots (tokens=(T,): the
+    T-token kernel's)."""
+    return registry.by_name("decode_attention").plan(
+        arch,
+        grad=False,
+        head_dim=spec.head_dim,
+        q_heads=spec.num_heads,
+        kv_heads=spec.num_kv_heads,
+        dtype=dt,
+        max_len=max_len,
+        tokens=tokens,
+    )
+
+
 def speculative_kernels(
     target: ModelSpec,
     draft: ModelSpec,
@@ -430,16 +439,7 @@ def speculative_kernels(
     arch = arch if arch == "cpu" else keys.normalize_arch(arch)
     dt = keys.dtype_name(dtype)
     for spec, tokens in ((target, draft_tokens + 1), (draft, 2)):
-        out |= registry.by_name("decode_attention").plan(
-            arch,
-            grad=False,
-            head_dim=spec.head_dim,
-            q_heads=spec.num_heads,
-            kv_heads=spec.num_kv_heads,
-            dtype=dt,
-            max_len=max_len,
-            tokens=(tokens,),
-        )
+        out |= _decode_attention(spec, arch, dt, max_len, tokens=(tokens,))
     verify = batch * (draft_tokens + 1)
     out |= gemm_kernels(target, arch, dt, grad=False, tokens=verify, chunk=verify)
     out |= gemm_kernels(draft, arch, dt, grad=False, tokens=2 * batch, chunk=batch)
