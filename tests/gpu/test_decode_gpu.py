@@ -148,6 +148,95 @@ def test_decode_gemv_kernel_matches_reference(rows, n, k, epilogue):
     assert out.shape == (rows, n) and err < 1e-2, err
 
 
+@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen2.5-1.5b"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fused_decode_block_matches_float32(preset, rows):
+    """Two blocks of the fused decode step (one persistent launch each, grid-wide barriers between its
+    phases) against the reference computed in float32 from the same bf16 inputs, at real shapes; rows at
+    slot 0, mid-cache and the last slot; twice, so the barrier's counters are seen reset."""
+    from kdistill.kernels import decode_block as db
+
+    spec = load_spec(preset)
+    h, hq, hkv, d, inter, m = (
+        spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, 700,
+    )  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(rows)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(shape, generator=g, device="cuda") * scale).bfloat16()
+
+    blocks = [
+        db.BlockWeights(
+            ln1=1 + rnd(h, scale=0.1), qkv=rnd((hq + 2 * hkv) * d, h, scale=h**-0.5),
+            qkv_bias=rnd((hq + 2 * hkv) * d, scale=0.1), o=rnd(h, hq * d, scale=(hq * d) ** -0.5),
+            ln2=1 + rnd(h, scale=0.1), gate_up=rnd(2 * inter, h, scale=h**-0.5),
+            down=rnd(h, inter, scale=inter**-0.5),
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    cos = torch.randn(m, d, generator=g, device="cuda")
+    sin = torch.randn(m, d, generator=g, device="cuda")
+    pos = torch.tensor([(0, m // 2, m - 1, 37)[i % 4] for i in range(rows)], device="cuda")
+    x = rnd(rows, h)
+    kc, vc = rnd(rows, hkv, m, d), rnd(rows, hkv, m, d)
+    for _ in range(2):
+        out = {}
+        for mode in ("reference", "triton"):
+            k, v = (kc.float(), vc.float()) if mode == "reference" else (kc.clone(), vc.clone())
+            dt = torch.float32 if mode == "reference" else torch.bfloat16
+            ws = [
+                db.BlockWeights(**{f: (t.to(dt) if t is not None else None) for f, t in vars(w).items()})
+                for w in blocks
+            ]
+            sc = db.Scratch.empty(
+                hidden=h, q_size=hq * d, kv_size=hkv * d, intermediate=inter, q_heads=hq, head_dim=d, max_len=m,
+                dtype=dt, device="cuda",
+            )  # fmt: skip
+            with dispatch.using(mode=mode, arch="sm_90", strict=True):
+                for i, w in enumerate(ws):
+                    dispatch.decode_block_step(
+                        x.to(dt) if i == 0 else None, w, k, v, pos, cos, sin, sc, spec.rms_eps, first=i == 0
+                    )
+            out[mode] = (sc.resid[:rows], sc.delta[:rows], k, v)
+        for name, got, want in zip(
+            ("residual", "delta", "k cache", "v cache"), out["triton"], out["reference"]
+        ):
+            err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert err < 2e-2, (name, err)
+
+
+def test_fused_step_hidden_states_match_the_unfused_step(monkeypatch):
+    """The engine's step with each block in one launch against the unfused sequence of kernels: the
+    final-normed hidden states of every row after a prefill, at two buckets."""
+    from kdistill import decode
+
+    model = _model()
+    prompts = _ragged(model.spec.vocab_size, [17, 130, 64, 300, 5])
+    hidden = {}
+    for fused in (True, False):
+        monkeypatch.setattr(decode, "fused_step", lambda spec, batch, on=fused: on and batch <= 16)
+        eng = DecodeEngine(
+            model, batch_size=8, max_len=400, sampling=Sampling(max_new_tokens=1), cuda_graphs="off"
+        )
+        st = eng._slots_for(8)
+        assert (st.scratch is not None) == fused
+        st.done.fill_(True)
+        eng._prefill(st, list(range(5)), prompts, [4] * 5)
+        pos = st.lens.clamp(max=st.max_len - 1)
+        with torch.no_grad(), dispatch.using(mode="triton", arch="sm_90", strict=True):
+            if fused:
+                hidden[fused] = eng._fused_hidden(st, pos)[:5].double()
+            else:
+                attend = lambda i, q, k, v, st=st, pos=pos, eng=eng: dispatch.decode_attention(  # noqa: E731
+                    q[:, :, 0], st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0], eng.cos, eng.sin
+                )[:, :, None]
+                hidden[fused] = decode.forward_tokens(
+                    eng.weights, st.tok[:, None], None, None, attend, step=True
+                )[:5, 0].double()
+    err = ((hidden[True] - hidden[False]).norm() / hidden[False].norm()).item()
+    assert err < 2e-2, err
+
+
 def _model(preset: str = "qwen2.5-0.5b", layers: int = 4):
     spec = dataclasses.replace(load_spec(preset), num_layers=layers)
     return build_decoder(spec, "cuda", torch.bfloat16, seed=0).eval()
