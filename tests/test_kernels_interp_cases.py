@@ -514,50 +514,6 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
     _close("y", got, y, dtype)
 
 
-def case_decode_block(device="cpu", dtype=torch.float32, rows=3, hidden=48, inter=40, m=150, bias=True):
-    """The fused decode block (each phase launched alone, in order, as the interpreter must) against its
-    reference over two blocks: the first from the embeddings, the second from the first's fp32 down
-    product and residual; rows at slot 0, mid-cache and the last slot of a cache of several splits."""
-    from kdistill import dispatch
-    from kdistill.kernels import decode_block as db
-    from kdistill.kernels import runtime
-
-    hq, hkv, d = 4, 2, 32
-    g = torch.Generator().manual_seed(rows * m)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dtype)
-
-    blocks = [
-        db.BlockWeights(
-            ln1=1 + rnd(hidden, scale=0.1), qkv=rnd((hq + 2 * hkv) * d, hidden, scale=hidden**-0.5),
-            qkv_bias=rnd((hq + 2 * hkv) * d, scale=0.1) if bias else None, o=rnd(hidden, hq * d, scale=0.1),
-            ln2=1 + rnd(hidden, scale=0.1), gate_up=rnd(2 * inter, hidden, scale=hidden**-0.5),
-            down=rnd(hidden, inter, scale=inter**-0.5),
-        )
-        for _ in range(2)
-    ]  # fmt: skip
-    cos, sin = rnd(m, d).float(), rnd(m, d).float()
-    pos = torch.tensor([(0, m // 2, m - 1, 5)[i % 4] for i in range(rows)], device=device)
-    x = rnd(rows, hidden)
-    caches = (rnd(rows, hkv, m, d), rnd(rows, hkv, m, d))
-    out = []
-    for mode in ("reference", "triton"):
-        k, v = caches[0].clone(), caches[1].clone()
-        sc = db.Scratch.empty(
-            hidden=hidden, q_size=hq * d, kv_size=hkv * d, intermediate=inter, q_heads=hq, head_dim=d,
-            max_len=m, dtype=dtype, device=device,
-        )  # fmt: skip
-        with runtime.using(mode=mode, strict=True):
-            for i, w in enumerate(blocks):
-                dispatch.decode_block_step(
-                    x if i == 0 else None, w, k, v, pos, cos, sin, sc, 1e-6, first=i == 0
-                )
-        out.append((sc.resid[:rows], sc.delta[:rows], k, v))
-    for name, got, want in zip(("residual", "delta", "k cache", "v cache"), out[1], out[0]):
-        _close(name, got, want, dtype, scale=10)
-
-
 def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16):
     """The decode engine's greedy tokens with the kernels equal the reference ops' (slot refill, a stop
     token, a head size the decode-attention kernel takes; from 32 on, with RoPE inside it)."""
@@ -670,9 +626,6 @@ CASES = {
     # past 16 rows the step's products stay on the library GEMM and the SwiGLU kernel
     "decode_gemv_fp32_swiglu_20_rows": (case_decode_gemv, dict(rows=20, n=40, k=48, epilogue="swiglu")),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
-    "decode_block_fp32": (case_decode_block, {}),
-    # 16 rows (the whole tile), no q/k/v bias, a width past one K chunk of 128
-    "decode_block_fp32_16_rows": (case_decode_block, dict(rows=16, hidden=144, inter=32, m=64, bias=False)),
     "decode_attention_fp32_rope": (
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True),

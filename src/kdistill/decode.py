@@ -57,7 +57,6 @@ from torch.distributed.fsdp import FSDPModule
 from kdistill import dispatch
 from kdistill.errors import UserError
 from kdistill.kernels import decode_attention as decode_attention_kernel
-from kdistill.kernels import decode_block
 from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
 from kdistill.models.lora import LoraLinear
@@ -312,13 +311,6 @@ class DecodeWeights:
             _Layer(**{k: conv(v) if v is not None else None for k, v in _layer_tensors(b).items()})
             for b in body.layers
         ]
-        # the same tensors as the fused decode step's blocks take them (refresh writes them in place)
-        self.blocks = [
-            decode_block.BlockWeights(
-                ln1=x.ln1, qkv=x.qkv, qkv_bias=x.qkv_bias, o=x.o, ln2=x.ln2, gate_up=x.gate_up, down=x.down
-            )
-            for x in self.layers
-        ]
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
         out = t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -445,22 +437,6 @@ def forward_tokens(
 
 
 # -- the slots: cache and per-row state of one batch bucket --------------------------------------
-def fused_step(spec: ModelSpec, batch: int) -> bool:
-    """Whether the decode step of a bucket of `batch` rows runs each block as one launch
-    (kernels/decode_block.py): at most 16 rows, no per-head q/k norm, heads the kernel takes (RoPE inside
-    its attention). Else each block is the unfused sequence of forward_tokens."""
-    return (
-        batch <= decode_block.MAX_ROWS
-        and not spec.qk_norm
-        and decode_block.supported(
-            hidden=spec.hidden_size,
-            q_heads=spec.num_heads,
-            kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-        )
-    )
-
-
 class _Slots:
     """Static buffers of one (batch B, max length M): the KV cache and every row's state. The decode
     step reads and writes only these, so it can be captured as a graph and replayed."""
@@ -480,14 +456,6 @@ class _Slots:
         self.out = torch.zeros((batch, max_new + 1), **i64)  # the last column takes done rows' writes
         self.u = torch.zeros(batch, dtype=torch.float32, device=device)
         self.graph: Any = None
-        # the fused step's buffers (kernels/decode_block.py), where it serves this bucket
-        self.scratch: decode_block.Scratch | None = None
-        if fused_step(spec, batch):
-            self.scratch = decode_block.Scratch.empty(
-                hidden=spec.hidden_size, q_size=spec.q_size, kv_size=spec.kv_size,
-                intermediate=spec.intermediate_size, q_heads=spec.num_heads, head_dim=spec.head_dim,
-                max_len=max_len, dtype=dtype, device=device,
-            )  # fmt: skip
 
 
 class DecodeEngine:
@@ -565,28 +533,13 @@ class DecodeEngine:
             o = dispatch.decode_attention(q[:, :, 0], st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0], *tables)
             return o[:, :, None]  # (B, Hq, 1, D)
 
-        if st.scratch is not None:  # each block in one launch
-            h = self._fused_hidden(st, pos)
-        elif self.rope_in_attention:
+        if self.rope_in_attention:
             h = forward_tokens(self.weights, st.tok[:, None], None, None, attend, step=True)[:, 0]  # (B, H)
         else:  # a head too narrow for the kernel's halves: the RoPE kernel first, at each row's position
             cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
             h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend, step=True)[:, 0]
         tok = sample_tokens(F.linear(h, self.weights.lm_head), self.sampling, st.u)
         self._append(st, tok, st.rows, st.lens + 1)
-
-    def _fused_hidden(self, st: _Slots, pos: torch.Tensor) -> torch.Tensor:
-        """The step's final-normed hidden states (B, H), each block one launch of the fused kernel: it
-        takes the embeddings (the first) or the last block's fp32 down product and the residual stream
-        from st.scratch, and leaves its own there."""
-        w, sc, eps = self.weights, st.scratch, self.spec.rms_eps
-        x = F.embedding(st.tok, w.embed)  # (B, H)
-        for i, block in enumerate(w.blocks):
-            dispatch.decode_block_step(
-                x if i == 0 else None, block, st.k[i], st.v[i], pos, self.cos, self.sin, sc, eps, first=i == 0
-            )
-        b = st.batch
-        return dispatch.add_rmsnorm(sc.delta[:b].to(self.dtype), sc.resid[:b], w.norm, eps)[0]
 
     def forward_at(self, st: _Slots, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """T new tokens per row through the static cache: ids (B, T) go to slots start[b] + j (at those

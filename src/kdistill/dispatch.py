@@ -32,7 +32,7 @@ import functools
 import torch
 
 from kdistill.kernels import decode_attention as decode_kernel
-from kdistill.kernels import decode_block, decode_gemv, library
+from kdistill.kernels import decode_gemv, library
 from kdistill.kernels import fp8_quant as fp8_kernel
 from kdistill.kernels import fp8_quant_cols as fp8_cols_kernel
 from kdistill.kernels import kd_loss as kd_kernel
@@ -44,7 +44,6 @@ from kdistill.kernels.runtime import (
     Recorder,
     aligned,
     current,
-    interpreting,
     recording,
     triton_available,
     using,
@@ -581,91 +580,6 @@ def decode_linear(
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", spec)
     return decode_gemv.decode_gemv_reference(x, weight, bias, gate_up)
-
-
-def decode_block_step(
-    x: torch.Tensor | None,
-    w: decode_block.BlockWeights,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    sc: decode_block.Scratch,
-    eps: float,
-    *,
-    first: bool,
-) -> None:
-    """One block of the decode step in one launch (kernels/decode_block.py) for len(pos) <= 16 rows:
-    reads x (first: the embeddings (B, H)) or sc.delta and sc.resid, writes sc.resid, sc.delta (fp32)
-    and the caches. On a GPU one persistent launch on as many programs as the card has SMs; under the
-    interpreter its phases in order (its programs run one after another: no barrier could wait);
-    else the reference."""
-    rt = current()
-    hkv, d = k_cache.shape[1], k_cache.shape[3]
-    x = x if first else sc.delta
-    key = decode_block.block_key(
-        rt.arch,
-        hidden=w.ln1.shape[0],
-        q_heads=w.o.shape[1] // d,
-        kv_heads=hkv,
-        head_dim=d,
-        intermediate=w.down.shape[1],
-        dtype=w.ln1.dtype,
-        max_len=k_cache.shape[2],
-        bias=w.qkv_bias is not None,
-        first=first,
-        aligned=aligned(
-            x,
-            sc.resid,
-            sc.delta,
-            w.ln1,
-            w.qkv,
-            w.qkv_bias if w.qkv_bias is not None else w.ln1,
-            sc.qkv,
-            k_cache,
-            v_cache,
-            pos,
-            cos,
-            sin,
-            sc.parts,
-            sc.lse,
-            sc.o,
-            w.o,
-            sc.a,
-            sc.res1,
-            sc.hn,
-            w.ln2,
-            w.gate_up,
-            sc.act,
-            w.down,
-            sc.cnt,
-        ),  # fmt: skip
-    )
-    programs = _programs(k_cache.device)
-    spec = lambda k=key: decode_block.launch(k, x, w, k_cache, v_cache, pos, cos, sin, sc, programs, eps)  # noqa: E731
-    if rt.use_kernel(key, x, k_cache):
-        try:
-            if not interpreting():
-                rt.launch(key, lambda: decode_block.run(spec()), spec)
-                return
-            rt.record(key, "fwd", spec)
-            for p in range(1, decode_block.PHASES + 1):
-                decode_block.run(spec(decode_block.phase_key(key, p)))
-            return
-        except Exception as e:
-            rt.kernel_failed(key, e)
-    rt.record(key, "fwd", spec)
-    decode_block.decode_block_reference(x, w, k_cache, v_cache, pos, cos, sin, sc, eps, first)
-
-
-@functools.cache
-def _programs(device: torch.device) -> int:
-    """Programs of a persistent kernel: the SM count on a GPU (every one resident at once), 3 under
-    the interpreter (its loops over tiles and items still take turns)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 3
 
 
 # -- FP8 GEMM inputs (an FP8 teacher or student) ---------------------------------------------------

@@ -366,8 +366,7 @@ def generation_kernels(
     """Every kernel key of the decode engine (kdistill.decode) for a model whose weights are in `dtype`
     (no autocast): the decoder's forward without grad, whose Triton keys do not depend on the token
     count, so the prefill and the one-token step launch the same ones; the decode step's attention
-    over the static cache of max_len slots (kernels/decode_attention.py), its fused blocks at buckets of
-    at most 16 rows (kernels/decode_block.py); and the library shapes: the
+    over the static cache of max_len slots (kernels/decode_attention.py); and the library shapes: the
     prefill's causal SDPA at prompt_len, the linears at batch x prompt_len and at batch tokens, the
     lm_head at batch rows. Prefills of other lengths are other library shapes, run unwarmed: library
     calls compile nothing, so the seal (which counts Triton compiles) is unaffected."""
@@ -385,19 +384,6 @@ def generation_kernels(
         intermediate=spec.intermediate_size,
         dtype=dt,
     )
-    if not spec.qk_norm:  # buckets of at most 16 rows: each block of the step in one launch
-        out |= registry.by_name("decode_block").plan(
-            arch,
-            grad=False,
-            hidden=spec.hidden_size,
-            q_heads=spec.num_heads,
-            kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            intermediate=spec.intermediate_size,
-            dtype=dt,
-            max_len=max_len,
-            bias=spec.attention_bias,
-        )
     out.add(
         library.sdpa_key(
             arch,

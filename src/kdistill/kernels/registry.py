@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from kdistill.kernels import (
     decode_attention,
-    decode_block,
     decode_gemv,
     fp8_quant,
     fp8_quant_cols,
@@ -31,7 +30,6 @@ KERNELS: tuple[KernelSpec, ...] = (
     fp8_quant_cols.SPEC,
     decode_attention.SPEC,
     decode_gemv.SPEC,
-    decode_block.SPEC,
 )
 LIBRARY: tuple[LibraryOp, ...] = (library.SDPA, library.GEMM, library.FP8_GEMM)
 
