@@ -3,8 +3,8 @@ and kdistill's weak scaling under torchrun (the same prompts per GPU on 1, 2, 4 
 
     python benchmarks/onpolicy_bench.py                           # Qwen2.5-1.5B -> 0.5B shapes, 1 GPU
     python benchmarks/onpolicy_bench.py --json out.json --steps 8
-    python benchmarks/onpolicy_bench.py --pair qwen2.5-1.5b:qwen2.5-0.5b --prompts 16 --new 1024 --nproc 1,2,4
-    python benchmarks/onpolicy_bench.py --pair qwen2.5-7b:qwen2.5-1.5b --prompts 4 --new 256 --nproc 1,2,4
+    python benchmarks/onpolicy_bench.py --row long --nproc 1,2,4     # 1.5B -> 0.5B, 16 prompts x 1,024 new
+    python benchmarks/onpolicy_bench.py --row 7b --nproc 1,2,4       # 7B -> 1.5B, 4 prompts x 256 new
     python benchmarks/onpolicy_bench.py --device cpu --tiny --nproc 1,2 --only kdistill   # CPU smoke (gloo)
 
 Both sides train the same student from the same teacher (random weights at the presets' shapes of
@@ -303,14 +303,29 @@ def provider_main(args: argparse.Namespace, shape: Shape) -> int:
     return 0
 
 
-def parse_args() -> tuple[argparse.Namespace, Shape, list[int]]:
+# The realistic rows (--row): pair, prompts per GPU, new tokens; explicit --pair/--prompts/--new win
+ROWS = {
+    "default": ("qwen2.5-1.5b:qwen2.5-0.5b", 8, 128),
+    "long": ("qwen2.5-1.5b:qwen2.5-0.5b", 16, 1024),
+    "7b": ("qwen2.5-7b:qwen2.5-1.5b", 4, 256),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Shape, list[int]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--row",
+        choices=sorted(ROWS),
+        default="default",
+        help="a named row: default (1.5B -> 0.5B, 8 x 128 new), long (1.5B -> 0.5B, 16 x 1,024), "
+        "7b (7B -> 1.5B, 4 x 256); --pair, --prompts and --new given explicitly override it",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke check)")
-    p.add_argument("--pair", default="qwen2.5-1.5b:qwen2.5-0.5b", help="TEACHER:STUDENT preset names")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per GPU and step")
+    p.add_argument("--pair", default=None, help="TEACHER:STUDENT preset names")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per GPU and step")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
-    p.add_argument("--new", type=int, default=128, help="new tokens per completion")
+    p.add_argument("--new", type=int, default=None, help="new tokens per completion")
     p.add_argument("--nproc", default="1", help="kdistill's world sizes, comma-separated (torchrun above 1)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
@@ -331,7 +346,11 @@ def parse_args() -> tuple[argparse.Namespace, Shape, list[int]]:
     )
     p.add_argument("--provider", choices=("trl",), help=argparse.SUPPRESS)
     p.add_argument("--assets", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    pair, prompts, new = ROWS[args.row]
+    args.pair = args.pair or pair
+    args.prompts = args.prompts if args.prompts is not None else prompts
+    args.new = args.new if args.new is not None else new
     teacher, _, student = args.pair.partition(":")
     for name in (teacher, student):
         if name not in PRESETS:

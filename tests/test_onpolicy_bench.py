@@ -61,3 +61,23 @@ def test_the_scaling_table_has_a_row_per_world_size_with_every_ranks_phases(tmp_
     assert scaling["2"] == pytest.approx(
         rows["2"]["completion_tokens_per_s"] / rows["1"]["completion_tokens_per_s"]
     )
+
+
+def test_a_named_row_sets_the_pair_prompts_and_new_tokens_and_explicit_flags_win():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import onpolicy_bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    _, shape, worlds = onpolicy_bench.parse_args(["--row", "long", "--nproc", "1,2,4"])
+    assert (shape.teacher, shape.student, shape.batch, shape.new) == (
+        "qwen2.5-1.5b",
+        "qwen2.5-0.5b",
+        16,
+        1024,
+    )
+    assert worlds == [1, 2, 4]
+    _, shape, _ = onpolicy_bench.parse_args(["--row", "7b", "--new", "64"])
+    assert (shape.teacher, shape.student, shape.batch, shape.new) == ("qwen2.5-7b", "qwen2.5-1.5b", 4, 64)
+    _, shape, _ = onpolicy_bench.parse_args([])
+    assert (shape.teacher, shape.batch, shape.new) == ("qwen2.5-1.5b", 8, 128)
