@@ -603,6 +603,19 @@ def _check(head_dim: int, q_heads: int, kv_heads: int) -> None:
         )
 
 
+def _head_params(head_dim: int, q_heads: int, kv_heads: int, rope: bool, dtype: str) -> dict[str, Any]:
+    """The key parameters both split kernels take from the heads (checked: `supported`)."""
+    _check(head_dim, q_heads, kv_heads)
+    return {
+        "D": int(head_dim),
+        "HQ": int(q_heads),
+        "HKV": int(kv_heads),
+        "G": int(q_heads // kv_heads),
+        "ROPE": bool(rope),
+        "dtype": dtype_name(dtype),
+    }
+
+
 @memoized
 def split_key(
     arch: str,
@@ -618,16 +631,10 @@ def split_key(
     """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len);
     rope: q and the new key arrive unrotated (the kernel applies RoPE). aligned: Q, K, V, POS, KN, VN,
     COS, SIN (without rope the tables' flags are the outputs', always aligned)."""
-    _check(head_dim, q_heads, kv_heads)
     return make_key(
         SPLIT_K.op,
         arch,
-        D=int(head_dim),
-        HQ=int(q_heads),
-        HKV=int(kv_heads),
-        G=int(q_heads // kv_heads),
-        ROPE=bool(rope),
-        dtype=dtype_name(dtype),
+        **_head_params(head_dim, q_heads, kv_heads, rope, dtype),
         align=SPLIT_K.align(aligned),
         num_warps=4,
         num_stages=2,
@@ -651,18 +658,13 @@ def multi_split_key(
     """The T-token split kernel for `tokens` new tokens per row (T in the key: the tile's rows and the
     causal mask among the new tokens follow it) over caches of max_len slots in `dtype`; rope and
     aligned (Q, K, V, START, KN, VN, COS, SIN) as split_key's."""
-    _check(head_dim, q_heads, kv_heads)
+    params = _head_params(head_dim, q_heads, kv_heads, rope, dtype)
     tl_ = multi_tiles(head_dim, q_heads, kv_heads, tokens, max_len)
     return make_key(
         MULTI_SPLIT.op,
         arch,
-        D=int(head_dim),
-        HQ=int(q_heads),
-        HKV=int(kv_heads),
-        G=int(q_heads // kv_heads),
+        **params,
         T=int(tokens),
-        ROPE=bool(rope),
-        dtype=dtype_name(dtype),
         align=MULTI_SPLIT.align(aligned),
         num_warps=4 if tl_["BLOCK_R"] <= 64 else 8,
         num_stages=2,
