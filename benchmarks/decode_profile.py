@@ -104,7 +104,32 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--top", type=int, default=12, help="kernel groups printed per row")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--gemv-tiles",
+        default=None,
+        help="tile experiment: PROGRAMS,PRE_K_PLAIN,PRE_K_SWIGLU[,MAX_PLAIN_K] overriding kernels/decode_gemv.py's "
+        "policy (the plan, prewarm and launches all take it); MAX_PLAIN_K: plain products of more inputs on cuBLAS",
+    )
+    ap.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch every kernel without programmatic dependent launch (each kernel's own duration)",
+    )
     a = ap.parse_args()
+    if a.no_pdl:
+        from kdistill.kernels import decode_attention, decode_gemv, rmsnorm
+
+        for mod in (decode_attention, decode_gemv, rmsnorm):
+            mod.pdl = lambda arch: False
+    if a.gemv_tiles:
+        from kdistill.kernels import decode_gemv
+
+        programs, pre_plain, pre_swiglu, *max_k = (int(v) for v in a.gemv_tiles.split(","))
+        decode_gemv.PROGRAMS = programs
+        decode_gemv.PRE_K.update({0: pre_plain, 1: pre_plain, 2: pre_swiglu})
+        if max_k:
+            served = decode_gemv.serves
+            decode_gemv.serves = lambda rows, k, epi: served(rows, k, epi) and (epi == 2 or k <= max_k[0])
     dev = torch.device("cuda")
     bw = copy_bandwidth()
     result = {

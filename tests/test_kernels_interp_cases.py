@@ -512,6 +512,10 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
             got = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
     assert got.shape == (rows, n) and got.dtype == dtype
     _close("y", got, y, dtype)
+    from kdistill.kernels import decode_gemv
+
+    # a split product's last program sets its column block's arrival count back to zero
+    assert int(decode_gemv.counters(x.device, 1).abs().sum()) == 0
 
 
 def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16):
@@ -623,6 +627,12 @@ CASES = {
     "decode_gemv_fp32_swiglu": (case_decode_gemv, dict(rows=3, n=40, k=48, epilogue="swiglu")),
     "decode_gemv_fp32_bias_one_row": (case_decode_gemv, dict(rows=1, n=37, k=144, epilogue="bias")),
     "decode_gemv_fp32_plain_16_rows": (case_decode_gemv, dict(rows=16, n=24, k=256, epilogue="none")),
+    # past the 256 inputs loaded before the wait: the K loop
+    "decode_gemv_fp32_swiglu_k_loop": (case_decode_gemv, dict(rows=4, n=40, k=400, epilogue="swiglu")),
+    # few column blocks: K split over 3 programs, the last to arrive adds the partials and the bias
+    "decode_gemv_fp32_split_k_bias": (case_decode_gemv, dict(rows=5, n=20, k=1536, epilogue="bias")),
+    # 2 splits of 1,536 inputs: 1,024 before the wait, then the loop
+    "decode_gemv_fp32_split_k_loop": (case_decode_gemv, dict(rows=2, n=2000, k=3008, epilogue="none")),
     # past 16 rows the step's products stay on the library GEMM and the SwiGLU kernel
     "decode_gemv_fp32_swiglu_20_rows": (case_decode_gemv, dict(rows=20, n=40, k=48, epilogue="swiglu")),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),

@@ -395,8 +395,9 @@ def forward_tokens(
     final-normed hidden states (B, T, H). attend(layer, q, k, v) with q (B, Hq, T, D) and k, v
     (B, Hkv, T, D) after RoPE returns attention's output (B, Hq, T, D) (and fills the cache). cos and
     sin None: q and k reach attend unrotated (views of the q/k/v output; the decode step's attention
-    kernel rotates them itself). step: a one-token decode step (T = 1): o_proj and the gate/up product
-    with its SwiGLU go through dispatch.decode_linear (a matrix-vector kernel at small buckets)."""
+    kernel rotates them itself). step: a one-token decode step (T = 1): the block's products (q/k/v,
+    o_proj, gate/up with its SwiGLU, down) go through dispatch.decode_linear (a matrix-vector kernel at
+    small buckets)."""
     s = w.spec
     b, t = ids.shape
     eps = s.rms_eps
@@ -408,7 +409,10 @@ def forward_tokens(
             h = dispatch.rmsnorm(delta, layer.ln1, eps)
         else:
             h, residual = dispatch.add_rmsnorm(delta, residual, layer.ln1, eps)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (B, T, q + 2 kv)
+        if step:  # (B, 1, H): the products at B rows
+            qkv = dispatch.decode_linear(h[:, 0], layer.qkv, layer.qkv_bias)[:, None]
+        else:
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (B, T, q + 2 kv)
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.view(b, t, s.num_heads, s.head_dim)
         k = k.view(b, t, s.num_kv_heads, s.head_dim)
@@ -421,16 +425,16 @@ def forward_tokens(
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         o = attend(i, q, k, v.transpose(1, 2))  # (B, Hq, T, D)
         o = o.transpose(1, 2).reshape(b, t, s.q_size)
-        if step:  # (B, 1, ...): the products at B rows
+        if step:
             a = dispatch.decode_linear(o[:, 0], layer.o)[:, None]
             x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
-            act = dispatch.decode_linear(x[:, 0], layer.gate_up, gate_up=True)[:, None]
+            act = dispatch.decode_linear(x[:, 0], layer.gate_up, gate_up=True)
+            delta = dispatch.decode_linear(act, layer.down)[:, None]
         else:
             a = F.linear(o, layer.o)
             x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # halves of one (B, T, 2I)
-            act = dispatch.swiglu(gate, up)
-        delta = F.linear(act, layer.down)
+            delta = F.linear(dispatch.swiglu(gate, up), layer.down)
     if residual is None:
         return dispatch.rmsnorm(delta, w.norm, eps)
     return dispatch.add_rmsnorm(delta, residual, w.norm, eps)[0]

@@ -557,9 +557,8 @@ def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gate_up: bool = False
 ) -> torch.Tensor:
     """A decode step's linear on x (B, K) -> (B, N): F.linear (+ bias), or with gate_up the stacked
-    gate/up product's SwiGLU (weight (2N, K)). At buckets of at most 16 rows, where it measured faster
-    than cuBLAS, the fused matrix-vector kernel (kernels/decode_gemv.py); else cuBLAS and the SwiGLU
-    kernel, as the prefill runs them."""
+    gate/up product's SwiGLU (weight (2N, K)). At buckets of at most 16 rows the matrix-vector kernel
+    (kernels/decode_gemv.py); else cuBLAS and the SwiGLU kernel, as the prefill runs them."""
     rt = current()
     rows, k = x.shape
     plain = decode_gemv.EPI_BIAS if bias is not None else decode_gemv.EPI_NONE

@@ -129,7 +129,16 @@ def test_t_token_step_equals_one_token_steps_on_the_device():
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize(
-    "n,k,epilogue", [(4864, 896, "swiglu"), (8960, 1536, "swiglu"), (896, 896, "none"), (1152, 896, "bias")]
+    "n,k,epilogue",
+    [
+        (4864, 896, "swiglu"),
+        (8960, 1536, "swiglu"),
+        (896, 896, "none"),
+        (1152, 896, "bias"),
+        (896, 4864, "none"),  # K split over 4 programs
+        (1536, 8960, "none"),  # past MAX_PLAIN_K: cuBLAS
+        (2048, 1536, "bias"),  # split, the bias added by the last program
+    ],
 )
 def test_decode_gemv_kernel_matches_reference(rows, n, k, epilogue):
     g = torch.Generator(device="cuda").manual_seed(n + rows)

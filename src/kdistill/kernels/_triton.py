@@ -54,6 +54,30 @@ except ImportError:
         return StandIn(fn, **kwargs)
 
 
+if AVAILABLE:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # pragma: no cover - a Triton without grid dependency control: PDL keys stay off
+        gdc_launch_dependents = gdc_wait = None
+
+    @jit
+    def pdl_release(PDL: tl.constexpr):
+        """Programmatic dependent launch: the next kernel's programs may be placed now (they wait in
+        pdl_wait for this kernel to finish). A no-op unless PDL."""
+        if PDL:
+            gdc_launch_dependents()
+
+    @jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Wait until the previous kernel has finished and its writes are visible: nothing written by
+        an earlier kernel may be read, and nothing written, before this. A no-op unless PDL."""
+        if PDL:
+            gdc_wait()
+
+else:
+    pdl_release = pdl_wait = jit(lambda PDL: None)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) (triton.cdiv, also without Triton)."""
     return -(-a // b)

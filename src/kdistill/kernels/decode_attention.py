@@ -51,8 +51,17 @@ import torch
 
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import KernelError
-from kdistill.kernels._triton import jit, tl
-from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, memoized, next_pow2
+from kdistill.kernels._triton import jit, pdl_release, pdl_wait, tl
+from kdistill.kernels.keys import (
+    KernelKey,
+    dtype_name,
+    launch_options,
+    make_key,
+    memoized,
+    next_pow2,
+    pdl,
+    pdl_constexpr,
+)
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 INT32_MAX = 2**31 - 1
@@ -207,10 +216,13 @@ def decode_attn_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     ROPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    pdl_release(PDL)
+    pdl_wait(PDL)  # every input but the tables comes from this step's earlier kernels
     last = tl.load(POS + b).to(tl.int32)  # the row's newest slot: keys 0..last are attended
     start = s * SPLIT
     g = tl.arange(0, BLOCK_G)
@@ -231,8 +243,12 @@ def decode_attn_split_kernel(
 
 
 @jit(do_not_specialize=["NSPLIT"])
-def decode_attn_combine_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.constexpr, BLOCK_S: tl.constexpr):
+def decode_attn_combine_kernel(
+    OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)  # b * HQ + head
+    pdl_release(PDL)
+    pdl_wait(PDL)
     s = tl.arange(0, BLOCK_S)
     smask = s < NSPLIT
     lse = tl.load(LSE + row * NSPLIT + s, mask=smask, other=float("-inf"))  # (BLOCK_S,)
@@ -436,6 +452,7 @@ def launch(
         BLOCK_N=key["BLOCK_N"],
         SPLIT=key["SPLIT"],
         ROPE=rope,
+        PDL=pdl_constexpr(key),
     )
     for t in (q, k_new, v_new):
         if t.stride(2) != 1 or t.stride(1) != d:
@@ -506,7 +523,7 @@ def combine_launch(key: KernelKey, parts: torch.Tensor, lse: torch.Tensor, dtype
     """The combine kernel's (kernel, grid, args, kwargs, (o,)) for parts (B, Hq, S, D) -> o (B, Hq, D)."""
     b, hq, nsplit, d = parts.shape
     o = torch.empty((b, hq, d), dtype=dtype, device=parts.device)
-    kwargs = dict(D=d, HQ=hq, BLOCK_S=key["BLOCK_S"], **launch_options(key))
+    kwargs = dict(D=d, HQ=hq, BLOCK_S=key["BLOCK_S"], PDL=pdl_constexpr(key), **launch_options(key))
     return decode_attn_combine_kernel, (b * hq,), (parts, lse, o, nsplit), kwargs, (o,)
 
 
@@ -636,6 +653,7 @@ def split_key(
         arch,
         **_head_params(head_dim, q_heads, kv_heads, rope, dtype),
         align=SPLIT_K.align(aligned),
+        PDL=pdl(arch),
         num_warps=4,
         num_stages=2,
         **tiles(head_dim, q_heads, kv_heads, max_len),
@@ -682,6 +700,7 @@ def combine_key(arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: 
         HQ=int(q_heads),
         dtype=dtype_name(dtype),
         align=COMBINE.align(),
+        PDL=pdl(arch),
         num_warps=4,
         num_stages=1,
         **combine_tiles(max_len),

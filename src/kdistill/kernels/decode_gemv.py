@@ -5,14 +5,17 @@ its epilogue: kernel, launcher, reference, key functions, registered KernelSpec.
     y = silu(x Wg^T) * (x Wu^T)               (EPI 2)          W = [Wg; Wu] (2N, K) -> y (M, N)
 
 At one to sixteen rows a decode step's linears are memory-bound matrix-vector products: what counts is
-streaming W once with enough programs in flight. One program per BLOCK_N output columns holds all rows
-(BLOCK_M = 16, the dot's smallest tile: a batch of 1 computes 15 masked rows for free) and walks K in
-BLOCK_K steps, accumulating in fp32; with EPI 2 it streams the gate and the up rows of its columns
-side by side, so the (M, 2N) gate/up output is never written and the SwiGLU kernel is not launched.
-The epilogue rounds as the unfused path does (gate and up to the weights' dtype, silu(gate) likewise).
-Measured against cuBLAS at the decode step's shapes in benchmarks/decode_linear_bench.py (NOTES.md,
-round nine): the engine uses it where it wins (kdistill.decode: the gate/up product at every width,
-o_proj up to 1024 inputs, buckets of at most 16 rows).
+streaming W once with enough programs in flight, and each kernel's fixed latency. One program per
+BLOCK_N output columns (and per K split) holds all rows (BLOCK_M = 16, the dot's smallest tile: a batch
+of 1 computes 15 masked rows for free). On sm_90 and newer the kernels launch with programmatic dependent
+launch (keys.pdl): a program loads the weights of its first PRE_K inputs, which no earlier kernel writes,
+then waits for the previous kernel, so the weights stream while that kernel finishes; then it reads its
+input rows and walks the rest of its K range in BLOCK_K steps, accumulating in fp32. Products with few
+column blocks split K over SPLIT programs: each writes an fp32 partial, and the last to arrive (an
+acquire-release count per column block) sums them in split order and writes y. With EPI 2 the gate and
+the up rows of its columns stream side by side, so the (M, 2N) gate/up output is never written and the
+SwiGLU kernel is not launched; the epilogue rounds as the unfused path does (gate and up to the
+weights' dtype, silu(gate) likewise).
 
 The file reads top to bottom: kernel, launcher, reference, key functions and tile policy, then the
 registered KernelSpec. No backward: generation runs without gradients.
@@ -28,8 +31,17 @@ import torch.nn.functional as F
 
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import KernelError
-from kdistill.kernels._triton import cdiv, jit, tl
-from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, memoized
+from kdistill.kernels._triton import cdiv, jit, pdl_release, pdl_wait, tl
+from kdistill.kernels.keys import (
+    KernelKey,
+    dtype_name,
+    launch_options,
+    make_key,
+    memoized,
+    next_pow2,
+    pdl,
+    pdl_constexpr,
+)
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
@@ -42,24 +54,48 @@ def decode_gemv_kernel(
     W,
     BIAS,
     Y,
+    P,
+    CNT,
     M,
     N: tl.constexpr,
     K: tl.constexpr,
     EPI: tl.constexpr,
+    SPLIT: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    PRE_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     cols64 = cols.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    pdl_release(PDL)
+    # The weights of this program's first PRE_K inputs depend on no earlier kernel: they are loaded
+    # before the wait for the previous kernel, so that wait and this kernel's launch hide their latency.
+    kp = k_lo + tl.arange(0, PRE_K)
+    pmask = kp < k_hi
+    pwmask = cmask[:, None] & pmask[None, :]
+    pw = tl.load(W + cols64[:, None] * K + kp[None, :], mask=pwmask, other=0.0)  # (BLOCK_N, PRE_K)
+    pw2 = pw
+    if EPI == 2:
+        pw2 = tl.load(W + (cols64 + N)[:, None] * K + kp[None, :], mask=pwmask, other=0.0)
+    pdl_wait(PDL)
+    px = tl.load(X + rows[:, None] * K + kp[None, :], mask=rmask[:, None] & pmask[None, :], other=0.0)
+    acc = tl.dot(px, tl.trans(pw), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if EPI == 2:
+        acc2 = tl.dot(px, tl.trans(pw2), acc2)
+    for k0 in range(k_lo + PRE_K, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        kmask = kk < K
+        kmask = kk < k_hi
         x = tl.load(X + rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         wmask = cmask[:, None] & kmask[None, :]
         w = tl.load(W + cols64[:, None] * K + kk[None, :], mask=wmask, other=0.0)  # (BLOCK_N, BLOCK_K)
@@ -67,40 +103,85 @@ def decode_gemv_kernel(
         if EPI == 2:
             w2 = tl.load(W + (cols64 + N)[:, None] * K + kk[None, :], mask=wmask, other=0.0)
             acc2 = tl.dot(x, tl.trans(w2), acc2)
-    if EPI == 1:
-        acc += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    if EPI == 2:
-        g = acc.to(Y.dtype.element_ty).to(tl.float32)
-        u = acc2.to(Y.dtype.element_ty).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
-        acc = act * u
     ymask = rmask[:, None] & cmask[None, :]
-    tl.store(Y + rows[:, None] * N + cols64[None, :], acc.to(Y.dtype.element_ty), mask=ymask)
+    yoffs = rows[:, None] * N + cols64[None, :]
+    if SPLIT == 1:
+        if EPI == 1:
+            acc += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if EPI == 2:
+            g = acc.to(Y.dtype.element_ty).to(tl.float32)
+            u = acc2.to(Y.dtype.element_ty).to(tl.float32)
+            act = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
+            acc = act * u
+        tl.store(Y + yoffs, acc.to(Y.dtype.element_ty), mask=ymask)
+    else:
+        # K split over SPLIT programs per column block (EPI 0 and 1): each writes its fp32 partial, and
+        # the last of them to arrive (an acquire-release count per column block) sums the partials in
+        # split order (the same sum whichever program is last), writes y and sets the count back to 0.
+        tl.store(P + split.to(tl.int64) * M * N + yoffs, acc, mask=ymask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()
+            tot = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLIT):
+                tot += tl.load(P + s * M * N + yoffs, mask=ymask, other=0.0, cache_modifier=".cg")
+            if EPI == 1:
+                tot += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(Y + yoffs, tot.to(Y.dtype.element_ty), mask=ymask)
+            tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
+
+
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """The zeroed int32 arrival counts of split products on `device` (at least n): every launch leaves
+    them at zero. One set per device: the kernels that use them run in stream order (a decode step's
+    launches, each after the previous has finished)."""
+    dev = torch.device(device)
+    k = (dev.type, dev.index)
+    c = _COUNTERS.get(k)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[k] = torch.zeros(max(int(n), 1024), dtype=torch.int32, device=dev)
+    return c
 
 
 def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The kernel's (kernel, grid, args, kwargs, (y,)) for x (M, K) contiguous with M <= BLOCK_M, the
     weight (N, K) (EPI 0, 1) or the stacked (2N, K) (EPI 2) contiguous, bias (N,) for EPI 1."""
     m, k = x.shape
-    n, epi = int(key["N"]), int(key["EPI"])
+    n, epi, split = int(key["N"]), int(key["EPI"]), int(key["SPLIT"])
     if m > int(key["BLOCK_M"]) or k != int(key["K"]):
         raise KernelError(f"decode_gemv: x {tuple(x.shape)} does not fit the key (<= {key['BLOCK_M']} rows)")
     if weight.shape != ((2 * n if epi == EPI_SWIGLU else n), k) or not (
         x.is_contiguous() and weight.is_contiguous()
     ):
         raise KernelError(f"decode_gemv: weight {tuple(weight.shape)} does not fit the key")
+    if split > 1 and epi == EPI_SWIGLU:
+        raise KernelError("decode_gemv: the SwiGLU epilogue needs the whole K in one program (SPLIT 1)")
     y = torch.empty((m, n), dtype=torch_dtype(key["dtype"]), device=x.device)
-    args = (x, weight, bias if epi == EPI_BIAS else weight, y, m)
+    col_blocks = cdiv(n, int(key["BLOCK_N"]))
+    cnt = counters(x.device, col_blocks)
+    if split > 1:
+        parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    else:
+        parts = cnt.view(torch.float32)  # not read or written without a split
+    args = (x, weight, bias if epi == EPI_BIAS else weight, y, parts, cnt, m)
     kwargs = dict(
         N=n,
         K=k,
         EPI=epi,
+        SPLIT=split,
+        K_SPLIT=int(key["K_SPLIT"]),
+        PRE_K=int(key["PRE_K"]),
         BLOCK_M=int(key["BLOCK_M"]),
         BLOCK_N=int(key["BLOCK_N"]),
         BLOCK_K=int(key["BLOCK_K"]),
+        PDL=pdl_constexpr(key),
         **launch_options(key),
     )
-    return decode_gemv_kernel, (cdiv(n, int(key["BLOCK_N"])),), args, kwargs, (y,)
+    return decode_gemv_kernel, (col_blocks, split), args, kwargs, (y,)
 
 
 def run(spec) -> tuple:
@@ -122,11 +203,34 @@ def decode_gemv_reference(
 
 
 # -- tile policy and key functions --------------------------------------------------------------
+PROGRAMS = 256  # programs a product aims for at most (two resident per SM at the largest tiles)
+MIN_SPLIT_K = 512  # inputs per split at least
+PRE_K = {EPI_NONE: 1024, EPI_BIAS: 1024, EPI_SWIGLU: 512}  # at most, loaded before the wait
+MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,864 faster here, 8,960 not)
+
+
 def tiles(*, n: int, k: int, epilogue: int) -> dict[str, int]:
-    """16 rows (every bucket it serves), 128 of K an iteration; 32 columns a program with the SwiGLU
-    epilogue (two weight tiles each), else 16 (benchmarks/decode_linear_bench.py, H200)."""
-    del n, k
-    return {"BLOCK_M": MAX_ROWS, "BLOCK_N": 32 if epilogue == EPI_SWIGLU else 16, "BLOCK_K": 128}
+    """16 rows (every bucket it serves); 32 columns a program with the SwiGLU epilogue (two weight tiles
+    each), else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split)
+    into as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
+    run alone after the others); the first PRE_K inputs' weights loaded before the wait for the
+    previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
+    twelve)."""
+    block_n = 32 if epilogue == EPI_SWIGLU else 16
+    split, k_split = 1, k
+    if epilogue != EPI_SWIGLU:
+        want = max(1, min(PROGRAMS // cdiv(n, block_n), k // MIN_SPLIT_K))
+        k_split = cdiv(cdiv(k, want), 128) * 128
+        split = cdiv(k, k_split)
+    pre_k = min(next_pow2(k_split), PRE_K[epilogue])
+    return {
+        "BLOCK_M": MAX_ROWS,
+        "BLOCK_N": block_n,
+        "BLOCK_K": 128,
+        "PRE_K": pre_k,
+        "SPLIT": split,
+        "K_SPLIT": k_split,
+    }
 
 
 @memoized
@@ -143,8 +247,9 @@ def gemv_key(
         EPI=int(epilogue),
         dtype=dtype_name(dtype),
         align=GEMV.align(aligned),
+        PDL=pdl(arch),
         num_warps=4,
-        num_stages=4,
+        num_stages=3,
         **tiles(n=n, k=k, epilogue=epilogue),
     )
 
@@ -155,9 +260,10 @@ def supported(k: int) -> bool:
 
 
 def serves(rows: int, k: int, epilogue: int) -> bool:
-    """Where the engine's step uses this kernel instead of cuBLAS (measured): buckets of at most 16 rows,
-    the gate/up product with its SwiGLU at any width, a plain product of at most 1024 inputs (o_proj)."""
-    return rows <= MAX_ROWS and supported(k) and (epilogue == EPI_SWIGLU or k <= 1024)
+    """Where the engine's step uses this kernel instead of cuBLAS (measured, benchmarks/decode_products.py):
+    buckets of at most 16 rows; q/k/v with its bias, o_proj and gate/up with its SwiGLU at any width,
+    down up to MAX_PLAIN_K inputs."""
+    return rows <= MAX_ROWS and supported(k) and (epilogue == EPI_SWIGLU or k <= MAX_PLAIN_K)
 
 
 # -- registered description ---------------------------------------------------------------------
@@ -171,17 +277,30 @@ def _warm(key: KernelKey, device: Any) -> tuple:
     return launch(key, x, w, bias)
 
 
-def plan(arch: str, *, grad: bool, hidden: int, q_size: int, intermediate: int, dtype: str) -> set[KernelKey]:
-    """Keys of the decode step's products this kernel serves (one key per product: every bucket of at
-    most 16 rows launches the same binary, and an engine of any batch size decodes a few prompts in
-    such a bucket)."""
+def plan(
+    arch: str,
+    *,
+    grad: bool,
+    hidden: int,
+    q_size: int,
+    kv_size: int,
+    intermediate: int,
+    qkv_bias: bool,
+    dtype: str,
+) -> set[KernelKey]:
+    """Keys of the decode step's products this kernel serves: q/k/v (with its bias), o_proj, gate/up
+    with its SwiGLU, down (one key per product: every bucket of at most 16 rows launches the same
+    binary, and an engine of any batch size decodes a few prompts in such a bucket)."""
     del grad
-    out: set[KernelKey] = set()
-    if serves(1, hidden, EPI_SWIGLU):
-        out.add(gemv_key(arch, n=intermediate, k=hidden, dtype=dtype, epilogue=EPI_SWIGLU))
-    if serves(1, q_size, EPI_NONE):
-        out.add(gemv_key(arch, n=hidden, k=q_size, dtype=dtype, epilogue=EPI_NONE))
-    return out
+    products = (
+        (q_size + 2 * kv_size, hidden, EPI_BIAS if qkv_bias else EPI_NONE),
+        (hidden, q_size, EPI_NONE),
+        (intermediate, hidden, EPI_SWIGLU),
+        (hidden, intermediate, EPI_NONE),
+    )
+    return {
+        gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi) for n, k, epi in products if serves(1, k, epi)
+    }
 
 
 GEMV = Kernel(
@@ -189,7 +308,14 @@ GEMV = Kernel(
     decode_gemv_kernel,
     gemv_key,
     _warm,
-    {"X": "dtype", "W": "dtype", "BIAS": "dtype", "Y": "dtype"},
-    outputs=("Y",),
+    {
+        "X": "dtype",
+        "W": "dtype",
+        "BIAS": "dtype",
+        "Y": "dtype",
+        "P": "fp32",
+        "CNT": "i32",
+    },
+    outputs=("Y", "P", "CNT"),
 )
 SPEC = KernelSpec(name="decode_gemv", kernels=(GEMV,), tiles=tiles, plan=plan)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import struct
 import types
 from collections.abc import Callable, Mapping
@@ -52,6 +53,8 @@ __all__ = [
     "make_key",
     "next_pow2",
     "normalize_arch",
+    "pdl",
+    "pdl_constexpr",
     "promote",
 ]
 
@@ -185,6 +188,22 @@ def arch_capability(arch: str) -> int:
     return int(normalize_arch(arch)[3:])
 
 
+def pdl(arch: str) -> bool:
+    """Whether kernels for `arch` launch with programmatic dependent launch (sm_90 and newer): the next
+    kernel's programs may start while this one finishes, and wait (griddepcontrol.wait) before they
+    read what it wrote. A key parameter: launch_pdl is a compile option of the binary."""
+    try:
+        return arch_capability(arch) >= 90
+    except ValueError:  # "cpu"
+        return False
+
+
+def pdl_constexpr(key: KernelKey) -> bool:
+    """The PDL constexpr a launcher passes for `key`: the key's flag, off under Triton's interpreter
+    (which has no grid dependency control; the CPU runs programs one after another anyway)."""
+    return bool(key.get("PDL")) and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n."""
     return 1 << max(0, int(n) - 1).bit_length()
@@ -201,7 +220,9 @@ def constexpr_value(v: Param) -> Any:
 def launch_options(key: KernelKey) -> Mapping[str, Any]:
     """Launch/compile options for the kernel of `key` (the same for JIT launch, warmup and build);
     computed once per key (read-only)."""
-    opts = {"num_warps": int(key["num_warps"])}
+    opts: dict[str, Any] = {"num_warps": int(key["num_warps"])}
     if key.get("num_stages") is not None:  # the KD head's key leaves num_stages at Triton's default
         opts["num_stages"] = int(key["num_stages"])
+    if key.get("PDL"):  # programmatic dependent launch (see pdl())
+        opts["launch_pdl"] = True
     return types.MappingProxyType(opts)

@@ -381,7 +381,9 @@ def generation_kernels(
         grad=False,
         hidden=spec.hidden_size,
         q_size=spec.q_size,
+        kv_size=spec.kv_size,
         intermediate=spec.intermediate_size,
+        qkv_bias=spec.attention_bias,
         dtype=dt,
     )
     out.add(

@@ -5,7 +5,8 @@
 
 Forward: each program normalizes a (BLOCK_M x BLOCK_H) tile of rows and saves rstd (fp32 per row).
 Backward: programs stride over row blocks, write dx (+ the gradient that reached s) and accumulate a
-per-program fp32 partial of dw; the partials are summed by torch. Qwen3's per-head q/k norm is the
+per-program fp32 partial of dw; the partials are summed by torch. On sm_90 and newer the forward
+launches with programmatic dependent launch (keys.pdl): it loads w, then waits for the previous kernel. Qwen3's per-head q/k norm is the
 same kernel with H = head_dim. Tile sizes and warps come from the kernel key (`tiles` below).
 
 The file reads top to bottom: kernels, launchers, autograd Function, key functions and tile policy,
@@ -21,7 +22,7 @@ import torch
 
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import KernelError
-from kdistill.kernels._triton import cdiv, jit, tl
+from kdistill.kernels._triton import cdiv, jit, pdl_release, pdl_wait, tl
 from kdistill.kernels.keys import (
     KernelKey,
     dtype_name,
@@ -31,6 +32,8 @@ from kdistill.kernels.keys import (
     make_key,
     memoized,
     next_pow2,
+    pdl,
+    pdl_constexpr,
     promote,
 )
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
@@ -54,6 +57,7 @@ def rmsnorm_fwd_kernel(
     BLOCK_M: tl.constexpr,
     EPS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -62,6 +66,9 @@ def rmsnorm_fwd_kernel(
     cmask = cols < H
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    pdl_release(PDL)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)  # a weight: before the wait
+    pdl_wait(PDL)
     xf = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
@@ -70,7 +77,6 @@ def rmsnorm_fwd_kernel(
         xf = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / H + EPS)  # (BLOCK_M,)
     tl.store(RSTD + rows, rstd, mask=rmask)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         n = (xf * rstd[:, None]).to(S.dtype.element_ty).to(tl.float32)
     else:
@@ -150,6 +156,7 @@ def fwd_launch(
         BLOCK_M=key["BLOCK_M"],
         EPS=float(eps),
         HAS_RESIDUAL=residual is not None,
+        PDL=pdl_constexpr(key),
         **launch_options(key),
     )
     return rmsnorm_fwd_kernel, grid, args, kwargs, (y, s, rstd)
@@ -288,6 +295,7 @@ def fwd_key(
         y_dtype=y_dtype,
         s_dtype=s_dtype if residual else y_dtype,  # without residual S aliases Y (unused)
         align=FWD.align(aligned),
+        PDL=pdl(arch),
         **tiles(hidden),
     )
 

@@ -151,6 +151,8 @@ class Kernel:
         options = {"num_warps": int(key.get("num_warps", 4))}
         if key.get("num_stages") is not None:
             options["num_stages"] = int(key["num_stages"])
+        if key.get("PDL"):
+            options["launch_pdl"] = True
         return {"signature": sig, "constexprs": constexprs, "attrs": attrs, "options": options}
 
     def specialization(self, key: KernelKey) -> tuple:
@@ -253,7 +255,13 @@ def triton_specialization(kernel: Any, args: tuple, kwargs: dict, arch: str = "s
     return (
         _op_name(kernel),
         tuple(out),
-        tuple(sorted((k, v) for k, v in opts.items() if k in ("num_warps", "num_stages"))),
+        tuple(
+            sorted(
+                (k, v)
+                for k, v in opts.items()
+                if k in ("num_warps", "num_stages") or (k == "launch_pdl" and v)
+            )
+        ),
     )
 
 
