@@ -57,6 +57,7 @@ from torch.distributed.fsdp import FSDPModule
 from kdistill import dispatch
 from kdistill.errors import UserError
 from kdistill.kernels import decode_attention as decode_attention_kernel
+from kdistill.kernels import decode_gemv
 from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
 from kdistill.models.lora import LoraLinear
@@ -537,11 +538,15 @@ class DecodeEngine:
             o = dispatch.decode_attention(q[:, :, 0], st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0], *tables)
             return o[:, :, None]  # (B, Hq, 1, D)
 
-        if self.rope_in_attention:
-            h = forward_tokens(self.weights, st.tok[:, None], None, None, attend, step=True)[:, 0]  # (B, H)
-        else:  # a head too narrow for the kernel's halves: the RoPE kernel first, at each row's position
-            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
-            h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend, step=True)[:, 0]
+        # a small bucket's products are matrix-vector kernels: the whole block chains (runtime.chained)
+        with dispatch.chained(st.batch <= decode_gemv.MAX_ROWS):
+            if self.rope_in_attention:
+                h = forward_tokens(self.weights, st.tok[:, None], None, None, attend, step=True)[
+                    :, 0
+                ]  # (B, H)
+            else:  # a head too narrow for the kernel's halves: the RoPE kernel first, at each row's position
+                cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
+                h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend, step=True)[:, 0]
         tok = sample_tokens(F.linear(h, self.weights.lm_head), self.sampling, st.u)
         self._append(st, tok, st.rows, st.lens + 1)
 

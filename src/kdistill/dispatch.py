@@ -43,6 +43,7 @@ from kdistill.kernels.runtime import (
     KernelFallbackWarning,
     Recorder,
     aligned,
+    chained,
     current,
     recording,
     triton_available,
@@ -68,6 +69,7 @@ __all__ = [
     "aligned",
     "apply_rope",
     "attention",
+    "chained",
     "configure",
     "current",
     "decode_attention",
@@ -100,7 +102,7 @@ def _wants_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 # -- RMSNorm ------------------------------------------------------------------------------------------
-def _norm_fwd_key(arch, x2, r2, weight, eps, y_dtype):
+def _norm_fwd_key(arch, x2, r2, weight, eps, y_dtype, chained=False):
     return norm_kernel.fwd_key(
         arch,
         hidden=x2.shape[-1],
@@ -110,6 +112,7 @@ def _norm_fwd_key(arch, x2, r2, weight, eps, y_dtype):
         residual=r2 is not None,
         r_dtype=r2.dtype if r2 is not None else None,
         y_dtype=y_dtype,
+        chained=chained,
         aligned=aligned(x2, r2 if r2 is not None else x2, weight),
     )
 
@@ -148,7 +151,7 @@ def _norm(
     if to_gemm:
         s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         y_dtype = _gemm_dtype(s_dtype, weight.dtype, x.device.type)
-    key = _norm_fwd_key(rt.arch, x2, r2, weight, eps, y_dtype)
+    key = _norm_fwd_key(rt.arch, x2, r2, weight, eps, y_dtype, rt.chained)
 
     def bwd_key_fn(dy, normed, w, rstd, ds):
         k = _norm_bwd_key(rt.arch, _rows(dy), _rows(normed), w, rstd, _rows(ds) if ds is not None else None)
@@ -471,9 +474,12 @@ def decode_attention(
         dtype=q.dtype,
         max_len=m,
         rope=rope,
+        chained=rt.chained,
         aligned=aligned(q, k_cache, v_cache, pos, k_new, v_new, cos, sin),
     )
-    ckey = decode_kernel.combine_key(rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m)
+    ckey = decode_kernel.combine_key(
+        rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m, chained=rt.chained
+    )
     split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos, k_new, v_new, cos, sin)  # noqa: E731
     if rt.use_kernel(key, q, k_cache, v_cache):
         try:

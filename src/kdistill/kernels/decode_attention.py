@@ -643,17 +643,19 @@ def split_key(
     dtype: str,
     max_len: int,
     rope: bool = False,
+    chained: bool = False,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len);
-    rope: q and the new key arrive unrotated (the kernel applies RoPE). aligned: Q, K, V, POS, KN, VN,
-    COS, SIN (without rope the tables' flags are the outputs', always aligned)."""
+    rope: q and the new key arrive unrotated (the kernel applies RoPE); chained: inside a small bucket's
+    decode step (runtime.chained: programmatic dependent launch where the arch has it). aligned: Q, K,
+    V, POS, KN, VN, COS, SIN (without rope the tables' flags are the outputs', always aligned)."""
     return make_key(
         SPLIT_K.op,
         arch,
         **_head_params(head_dim, q_heads, kv_heads, rope, dtype),
         align=SPLIT_K.align(aligned),
-        PDL=pdl(arch),
+        PDL=bool(chained) and pdl(arch),
         num_warps=4,
         num_stages=2,
         **tiles(head_dim, q_heads, kv_heads, max_len),
@@ -691,8 +693,11 @@ def multi_split_key(
 
 
 @memoized
-def combine_key(arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: int) -> KernelKey:
-    """The combine kernel writing `dtype` for caches of up to max_len slots (the lanes' count)."""
+def combine_key(
+    arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: int, chained: bool = False
+) -> KernelKey:
+    """The combine kernel writing `dtype` for caches of up to max_len slots (the lanes' count); chained
+    as split_key's."""
     return make_key(
         COMBINE.op,
         arch,
@@ -700,7 +705,7 @@ def combine_key(arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: 
         HQ=int(q_heads),
         dtype=dtype_name(dtype),
         align=COMBINE.align(),
-        PDL=pdl(arch),
+        PDL=bool(chained) and pdl(arch),
         num_warps=4,
         num_stages=1,
         **combine_tiles(max_len),
@@ -758,11 +763,13 @@ def plan(
     max_len: int,
     rope: bool = True,
     tokens: Sequence[int] = (),
+    chained: Sequence[bool] = (False, True),
 ) -> set[KernelKey]:
     """Keys of one decode step's attention (no backward: generation only); none for shapes the
     kernel does not take (`supported`). rope: the engine's step, which leaves RoPE to the kernel.
     tokens: the T > 1 of the engine's T-token steps (DecodeEngine.forward_at), each a launch of the
-    T-token kernel per chunk of token_chunks."""
+    T-token kernel per chunk of token_chunks. chained: the one-token step's keys for each of these
+    (runtime.chained: a small bucket's step, or not)."""
     del grad
     if not supported(head_dim, q_heads, kv_heads):
         return set()
@@ -782,18 +789,24 @@ def plan(
         if t > 1
         for c in token_chunks(t, q_heads, kv_heads)
     }
-    return multi | {
-        split_key(
-            arch,
-            head_dim=head_dim,
-            q_heads=q_heads,
-            kv_heads=kv_heads,
-            dtype=dtype,
-            max_len=max_len,
-            rope=rope,
-        ),
-        combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len),
-    }
+    out = multi | {combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len)}
+    for c in chained:
+        out.add(
+            split_key(
+                arch,
+                head_dim=head_dim,
+                q_heads=q_heads,
+                kv_heads=kv_heads,
+                dtype=dtype,
+                max_len=max_len,
+                rope=rope,
+                chained=c,
+            )
+        )
+        out.add(
+            combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len, chained=c)
+        )
+    return out
 
 
 SPLIT_K = Kernel(

@@ -376,6 +376,7 @@ def generation_kernels(
     fwd = model_kernels(spec, arch, prec, dt, grad=False, batch=batch, seq=prompt_len, masked=True)
     out = {k for k in fwd if not k.is_library}
     out |= _decode_attention(spec, arch, dt, max_len)
+    out |= _step_norms(spec, arch, dt)
     out |= registry.by_name("decode_gemv").plan(
         arch,
         grad=False,
@@ -401,6 +402,21 @@ def generation_kernels(
     )
     for tokens in {batch * prompt_len, batch}:
         out |= gemm_kernels(spec, arch, dt, grad=False, tokens=tokens, chunk=batch)
+    return out
+
+
+def _step_norms(spec: ModelSpec, arch: str, dt: str) -> set[keys.KernelKey]:
+    """The norms of a small bucket's decode step (runtime.chained: their keys launch with programmatic
+    dependent launch): the first block's input norm, the add + norms after it (and the final one), and
+    Qwen3's per-head q/k norms."""
+    norm = registry.by_name("rmsnorm").plan
+    eps, h = spec.rms_eps, spec.hidden_size
+    out = norm(arch, grad=False, hidden=h, eps=eps, dtype=dt, w_dtype=dt, chained=True)
+    if spec.num_layers == 0:
+        return out
+    out |= norm(arch, grad=False, hidden=h, eps=eps, dtype=dt, w_dtype=dt, r_dtype=dt, chained=True)
+    if spec.qk_norm:
+        out |= norm(arch, grad=False, hidden=spec.head_dim, eps=eps, dtype=dt, w_dtype=dt, chained=True)
     return out
 
 

@@ -5,8 +5,9 @@
 
 Forward: each program normalizes a (BLOCK_M x BLOCK_H) tile of rows and saves rstd (fp32 per row).
 Backward: programs stride over row blocks, write dx (+ the gradient that reached s) and accumulate a
-per-program fp32 partial of dw; the partials are summed by torch. On sm_90 and newer the forward
-launches with programmatic dependent launch (keys.pdl): it loads w, then waits for the previous kernel. Qwen3's per-head q/k norm is the
+per-program fp32 partial of dw; the partials are summed by torch. In a small bucket's decode step
+(runtime.chained) on sm_90 and newer the forward launches with programmatic dependent launch (keys.pdl):
+it loads w, then waits for the previous kernel. Qwen3's per-head q/k norm is the
 same kernel with H = head_dim. Tile sizes and warps come from the kernel key (`tiles` below).
 
 The file reads top to bottom: kernels, launchers, autograd Function, key functions and tile policy,
@@ -274,11 +275,14 @@ def fwd_key(
     residual: bool,
     r_dtype: str | None = None,
     y_dtype: str | None = None,
+    chained: bool = False,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """y = rmsnorm(x [+ residual]) * w. dtype: x's; r_dtype: the residual's (default x's; the sum s has
     their promotion); y_dtype: y's (default promote(s, w); a norm whose output feeds GEMMs only writes
-    it in the autocast dtype). aligned: X, R, W (R is X when there is no residual)."""
+    it in the autocast dtype). chained: inside a small bucket's decode step (runtime.chained), launched
+    with programmatic dependent launch where the arch has it. aligned: X, R, W (R is X when there is no
+    residual)."""
     dtype, w_dtype = dtype_name(dtype), dtype_name(w_dtype)
     r_dtype = dtype_name(r_dtype) if (residual and r_dtype is not None) else dtype
     s_dtype = promote(dtype, r_dtype)
@@ -295,7 +299,7 @@ def fwd_key(
         y_dtype=y_dtype,
         s_dtype=s_dtype if residual else y_dtype,  # without residual S aliases Y (unused)
         align=FWD.align(aligned),
-        PDL=pdl(arch),
+        PDL=bool(chained) and pdl(arch),
         **tiles(hidden),
     )
 
@@ -365,10 +369,11 @@ def plan(
     w_dtype: str,
     r_dtype: str | None = None,
     y_dtype: str | None = None,
+    chained: bool = False,
 ) -> set[KernelKey]:
     """Keys of one call rmsnorm(x) (r_dtype None) or add_rmsnorm(x, residual): the forward, and when
     grad the backward with and (if fused) without a gradient reaching the returned sum. y_dtype: the
-    output's dtype when it is not the promotion (see fwd_key)."""
+    output's dtype when it is not the promotion (see fwd_key); chained: a small bucket's decode step."""
     residual = r_dtype is not None
     keys = {
         fwd_key(
@@ -380,6 +385,7 @@ def plan(
             residual=residual,
             r_dtype=r_dtype,
             y_dtype=y_dtype,
+            chained=chained,
         )
     }
     if grad:

@@ -87,6 +87,9 @@ class KernelRuntime:
     failed: set[KernelKey] = dataclasses.field(default_factory=set)
     warned: set[KernelKey] = dataclasses.field(default_factory=set)
     forced_failures: set[str] = dataclasses.field(default_factory=set)  # op names (tests: planted failures)
+    # A decode step of a small bucket is being launched: every kernel of its chain is kdistill's own (no
+    # multi-wave GEMM), so its norms and attention launch with programmatic dependent launch too.
+    chained: bool = False
 
     # -- deciding the path ---------------------------------------------------------------------
     def use_kernel(self, key: KernelKey, *tensors: torch.Tensor) -> bool:
@@ -253,6 +256,19 @@ def using(**changes: Any) -> Iterator[KernelRuntime]:
         yield _STATE
     finally:
         _STATE = saved
+
+
+@contextlib.contextmanager
+def chained(on: bool = True) -> Iterator[KernelRuntime]:
+    """Launch the block's norm and attention kernels with programmatic dependent launch inside (keys.pdl):
+    the decode step of a bucket whose products are the matrix-vector kernels. Not where a cuBLAS GEMM of
+    several waves precedes them: its early trigger would let their programs take SMs its last waves need."""
+    saved = _STATE.chained
+    _STATE.chained = bool(on)
+    try:
+        yield _STATE
+    finally:
+        _STATE.chained = saved
 
 
 @contextlib.contextmanager
