@@ -51,7 +51,9 @@ def cpu_pack(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("pack")
     env = _env(root / "build-cache", CUDA_VISIBLE_DEVICES="")
     kdistill = [sys.executable, "-m", "kdistill", "kernels", "build", "--arch", _arch()]
-    _run([*kdistill, DEMO, "--out", str(root / "pack")], env)
+    # the run below overrides runtime.device (the demo's default is the CPU): the build plans for the
+    # same run, so that its decode engines' keys are the GPU's (bf16), not the CPU's
+    _run([*kdistill, DEMO, "runtime.device=cuda", "--out", str(root / "pack")], env)
     out = _run([*kdistill, PAIR, *QWEN, "--out", str(root / "pack")], env)
     assert "kernels written" in out.stdout
     return root / "pack"
