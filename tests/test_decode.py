@@ -187,6 +187,22 @@ def test_engine_keys_are_planned(tmp_path, head_dim):
     assert {k["ROPE"] for k in triton if k.op == "decode_attn_split"} == {head_dim >= 32}
 
 
+@pytest.mark.parametrize(
+    "arch,prompts,chained", [("sm_90", 3, True), ("sm_80", 3, False), ("sm_90", 17, False)]
+)
+def test_only_a_small_buckets_step_launches_its_norms_and_attention_chained(tmp_path, arch, prompts, chained):
+    """Programmatic dependent launch for the step's norms and attention where the arch has it and the
+    bucket's products are the matrix-vector kernels (at most 16 rows); the prefill's norms never."""
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    rows = [sample_ids(model.spec.vocab_size, 1, 5, seed=i)[0].tolist() for i in range(prompts)]
+    with runtime.using(mode="reference", arch=arch), runtime.recording() as rec:
+        DecodeEngine(model, batch_size=32, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(rows)
+    pdl = {k["PDL"] for k in rec.keys() if k.op in ("decode_attn_split", "rmsnorm_fwd")}
+    assert pdl == ({False, True} if chained else {False})  # the prefill's norms: False
+    assert all(k["PDL"] == (arch == "sm_90") for k in rec.keys() if k.op == "decode_gemv")
+    assert {k["PDL"] for k in rec.keys() if k.op == "decode_attn_split"} == {chained}
+
+
 # -- generate --out ------------------------------------------------------------------------------
 chat_dir = test_generate.chat_dir  # the tiny chat model of the generate tests (a module fixture)
 
