@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -33,9 +32,11 @@ from kdistill.kernels.runtime import configure
 from kdistill.models.presets import PRESETS
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module
+    from decode_profile import replay_ms
     from kd_throughput import _argv_for_record
     from kd_throughput import _version as version
 except ImportError:  # pragma: no cover
+    from benchmarks.decode_profile import replay_ms
     from benchmarks.kd_throughput import _argv_for_record
     from benchmarks.kd_throughput import _version as version
 
@@ -83,15 +84,7 @@ def chain_us(launches, reps: int) -> float:
     with torch.cuda.graph(g):
         for fn in launches:
             fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / len(launches))
-    return statistics.median(times)
+    return replay_ms(g, reps) * 1e3 / len(launches)
 
 
 def main() -> None:
