@@ -455,8 +455,8 @@ def decode_attention(
     contiguous, pos (B,) int64 each row's newest slot, k_new and v_new (B, Hkv, D) the step's key and
     value, written into slot pos[b] -> (B, Hq, D), attending slots 0..pos[b] only. With cos and sin (the
     fp32 (M', D) RoPE tables), q and k_new arrive unrotated and are rotated at position pos[b] first. The
-    split kernel (which also rotates, and writes the new key and value) and its combine
-    (kernels/decode_attention.py), or the reference."""
+    split kernel (which also rotates, writes the new key and value, and whose last split per row and kv
+    head combines the parts; kernels/decode_attention.py), or the reference."""
     rt = current()
     d, hq, hkv, m = q.shape[-1], q.shape[1], k_cache.shape[1], k_cache.shape[2]
     rope = cos is not None and sin is not None
@@ -477,23 +477,13 @@ def decode_attention(
         chained=rt.chained,
         aligned=aligned(q, k_cache, v_cache, pos, k_new, v_new, cos, sin),
     )
-    ckey = decode_kernel.combine_key(
-        rt.arch, head_dim=d, q_heads=hq, dtype=q.dtype, max_len=m, chained=rt.chained
-    )
     split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos, k_new, v_new, cos, sin)  # noqa: E731
     if rt.use_kernel(key, q, k_cache, v_cache):
         try:
-            parts, lse = rt.launch(key, lambda: decode_kernel.run(split()), split)
-            comb = lambda: decode_kernel.combine_launch(ckey, parts, lse, q.dtype)  # noqa: E731
-            return rt.launch(ckey, lambda: decode_kernel.run(comb()), comb)[0]
+            return rt.launch(key, lambda: decode_kernel.run(split()), split)[0]
         except Exception as e:
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", split)
-    rt.record(
-        ckey,
-        "fwd",
-        lambda: decode_kernel.combine_launch(ckey, *decode_kernel.empty_parts(key, q, m), q.dtype),
-    )
     return decode_attention_reference(q, k_cache, v_cache, pos, k_new, v_new, cos, sin)
 
 

@@ -11,10 +11,12 @@ mask over M is built (the decode step of kdistill.decode stays the same graph as
 
 Split-K ("flash decoding"): program (b, kv head, s) takes the slots [s * SPLIT, (s + 1) * SPLIT) of
 its row, for all G query heads of that kv head at once (one tile of K and V serves G queries), and
-writes an fp32 partial output and its log-sum-exp; splits past p_b write an empty part. A second
-kernel combines the parts of each (b, head): o = sum_s exp(lse_s - lse) o_s. The number of splits is
-a runtime grid size (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head
-counts and the tiles are in the key.
+writes an fp32 partial output and its log-sum-exp; splits past p_b write an empty part. The last split
+of each (b, kv head) to arrive (an acquire-release count, set back to zero by it) combines the parts of
+its G heads: o = sum_s exp(lse_s - lse) o_s, with no kernel of its own. The number of splits is a
+runtime grid size (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head
+counts and the tiles are in the key. In a small bucket's decode step (runtime.chained) it launches with
+programmatic dependent launch (keys.pdl).
 
 RoPE (key ROPE): the decode engine hands q and the new key over unrotated, straight from the q/k/v
 GEMM's output (q's rows strided by that output's width); the split kernel rotates them at the row's
@@ -32,8 +34,8 @@ a tile of T x G rows, the (token, q head) pairs of its kv head: the cached slots
 c_b = min(start[b], M - 1) (slots no token of this step writes) are read once for all rows; the split
 holding c_b then attends the step's own keys from registers (rotated at each token's slot with the key's
 ROPE), causal among them, and writes them into the cache. No program reads a slot >= c_b, so the writes
-race with no read and no barrier is needed. Parts are (B, T, Hq, S): the one-token combine (its key
-unchanged) runs over B * T rows. T is in the key (the tile's rows, the causal mask); a step of more
+race with no read and no barrier is needed. Parts are (B, T, Hq, S): the combine kernel runs over
+B * T rows. T is in the key (the tile's rows, the causal mask); a step of more
 than MAX_ROWS rows runs as several launches in order (token_chunks). It is a kernel of its own rather
 than a T parameter of the one-token kernel, so the plain decode step's kernel and key stay as they are.
 
@@ -51,6 +53,7 @@ import torch
 
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import KernelError
+from kdistill.kernels import decode_gemv
 from kdistill.kernels._triton import jit, pdl_release, pdl_wait, tl
 from kdistill.kernels.keys import (
     KernelKey,
@@ -202,6 +205,8 @@ def decode_attn_split_kernel(
     SIN,
     OP,
     LSE,
+    O,
+    CNT,
     M,
     NSPLIT,
     sqn,
@@ -215,6 +220,7 @@ def decode_attn_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -240,6 +246,33 @@ def decode_attn_split_kernel(
             Q, K, V, KN, VN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
             sqn, skn, svn, sm_scale, D, BLOCK_G, BLOCK_N, SPLIT,
         )  # fmt: skip
+    # The last split of (row, kv head) to arrive (an acquire-release count, set back to zero by it)
+    # combines its G heads' parts: the combine kernel's sum, with no launch of its own.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(CNT + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+    if arrived == NSPLIT - 1:
+        tl.debug_barrier()
+        lanes = tl.arange(0, BLOCK_S)
+        lmask = lanes < NSPLIT
+        dd = tl.arange(0, D)
+        for gi in tl.static_range(G):
+            row = b * HQ + h * G + gi
+            _combine_row(OP, LSE, O, row, lanes, lmask, dd, NSPLIT, D)
+        tl.atomic_xchg(CNT + b * HKV + h, 0, sem="relaxed", scope="gpu")
+
+
+@jit
+def _combine_row(OP, LSE, O, row, s, smask, d, NSPLIT, D: tl.constexpr):
+    """Row `row` (b * HQ + head) of the output: its NSPLIT parts weighted by their log-sum-exps (read
+    through L2: other programs wrote them)."""
+    lse = tl.load(LSE + row * NSPLIT + s, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, axis=0)  # split 0 always holds slot 0: finite
+    w = tl.exp(lse - top)
+    w = w / tl.sum(w, axis=0)
+    offs = (row * NSPLIT + s)[:, None] * D + d[None, :]
+    parts = tl.load(OP + offs, mask=smask[:, None], other=0.0, cache_modifier=".cg")
+    o = tl.sum(parts * w[:, None], axis=0)  # (D,)
+    tl.store(O + row * D + d, o.to(O.dtype.element_ty))
 
 
 @jit(do_not_specialize=["NSPLIT"])
@@ -433,16 +466,21 @@ def launch(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
 ):
-    """The split kernel's (kernel, grid, args, kwargs, (parts, lse)) for q (B, Hq, D), caches (B, Hkv,
-    M, D) contiguous, pos (B,) int64 (each row's newest slot) and the step's k_new and v_new (B, Hkv,
-    D), written into slot pos[b]; q, k_new and v_new need contiguous heads in each row (any row stride).
+    """The split kernel's (kernel, grid, args, kwargs, (o,)) for q (B, Hq, D), caches (B, Hkv, M, D)
+    contiguous, pos (B,) int64 (each row's newest slot) and the step's k_new and v_new (B, Hkv, D),
+    written into slot pos[b]; q, k_new and v_new need contiguous heads in each row (any row stride).
     With the key's ROPE, cos and sin are the fp32 (M', D) tables (M' > every pos) and q and k_new arrive
-    unrotated: the kernel rotates them at position pos[b]."""
+    unrotated: the kernel rotates them at position pos[b]. o (B, Hq, D) in q's dtype: the last split of
+    each (row, kv head) combines the parts."""
     b, hq, d = q.shape
     hkv, m = k_cache.shape[1], k_cache.shape[2]
     rope = _check_launch(key, k_cache, cos, sin)
     parts, lse = empty_parts(key, q, m)
     nsplit = lse.shape[-1]
+    if nsplit > key["BLOCK_S"]:
+        raise KernelError(f"decode_attention: {nsplit} splits exceed the key's {key['BLOCK_S']} lanes")
+    o = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    cnt = decode_gemv.counters(q.device, b * hkv)
     kwargs = dict(
         D=d,
         HQ=hq,
@@ -451,6 +489,7 @@ def launch(
         BLOCK_G=key["BLOCK_G"],
         BLOCK_N=key["BLOCK_N"],
         SPLIT=key["SPLIT"],
+        BLOCK_S=key["BLOCK_S"],
         ROPE=rope,
         PDL=pdl_constexpr(key),
     )
@@ -458,14 +497,14 @@ def launch(
         if t.stride(2) != 1 or t.stride(1) != d:
             raise KernelError("decode_attention: q and the new k and v need contiguous heads in each row")
     tables = (cos, sin) if rope else (parts, lse)  # without RoPE the table pointers are never read
-    args = (q, k_cache, v_cache, pos, k_new, v_new, *tables, parts, lse, m, nsplit)
+    args = (q, k_cache, v_cache, pos, k_new, v_new, *tables, parts, lse, o, cnt, m, nsplit)
     args = (*args, q.stride(0), k_new.stride(0), v_new.stride(0), 1.0 / math.sqrt(d))
     return (
         decode_attn_split_kernel,
         (b, hkv, nsplit),
         args,
         {**kwargs, **launch_options(key)},
-        (parts, lse),
+        (o,),
     )
 
 
@@ -659,6 +698,7 @@ def split_key(
         num_warps=4,
         num_stages=2,
         **tiles(head_dim, q_heads, kv_heads, max_len),
+        **combine_tiles(max_len),
     )
 
 
@@ -789,7 +829,9 @@ def plan(
         if t > 1
         for c in token_chunks(t, q_heads, kv_heads)
     }
-    out = multi | {combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len)}
+    out = set(multi)
+    if multi:  # the T-token kernel's parts are combined by the combine kernel
+        out.add(combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len))
     for c in chained:
         out.add(
             split_key(
@@ -802,9 +844,6 @@ def plan(
                 rope=rope,
                 chained=c,
             )
-        )
-        out.add(
-            combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len, chained=c)
         )
     return out
 
@@ -825,8 +864,10 @@ SPLIT_K = Kernel(
         "SIN": "fp32",
         "OP": "fp32",
         "LSE": "fp32",
+        "O": "dtype",
+        "CNT": "i32",
     },
-    outputs=("OP", "LSE"),
+    outputs=("OP", "LSE", "O", "CNT"),
 )
 MULTI_SPLIT = Kernel(
     "decode_attn_multi_split",
