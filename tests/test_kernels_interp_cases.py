@@ -380,12 +380,16 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
         kernel.bwd_launch = saved
 
 
-def case_decode_attention(device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d=16, m=300, rope=False):
+def case_decode_attention(
+    device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d=16, m=300, rope=False, chained=False
+):
     """One token per row over a static cache: rows whose newest slot is 0, inside the first split, on
     a split boundary and at the cache's end (empty splits must weigh nothing). rope: q and the new key
     arrive unrotated, q as a view into a q/k/v row (as the engine's step passes it), and the kernel
-    rotates both at the row's position."""
+    rotates both at the row's position. chained: the key of a small bucket's step on an arch with
+    programmatic dependent launch, whose split reads its first tile of cached keys before the wait."""
     from kdistill import dispatch
+    from kdistill.kernels import runtime
     from kdistill.ops.attention import decode_attention_reference
 
     g = torch.Generator().manual_seed(m)
@@ -403,8 +407,14 @@ def case_decode_attention(device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d
         cos, sin = angles.cos(), angles.sin()
     kr, vr = k.float().clone(), v.float().clone()
     want = decode_attention_reference(q.float(), kr, vr, pos, kn.float(), vn.float(), cos, sin)
-    with _kernel_mode():
+    arch = {"arch": "sm_90"} if chained else {}
+    with (
+        runtime.using(mode="triton", strict=True, **arch),
+        runtime.chained(chained),
+        runtime.recording() as rec,
+    ):
         got = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
+    assert [k["PDL"] for k in rec.keys()] == [chained]
     assert got.dtype == dtype and got.shape == (b, hq, d)
     _close("o", got, want, dtype)
     _close("k cache", k, kr, dtype)  # the new key and value are in the cache, nothing else changed
@@ -640,6 +650,12 @@ CASES = {
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True),
     ),
+    # the chained split: its first tile of cached keys read before the wait, the rest by the loop
+    "decode_attention_fp32_rope_chained_long": (
+        case_decode_attention,
+        dict(dtype=torch.float32, b=4, hq=2, hkv=1, d=32, m=4200, rope=True, chained=True),
+    ),
+    "decode_attention_fp32_chained": (case_decode_attention, dict(dtype=torch.float32, chained=True)),
     "fp8_quant_cols_fp32": (case_fp8_quant_cols, dict(dtype=torch.float32)),
     "fp8_quant_cols_narrow": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=5, cols=3)),
     # fp32: the interpreter rounds float8 ties away from even, and bf16 inputs make exact ties common

@@ -95,101 +95,111 @@ def _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D: tl.constexpr):
 
 
 @jit
-def _plain_split(
-    Q, K, V, KN, VN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
-    sqn, skn, svn, sm_scale,
-    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """The split kernel's work when q and the new key arrive rotated."""
-    d = tl.arange(0, D)
-    q = tl.load(Q + b * sqn + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
-    # The newest token's key and value come from the step's own k and v (rows strided by skn / svn);
-    # the program whose split holds slot `last` also writes them into the cache there.
-    kn = tl.load(KN + b * skn + h * D + d)  # (D,)
-    vn = tl.load(VN + b * svn + h * D + d)
-    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, D), tl.float32)
-    end = tl.minimum(start + SPLIT, last + 1)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        newest = (n == last)[:, None]
-        cached = (nmask & (n != last))[:, None]
-        offs = (kv + n)[:, None].to(tl.int64) * D + d[None, :]
-        k = tl.load(K + offs, mask=cached, other=0.0)  # (BLOCK_N, D)
-        v = tl.load(V + offs, mask=cached, other=0.0)
-        k = tl.where(newest, kn[None, :].to(k.dtype), k)
-        v = tl.where(newest, vn[None, :].to(v.dtype), v)
-        scores = tl.dot(q, tl.trans(k)) * sm_scale  # (BLOCK_G, BLOCK_N) fp32
-        scores = tl.where(nmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    at = d * 0 + last  # (D,): the newest slot, once per lane
-    own = (at >= start) & (at < start + SPLIT)
-    slot = (kv + last).to(tl.int64) * D + d
-    tl.store(K + slot, kn.to(K.dtype.element_ty), mask=own)
-    tl.store(V + slot, vn.to(V.dtype.element_ty), mask=own)
-    _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D)
+def _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE: tl.constexpr):
+    """One tile of keys in the online softmax: scores qa.ka (+ qb.kb with ROPE: the two halves of the
+    heads), masked to `nmask`; returns the updated (m_i, l_i, acc). A tile masked whole (an empty
+    split's) leaves them as they were: its maximum is taken as 0, so no exp sees -inf - -inf."""
+    scores = tl.dot(qa, tl.trans(ka))
+    if ROPE:
+        scores += tl.dot(qb, tl.trans(kb))
+    scores = tl.where(nmask[None, :], scores * sm_scale, float("-inf"))  # (BLOCK_G, BLOCK_N) fp32
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @jit
-def _rope_split(
+def _cached_tile(K, V, kv, n, nmask, last, HALF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+    """Slots n of the cache except the row's newest (`last`, which this step writes): (ka, kb, v), the
+    keys as their two halves with ROPE (kb unused without)."""
+    cached = (nmask & (n != last))[:, None]
+    rows = (kv + n)[:, None].to(tl.int64) * D
+    if ROPE:
+        dk = tl.arange(0, HALF)
+        ka = tl.load(K + rows + dk[None, :], mask=cached, other=0.0)
+        kb = tl.load(K + rows + HALF + dk[None, :], mask=cached, other=0.0)
+    else:
+        ka = tl.load(K + rows + tl.arange(0, D)[None, :], mask=cached, other=0.0)
+        kb = ka
+    v = tl.load(V + rows + tl.arange(0, D)[None, :], mask=cached, other=0.0)
+    return ka, kb, v
+
+
+@jit
+def _split_body(
     Q, K, V, KN, VN, COS, SIN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
     sqn, skn, svn, sm_scale,
     D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    ROPE: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
-    """The split kernel's work when q and the new key arrive unrotated: RoPE at the row's position
-    (its newest slot) on q and on the new key, in registers, before they are used or cached. Scores are
-    the sum of the two halves' dots (q1.k1 + q2.k2), so no rotated head is ever assembled."""
-    HALF: tl.constexpr = D // 2
-    d2 = tl.arange(0, HALF)
+    """The split's slots [start, min(start + SPLIT, last + 1)) of row b, kv head h.
+
+    With PRELOAD (a chained key: PDL), the cached slots of the split's first tile (and the RoPE tables'
+    row) are loaded before the wait for the previous kernel: no kernel of the step's chain writes them (slots below `last` were
+    written by earlier steps, and `last` itself, the row's position, by a kernel before the chain).
+    Then q, the new key and value (this step's q/k/v product) are read. With ROPE they arrive
+    unrotated and are rotated at the row's position in registers, before they are used or cached:
+    scores are the two halves' dots (q1.k1 + q2.k2), so no rotated head is assembled. The program
+    whose split holds `last` writes the new key and value into the cache there."""
+    HALF: tl.constexpr = D // 2 if ROPE else D
     d = tl.arange(0, D)
-    trow = last.to(tl.int64) * D
-    c1, c2, s1, s2 = _rope_halves(Q, COS, SIN, trow, d2, HALF)
-    qrow = Q + b * sqn + heads[:, None] * D + d2[None, :]
-    q1 = tl.load(qrow, mask=gmask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(qrow + HALF, mask=gmask[:, None], other=0.0).to(tl.float32)
-    qa = (q1 * c1[None, :] - q2 * s1[None, :]).to(Q.dtype.element_ty)  # (BLOCK_G, HALF)
-    qb = (q2 * c2[None, :] + q1 * s2[None, :]).to(Q.dtype.element_ty)
-    k1 = tl.load(KN + b * skn + h * D + d2).to(tl.float32)
-    k2 = tl.load(KN + b * skn + h * D + HALF + d2).to(tl.float32)
-    ka_new = (k1 * c1 - k2 * s1).to(K.dtype.element_ty)  # (HALF,)
-    kb_new = (k2 * c2 + k1 * s2).to(K.dtype.element_ty)
+    dk = tl.arange(0, HALF)
+    end = tl.minimum(start + SPLIT, last + 1)
+    first = start  # the first tile the loop below reads
+    if PRELOAD:  # the first tile in registers across the wait (else the loop's pipeline reads it)
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        ka, kb, v = _cached_tile(K, V, kv, n, nmask, last, HALF, D, ROPE)
+        first = start + BLOCK_N
+    if ROPE:
+        c1, c2, s1, s2 = _rope_halves(Q, COS, SIN, last.to(tl.int64) * D, dk, HALF)
+    pdl_wait(PDL)  # q, the new key and value come from this step's q/k/v product
+    qrow = Q + b * sqn + heads[:, None] * D + dk[None, :]
+    krow = KN + b * skn + h * D
     vn = tl.load(VN + b * svn + h * D + d)
+    if ROPE:
+        q1 = tl.load(qrow, mask=gmask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(qrow + HALF, mask=gmask[:, None], other=0.0).to(tl.float32)
+        qa = (q1 * c1[None, :] - q2 * s1[None, :]).to(Q.dtype.element_ty)  # (BLOCK_G, HALF)
+        qb = (q2 * c2[None, :] + q1 * s2[None, :]).to(Q.dtype.element_ty)
+        k1 = tl.load(krow + dk).to(tl.float32)
+        k2 = tl.load(krow + HALF + dk).to(tl.float32)
+        ka_new = (k1 * c1 - k2 * s1).to(K.dtype.element_ty)  # (HALF,)
+        kb_new = (k2 * c2 + k1 * s2).to(K.dtype.element_ty)
+    else:
+        qa = tl.load(qrow, mask=gmask[:, None], other=0.0)
+        qb = qa
+        ka_new = tl.load(krow + dk).to(K.dtype.element_ty)
+        kb_new = ka_new
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
-    end = tl.minimum(start + SPLIT, last + 1)
-    for n0 in range(start, end, BLOCK_N):
+    if PRELOAD:
+        newest = (n == last)[:, None]
+        ka = tl.where(newest, ka_new[None, :], ka)
+        kb = tl.where(newest, kb_new[None, :], kb)
+        v = tl.where(newest, vn[None, :].to(v.dtype), v)
+        m_i, l_i, acc = _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE)
+    for n0 in range(first, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
+        ka, kb, v = _cached_tile(K, V, kv, n, nmask, last, HALF, D, ROPE)
         newest = (n == last)[:, None]
-        cached = (nmask & (n != last))[:, None]
-        rows = (kv + n)[:, None].to(tl.int64) * D
-        ka = tl.where(newest, ka_new[None, :], tl.load(K + rows + d2[None, :], mask=cached, other=0.0))
-        kb = tl.where(newest, kb_new[None, :], tl.load(K + rows + HALF + d2[None, :], mask=cached, other=0.0))
-        v = tl.load(V + rows + d[None, :], mask=cached, other=0.0)
+        ka = tl.where(newest, ka_new[None, :], ka)
+        kb = tl.where(newest, kb_new[None, :], kb)
         v = tl.where(newest, vn[None, :].to(v.dtype), v)
-        scores = (tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))) * sm_scale  # (BLOCK_G, BLOCK_N)
-        scores = tl.where(nmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    at = d2 * 0 + last
-    own = (at >= start) & (at < start + SPLIT)
-    slot = (kv + last).to(tl.int64) * D + d2
-    tl.store(K + slot, ka_new, mask=own)
-    tl.store(K + slot + HALF, kb_new, mask=own)
+        m_i, l_i, acc = _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE)
+    own = (dk * 0 + last >= start) & (dk * 0 + last < start + SPLIT)
+    slot = (kv + last).to(tl.int64) * D
+    tl.store(K + slot + dk, ka_new, mask=own)
+    if ROPE:
+        tl.store(K + slot + HALF + dk, kb_new, mask=own)
     vown = (d * 0 + last >= start) & (d * 0 + last < start + SPLIT)
-    tl.store(V + (kv + last).to(tl.int64) * D + d, vn.to(V.dtype.element_ty), mask=vown)
+    tl.store(V + slot + d, vn.to(V.dtype.element_ty), mask=vown)
     _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D)
 
 
@@ -223,29 +233,24 @@ def decode_attn_split_kernel(
     BLOCK_S: tl.constexpr,
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
     pdl_release(PDL)
-    pdl_wait(PDL)  # every input but the tables comes from this step's earlier kernels
-    last = tl.load(POS + b).to(tl.int32)  # the row's newest slot: keys 0..last are attended
+    # the row's newest slot (keys 0..last are attended): written before the step's chain of kernels
+    last = tl.load(POS + b).to(tl.int32)
     start = s * SPLIT
     g = tl.arange(0, BLOCK_G)
     gmask = g < G
     heads = h * G + g  # (BLOCK_G,) query heads of this kv head
     part = (b * HQ + heads) * NSPLIT + s  # (BLOCK_G,) rows of OP / LSE
     kv = (b * HKV + h) * M  # first slot of this (row, kv head)
-    if ROPE:
-        _rope_split(
-            Q, K, V, KN, VN, COS, SIN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
-            sqn, skn, svn, sm_scale, D, BLOCK_G, BLOCK_N, SPLIT,
-        )  # fmt: skip
-    else:
-        _plain_split(
-            Q, K, V, KN, VN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
-            sqn, skn, svn, sm_scale, D, BLOCK_G, BLOCK_N, SPLIT,
-        )  # fmt: skip
+    _split_body(
+        Q, K, V, KN, VN, COS, SIN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
+        sqn, skn, svn, sm_scale, D, BLOCK_G, BLOCK_N, SPLIT, ROPE, PDL, PRELOAD,
+    )  # fmt: skip
     # The last split of (row, kv head) to arrive (an acquire-release count, set back to zero by it)
     # combines its G heads' parts: the combine kernel's sum, with no launch of its own.
     tl.debug_barrier()
@@ -492,6 +497,7 @@ def launch(
         BLOCK_S=key["BLOCK_S"],
         ROPE=rope,
         PDL=pdl_constexpr(key),
+        PRELOAD=bool(key["PDL"]),  # the chained key's order of loads, also under the interpreter
     )
     for t in (q, k_new, v_new):
         if t.stride(2) != 1 or t.stride(1) != d:
