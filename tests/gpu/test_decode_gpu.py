@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rope", [False, True])
-def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype, rope):
+@pytest.mark.parametrize("chained", [False, True])  # a small bucket's step: PDL, first tile before the wait
+def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype, rope, chained):
     g = torch.Generator(device="cuda").manual_seed(hq * m)
     b = 5
     qkv = torch.randn((b, (hq + 2 * hkv) * d), generator=g, device="cuda", dtype=dtype)
@@ -47,7 +48,7 @@ def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype, rope):
         ref_cos, ref_sin = cos.to(dtype).double(), sin.to(dtype).double()  # the kernel rounds them so
     kr, vr = k.double().clone(), v.double().clone()
     ref = decode_attention_reference(q.double(), kr, vr, pos, kn.double(), vn.double(), ref_cos, ref_sin)
-    with dispatch.using(mode="triton", arch="sm_90"):
+    with dispatch.using(mode="triton", arch="sm_90"), dispatch.chained(chained):
         out = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
