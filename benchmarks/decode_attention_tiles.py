@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kdistill.kernels import decode_attention as attn
-from kdistill.kernels.keys import make_key, next_pow2
+from kdistill.kernels.keys import make_key
 from kdistill.kernels.runtime import configure
 from kdistill.models.presets import PRESETS
 from kdistill.ops.attention import decode_attention_reference
@@ -54,12 +54,12 @@ def variant_key(preset: str, slots: int, split: int | None, warps: int | None, s
     p = dict(base.params)
     if split:
         p["SPLIT"] = split
-        p["BLOCK_S"] = max(16, next_pow2(-(-slots // split)))
+        p.update(attn.split_lanes(slots, split))
     if warps:
         p["num_warps"] = warps
     if stages:
         p["num_stages"] = stages
-    p["PDL"] = pdl
+    p["PDL"] = p["PRELOAD"] = pdl
     return make_key(base.op, base.arch, **p)
 
 

@@ -231,6 +231,7 @@ def decode_attn_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    LANES: tl.constexpr,
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
@@ -257,27 +258,53 @@ def decode_attn_split_kernel(
     arrived = tl.atomic_add(CNT + b * HKV + h, 1, sem="acq_rel", scope="gpu")
     if arrived == NSPLIT - 1:
         tl.debug_barrier()
-        lanes = tl.arange(0, BLOCK_S)
-        lmask = lanes < NSPLIT
-        dd = tl.arange(0, D)
-        for gi in tl.static_range(G):
-            row = b * HQ + h * G + gi
-            _combine_row(OP, LSE, O, row, lanes, lmask, dd, NSPLIT, D)
+        _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, D, BLOCK_G, BLOCK_S, LANES)
         tl.atomic_xchg(CNT + b * HKV + h, 0, sem="relaxed", scope="gpu")
 
 
 @jit
-def _combine_row(OP, LSE, O, row, s, smask, d, NSPLIT, D: tl.constexpr):
-    """Row `row` (b * HQ + head) of the output: its NSPLIT parts weighted by their log-sum-exps (read
-    through L2: other programs wrote them)."""
-    lse = tl.load(LSE + row * NSPLIT + s, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, axis=0)  # split 0 always holds slot 0: finite
-    w = tl.exp(lse - top)
-    w = w / tl.sum(w, axis=0)
-    offs = (row * NSPLIT + s)[:, None] * D + d[None, :]
-    parts = tl.load(OP + offs, mask=smask[:, None], other=0.0, cache_modifier=".cg")
-    o = tl.sum(parts * w[:, None], axis=0)  # (D,)
-    tl.store(O + row * D + d, o.to(O.dtype.element_ty))
+def _combine_heads(
+    OP, LSE, O, rows, gmask, NSPLIT,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    """Rows `rows` (b * HQ + head, the G heads of one kv head at once) of the output: each row's
+    NSPLIT parts weighted by their log-sum-exps, read through L2 (other programs wrote them), LANES
+    splits at a time (a short cache's in one chunk)."""
+    d = tl.arange(0, D)
+    lanes = tl.arange(0, BLOCK_S)
+    lmask = gmask[:, None] & (lanes < NSPLIT)[None, :]
+    at = rows[:, None] * NSPLIT + lanes[None, :]  # (BLOCK_G, BLOCK_S)
+    lse = tl.load(LSE + at, mask=lmask, other=float("-inf"), cache_modifier=".cg")
+    if BLOCK_S == LANES:  # every part in one load, issued beside the log-sum-exps'
+        parts = tl.load(
+            OP + at[:, :, None] * D + d[None, None, :],
+            mask=lmask[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+    top = tl.max(lse, axis=1)  # split 0 always holds slot 0: finite for every head of the group
+    top = tl.where(gmask, top, 0.0)  # padding rows: no -inf - -inf
+    total = tl.sum(tl.exp(lse - top[:, None]), axis=1)
+    total = tl.where(gmask, total, 1.0)
+    if BLOCK_S == LANES:
+        w = tl.exp(lse - top[:, None]) / total[:, None]  # (BLOCK_G, BLOCK_S)
+        o = tl.sum(parts * w[:, :, None], axis=1)
+    else:
+        o = tl.zeros((BLOCK_G, D), tl.float32)
+        for c0 in range(0, NSPLIT, LANES):
+            ln = c0 + tl.arange(0, LANES)
+            cmask = gmask[:, None] & (ln < NSPLIT)[None, :]  # (BLOCK_G, LANES)
+            ca = rows[:, None] * NSPLIT + ln[None, :]
+            lc = tl.load(LSE + ca, mask=cmask, other=float("-inf"), cache_modifier=".cg")
+            pc = tl.load(
+                OP + ca[:, :, None] * D + d[None, None, :],
+                mask=cmask[:, :, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            w = tl.exp(lc - top[:, None]) / total[:, None]  # (BLOCK_G, LANES)
+            o += tl.sum(pc * w[:, :, None], axis=1)
+    tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=gmask[:, None])
 
 
 @jit(do_not_specialize=["NSPLIT"])
@@ -495,9 +522,10 @@ def launch(
         BLOCK_N=key["BLOCK_N"],
         SPLIT=key["SPLIT"],
         BLOCK_S=key["BLOCK_S"],
+        LANES=key["LANES"],
         ROPE=rope,
         PDL=pdl_constexpr(key),
-        PRELOAD=bool(key["PDL"]),  # the chained key's order of loads, also under the interpreter
+        PRELOAD=bool(key["PRELOAD"]),
     )
     for t in (q, k_new, v_new):
         if t.stride(2) != 1 or t.stride(1) != d:
@@ -641,6 +669,13 @@ def multi_tiles(
     }
 
 
+def split_lanes(max_len: int, split: int | None = None) -> dict[str, int]:
+    """The split kernel's combine: BLOCK_S lanes (every split of a cache of max_len slots in splits of
+    `split`, default split_len's), read LANES at a time."""
+    lanes = next_pow2(-(-int(max_len) // int(split or split_len(max_len))))
+    return {"BLOCK_S": lanes, "LANES": min(lanes, 4)}
+
+
 def combine_tiles(max_len: int) -> dict[str, int]:
     """Enough lanes for every split of a cache of max_len slots."""
     return {"BLOCK_S": max(16, next_pow2(-(-int(max_len) // split_len(max_len))))}
@@ -701,10 +736,12 @@ def split_key(
         **_head_params(head_dim, q_heads, kv_heads, rope, dtype),
         align=SPLIT_K.align(aligned),
         PDL=bool(chained) and pdl(arch),
+        # the chained split's order of loads (its first tile before the wait), also under the interpreter
+        PRELOAD=bool(chained) and pdl(arch),
         num_warps=4,
         num_stages=2,
         **tiles(head_dim, q_heads, kv_heads, max_len),
-        **combine_tiles(max_len),
+        **split_lanes(max_len),
     )
 
 
