@@ -630,11 +630,15 @@ def run(spec) -> tuple:
 MAX_SPLITS = 64  # the combine holds at most this many parts of a row: longer caches get longer splits
 
 
+SHORT_CACHE = 512  # slots up to which a split is one tile of keys
+
+
 def split_len(max_len: int) -> int:
     """Keys a split takes: 64 (one tile: each program runs one iteration, so a short cache still
-    spreads over many programs), longer where a cache of max_len slots would need more than
-    MAX_SPLITS parts."""
-    return max(64, next_pow2(-(-int(max_len) // MAX_SPLITS)))
+    spreads over many programs) for caches of up to SHORT_CACHE slots, 128 past that, and longer where
+    a cache of max_len slots would need more than MAX_SPLITS parts (benchmarks/decode_attention_tiles.py
+    measures the choices; benchmarks/NOTES.md has the numbers)."""
+    return max(64 if max_len <= SHORT_CACHE else 128, next_pow2(-(-int(max_len) // MAX_SPLITS)))
 
 
 def tiles(head_dim: int, q_heads: int, kv_heads: int, max_len: int = 256) -> dict[str, int]:
