@@ -54,7 +54,6 @@ def variant_key(preset: str, slots: int, split: int | None, warps: int | None, s
     p = dict(base.params)
     if split:
         p["SPLIT"] = split
-        p.update(attn.split_lanes(slots, split))
     if warps:
         p["num_warps"] = warps
     if stages:

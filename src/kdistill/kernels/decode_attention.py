@@ -230,8 +230,6 @@ def decode_attn_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    LANES: tl.constexpr,
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
@@ -258,52 +256,40 @@ def decode_attn_split_kernel(
     arrived = tl.atomic_add(CNT + b * HKV + h, 1, sem="acq_rel", scope="gpu")
     if arrived == NSPLIT - 1:
         tl.debug_barrier()
-        _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, D, BLOCK_G, BLOCK_S, LANES)
+        _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, D, BLOCK_G)
         tl.atomic_xchg(CNT + b * HKV + h, 0, sem="relaxed", scope="gpu")
 
 
 @jit
-def _combine_heads(
-    OP, LSE, O, rows, gmask, NSPLIT,
-    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, LANES: tl.constexpr,
-):  # fmt: skip
+def _combine_heads(OP, LSE, O, rows, gmask, NSPLIT, D: tl.constexpr, BLOCK_G: tl.constexpr):
     """Rows `rows` (b * HQ + head, the G heads of one kv head at once) of the output: each row's
-    NSPLIT parts weighted by their log-sum-exps, read through L2 (other programs wrote them), LANES
-    splits at a time (a short cache's in one chunk)."""
+    NSPLIT parts weighted by their log-sum-exps, read through L2 (other programs wrote them) LANES
+    splits at a time, each chunk's log-sum-exps and parts in one round trip, folded in with a running
+    maximum (a cache of up to LANES splits is one chunk)."""
+    LANES: tl.constexpr = 4
     d = tl.arange(0, D)
-    lanes = tl.arange(0, BLOCK_S)
-    lmask = gmask[:, None] & (lanes < NSPLIT)[None, :]
-    at = rows[:, None] * NSPLIT + lanes[None, :]  # (BLOCK_G, BLOCK_S)
-    lse = tl.load(LSE + at, mask=lmask, other=float("-inf"), cache_modifier=".cg")
-    if BLOCK_S == LANES:  # every part in one load, issued beside the log-sum-exps'
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_G,), tl.float32)
+    o = tl.zeros((BLOCK_G, D), tl.float32)
+    for c0 in range(0, NSPLIT, LANES):
+        ln = c0 + tl.arange(0, LANES)
+        cmask = gmask[:, None] & (ln < NSPLIT)[None, :]  # (BLOCK_G, LANES)
+        at = rows[:, None] * NSPLIT + ln[None, :]
+        lse = tl.load(LSE + at, mask=cmask, other=float("-inf"), cache_modifier=".cg")
         parts = tl.load(
             OP + at[:, :, None] * D + d[None, None, :],
-            mask=lmask[:, :, None],
+            mask=cmask[:, :, None],
             other=0.0,
             cache_modifier=".cg",
         )
-    top = tl.max(lse, axis=1)  # split 0 always holds slot 0: finite for every head of the group
-    top = tl.where(gmask, top, 0.0)  # padding rows: no -inf - -inf
-    total = tl.sum(tl.exp(lse - top[:, None]), axis=1)
-    total = tl.where(gmask, total, 1.0)
-    if BLOCK_S == LANES:
-        w = tl.exp(lse - top[:, None]) / total[:, None]  # (BLOCK_G, BLOCK_S)
-        o = tl.sum(parts * w[:, :, None], axis=1)
-    else:
-        o = tl.zeros((BLOCK_G, D), tl.float32)
-        for c0 in range(0, NSPLIT, LANES):
-            ln = c0 + tl.arange(0, LANES)
-            cmask = gmask[:, None] & (ln < NSPLIT)[None, :]  # (BLOCK_G, LANES)
-            ca = rows[:, None] * NSPLIT + ln[None, :]
-            lc = tl.load(LSE + ca, mask=cmask, other=float("-inf"), cache_modifier=".cg")
-            pc = tl.load(
-                OP + ca[:, :, None] * D + d[None, None, :],
-                mask=cmask[:, :, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            w = tl.exp(lc - top[:, None]) / total[:, None]  # (BLOCK_G, LANES)
-            o += tl.sum(pc * w[:, :, None], axis=1)
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows and empty chunks: no -inf - -inf
+        scale = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new[:, None])  # (BLOCK_G, LANES)
+        total = total * scale + tl.sum(w, axis=1)
+        o = o * scale[:, None] + tl.sum(parts * w[:, :, None], axis=1)
+        m = m_new
+    o = o / tl.where(total > 0, total, 1.0)[:, None]  # split 0 always holds slot 0: total > 0 for a head
     tl.store(O + rows[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=gmask[:, None])
 
 
@@ -509,8 +495,6 @@ def launch(
     rope = _check_launch(key, k_cache, cos, sin)
     parts, lse = empty_parts(key, q, m)
     nsplit = lse.shape[-1]
-    if nsplit > key["BLOCK_S"]:
-        raise KernelError(f"decode_attention: {nsplit} splits exceed the key's {key['BLOCK_S']} lanes")
     o = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     cnt = decode_gemv.counters(q.device, b * hkv)
     kwargs = dict(
@@ -521,8 +505,6 @@ def launch(
         BLOCK_G=key["BLOCK_G"],
         BLOCK_N=key["BLOCK_N"],
         SPLIT=key["SPLIT"],
-        BLOCK_S=key["BLOCK_S"],
-        LANES=key["LANES"],
         ROPE=rope,
         PDL=pdl_constexpr(key),
         PRELOAD=bool(key["PRELOAD"]),
@@ -630,7 +612,7 @@ def run(spec) -> tuple:
 MAX_SPLITS = 64  # the combine holds at most this many parts of a row: longer caches get longer splits
 
 
-SHORT_CACHE = 512  # slots up to which a split is one tile of keys
+SHORT_CACHE = 1024  # slots up to which a split is one tile of keys
 
 
 def split_len(max_len: int) -> int:
@@ -671,13 +653,6 @@ def multi_tiles(
         "BLOCK_N": 64 if rows <= 64 else 32,
         "SPLIT": split_len(max_len),
     }
-
-
-def split_lanes(max_len: int, split: int | None = None) -> dict[str, int]:
-    """The split kernel's combine: BLOCK_S lanes (every split of a cache of max_len slots in splits of
-    `split`, default split_len's), read LANES at a time."""
-    lanes = next_pow2(-(-int(max_len) // int(split or split_len(max_len))))
-    return {"BLOCK_S": lanes, "LANES": min(lanes, 4)}
 
 
 def combine_tiles(max_len: int) -> dict[str, int]:
@@ -745,7 +720,6 @@ def split_key(
         num_warps=4,
         num_stages=2,
         **tiles(head_dim, q_heads, kv_heads, max_len),
-        **split_lanes(max_len),
     )
 
 
