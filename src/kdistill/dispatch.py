@@ -503,7 +503,7 @@ def decode_attention_multi(
     M - 1), and it attends the slots before that one and its own: the same as T decode_attention calls
     in order. With cos and sin (fp32 (M', D) tables), q and k_new arrive unrotated. One launch of the
     T-token split kernel per chunk of decode_kernel.token_chunks (one up to 36 tokens at 7 q heads per
-    kv head) and the decode step's combine over B * T rows; or the reference."""
+    kv head) and the combine kernel over B * T rows; or the reference."""
     rt = current()
     b, hq, t, d = q.shape
     hkv, m = k_cache.shape[1], k_cache.shape[2]
