@@ -188,6 +188,23 @@ def test_engine_keys_are_planned(tmp_path, head_dim):
     assert {k["ROPE"] for k in triton if k.op == "decode_attn_split"} == {head_dim >= 32}
 
 
+def test_a_plan_for_the_longest_cache_serves_engines_with_shorter_ones(tmp_path):
+    """The decode step's keys do not follow the cache's length below the split length's first step
+    (1,024 slots): one plan, made for a run's longest cache, holds the keys of its engines with shorter
+    caches, so none of them compiles after the seal."""
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    rows = ragged(model.spec.vocab_size)
+    plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=2, prompt_len=11, max_len=1024)
+    for max_len in (40, 129, 640):
+        with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+            DecodeEngine(model, batch_size=2, max_len=max_len, sampling=Sampling(max_new_tokens=3)).generate(
+                rows
+            )
+        triton = {k for k in rec.keys() if not k.is_library}
+        assert "decode_attn_split" in {k.op for k in triton}
+        assert triton <= plan, (max_len, triton - plan)
+
+
 @pytest.mark.parametrize(
     "arch,prompts,chained", [("sm_90", 3, True), ("sm_80", 3, False), ("sm_90", 17, False)]
 )
