@@ -215,7 +215,7 @@ def test_the_cpu_engine_captures_no_prefill(tmp_path):
     eng = DecodeEngine(model, batch_size=2, max_len=40, sampling=Sampling(max_new_tokens=3))
     first = eng.generate(rows)
     assert eng.generate(rows) == first and eng.generate(rows) == first
-    assert not eng.prefill_graphs.graphs and not eng.prefill_graphs.seen
+    assert not eng.slots.prefill_graphs.graphs and not eng.slots.prefill_graphs.seen
 
 
 def test_a_plan_for_the_longest_cache_serves_engines_with_shorter_ones(tmp_path):

@@ -37,8 +37,8 @@ so a file of ragged prompts runs at a full batch until the queue is empty.
 Prefill graphs. A prefill of a few prompts is host-bound (about 300 launches for a 24-block model, each
 costing the host more than the device). On a GPU, a prefill shape (prompts x padded length, at most
 PREFILL_GRAPH_TOKENS tokens) seen a second time is captured as a CUDA graph and replayed from then on
-(`_PrefillGraphs`: at most PREFILL_GRAPHS kept, one memory pool shared by them; the captured forward
-is the eager one, so the tokens are the same).
+(`_PrefillGraphs`, kept with the cache they write into, _Slots: at most PREFILL_GRAPHS of them, one
+memory pool shared by an engine's; the captured forward is the eager one, so the tokens are the same).
 
 Sampling (`Sampling`): temperature below MIN_TEMPERATURE is greedy (argmax); otherwise logits /
 temperature, then top-k, then top-p (the smallest set of most probable tokens reaching p), and one
@@ -476,7 +476,6 @@ class _PrefillGraphs:
         self.max_tokens, self.keep = int(max_tokens), int(keep)
         self.graphs: OrderedDict[tuple[int, int], _PrefillGraph] = OrderedDict()
         self.seen: OrderedDict[tuple[int, int], bool] = OrderedDict()  # shape -> capturable
-        self.pool: Any = None  # the memory pool the graphs share (torch.cuda.graph_pool_handle)
 
     def get(self, shape: tuple[int, int]) -> _PrefillGraph | None:
         g = self.graphs.get(shape)
@@ -505,7 +504,7 @@ class _PrefillGraphs:
         self.seen[shape] = False
 
     def clear(self) -> None:
-        """Forget every graph (they write into caches about to be freed)."""
+        """Forget every graph and shape."""
         self.graphs.clear()
         self.seen.clear()
 
@@ -530,6 +529,7 @@ class _Slots:
         self.out = torch.zeros((batch, max_new + 1), **i64)  # the last column takes done rows' writes
         self.u = torch.zeros(batch, dtype=torch.float32, device=device)
         self.graph: Any = None
+        self.prefill_graphs = _PrefillGraphs()  # captured prefills write into these caches: kept with them
 
 
 class DecodeEngine:
@@ -582,7 +582,7 @@ class DecodeEngine:
         # RoPE inside the decode step's attention kernel where a head's halves fit its dots
         self.rope_in_attention = decode_attention_kernel.rope_supported(self.spec.head_dim)
         self.slots: _Slots | None = None
-        self.prefill_graphs = _PrefillGraphs()
+        self.prefill_pool: Any = None  # the memory pool of every captured prefill (graph_pool_handle)
         self.steps = 0  # decode steps run (for tokens/s and the fraction of the floor)
 
     # -- weights ------------------------------------------------------------------------------
@@ -739,7 +739,7 @@ class DecodeEngine:
         prompts into their rows, as the replay then does again) so every kernel is loaded; a capture
         that fails leaves the shape to the eager path for good."""
         shape = (int(ids.shape[0]), int(ids.shape[1]))
-        pg = self.prefill_graphs
+        pg = st.prefill_graphs
         g = pg.get(shape)
         if g is not None or not pg.wants(shape):
             return g
@@ -751,11 +751,11 @@ class DecodeEngine:
             with torch.cuda.stream(side):
                 self._prompt_forward(st, *static)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            if pg.pool is None:
-                pg.pool = torch.cuda.graph_pool_handle()
+            if self.prefill_pool is None:
+                self.prefill_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local as the decode step's capture (a process group's watchdog thread may poll)
-            with torch.cuda.graph(graph, pool=pg.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.prefill_pool, capture_error_mode="thread_local"):
                 last = self._prompt_forward(st, *static)
             torch.cuda.synchronize(self.device)
         except RuntimeError:  # a kernel that cannot be captured: this shape stays eager
@@ -790,7 +790,6 @@ class DecodeEngine:
         st = self.slots
         if st is None or st.batch != batch or st.out.shape[1] != n + 1:
             self.slots = None  # free the old cache before the new one
-            self.prefill_graphs.clear()  # the captured prefills write into it
             st = _Slots(self.spec, batch, self.max_len, n, self.dtype, self.device)
             if self.graphs:
                 self._capture(st)

@@ -196,7 +196,7 @@ def test_captured_prefill_gives_the_eager_prefills_tokens():
     eng = DecodeEngine(model, batch_size=4, max_len=200, sampling=s, cuda_graphs="on")
     for _ in range(3):  # eager (first sighting), captured, replayed
         assert eng.generate(prompts) == want
-    assert list(eng.prefill_graphs.graphs) == [(4, 64)]
+    assert list(eng.slots.prefill_graphs.graphs) == [(4, 64)]
     assert seal.jit_after_prewarm() == 0, seal.cache_misses()
 
 
