@@ -64,6 +64,7 @@ from kdistill import dispatch
 from kdistill.errors import UserError
 from kdistill.kernels import decode_attention as decode_attention_kernel
 from kdistill.kernels import decode_gemv
+from kdistill.memory import PREFILL_GRAPH_TOKENS  # prompts x padded length of a captured prefill
 from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
 from kdistill.models.lora import LoraLinear
@@ -448,7 +449,6 @@ def forward_tokens(
 
 
 # -- prefill graphs ---------------------------------------------------------------------------------
-PREFILL_GRAPH_TOKENS = 1024  # prompts x padded length of a captured prefill (its pool stays allocated)
 PREFILL_GRAPHS = 4  # captured prefills an engine keeps: the least recently used is dropped first
 
 
