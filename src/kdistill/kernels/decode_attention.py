@@ -16,7 +16,8 @@ of each (b, kv head) to arrive (an acquire-release count, set back to zero by it
 its G heads: o = sum_s exp(lse_s - lse) o_s, with no kernel of its own. The number of splits is a
 runtime grid size (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head
 counts and the tiles are in the key. In a small bucket's decode step (runtime.chained) it launches with
-programmatic dependent launch (keys.pdl).
+programmatic dependent launch (keys.pdl) and reads its first tile of cached keys and values before the
+wait for the previous kernel (key PRELOAD).
 
 RoPE (key ROPE): the decode engine hands q and the new key over unrotated, straight from the q/k/v
 GEMM's output (q's rows strided by that output's width); the split kernel rotates them at the row's
