@@ -29,13 +29,9 @@ from kdistill.models.presets import PRESETS
 from kdistill.ops.attention import decode_attention_reference
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module
-    from decode_products import chain_us
-    from kd_throughput import _argv_for_record
-    from kd_throughput import _version as version
+    from decode_products import chain_us, parse_variants, record
 except ImportError:  # pragma: no cover
-    from benchmarks.decode_products import chain_us
-    from benchmarks.kd_throughput import _argv_for_record
-    from benchmarks.kd_throughput import _version as version
+    from benchmarks.decode_products import chain_us, parse_variants, record
 
 
 def heads(preset: str) -> tuple[int, int, int]:
@@ -78,17 +74,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     configure(kernels="triton", strict=False)
-    variants = []
-    for item in a.variants.split(","):
-        name, *vals = item.split(":")
-        split, warps, stages = (None if v == "-" else int(v) for v in vals)
-        variants.append((name, split, warps, stages))
-    out = {
-        "argv": _argv_for_record(),
-        "device": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "triton": version("triton")},
-        "rows": [],
-    }
+    variants = parse_variants(a.variants)
+    out = record()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for preset in a.models.split(","):
         d, hq, hkv = heads(preset)

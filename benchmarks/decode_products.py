@@ -75,6 +75,25 @@ def variant_key(
     return make_key(base.op, base.arch, **p)
 
 
+def parse_variants(text: str) -> list[tuple]:
+    """'name:A:B:C,...' -> [(name, A, B, C), ...], '-' as None (the policy's value)."""
+    out = []
+    for item in text.split(","):
+        name, *vals = item.split(":")
+        out.append((name, *(None if v == "-" else int(v) for v in vals)))
+    return out
+
+
+def record() -> dict:
+    """The JSON record's header (command, card, versions) with no rows yet."""
+    return {
+        "argv": _argv_for_record(),
+        "device": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "triton": version("triton")},
+        "rows": [],
+    }
+
+
 def chain_us(launches, reps: int) -> float:
     """Median µs of one launch in a captured chain of launches (replayed reps times)."""
     for fn in launches:  # eager once: compiles, allocates
@@ -100,17 +119,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     configure(kernels="triton", strict=False)
-    variants = []
-    for item in a.variants.split(","):
-        name, *vals = item.split(":")
-        pre, split, bn = (None if v == "-" else int(v) for v in vals)
-        variants.append((name, pre, split, bn))
-    out = {
-        "argv": _argv_for_record(),
-        "device": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "triton": version("triton")},
-        "rows": [],
-    }
+    variants = parse_variants(a.variants)
+    out = record()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for preset in a.models.split(","):
         layers = PRESETS[preset]["num_hidden_layers"]

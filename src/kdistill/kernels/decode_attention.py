@@ -114,6 +114,19 @@ def _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE: tl.constexp
 
 
 @jit
+def _attend_tile(
+    qa, qb, ka, kb, v, ka_new, kb_new, vn, n, nmask, last, m_i, l_i, acc, sm_scale, ROPE: tl.constexpr
+):
+    """A tile of cached slots n (_cached_tile) with the row's newest slot `last` taken from the step's
+    own key and value, through the online softmax (_attend)."""
+    newest = (n == last)[:, None]
+    ka = tl.where(newest, ka_new[None, :], ka)
+    kb = tl.where(newest, kb_new[None, :], kb)
+    v = tl.where(newest, vn[None, :].to(v.dtype), v)
+    return _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE)
+
+
+@jit
 def _cached_tile(K, V, kv, n, nmask, last, HALF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
     """Slots n of the cache except the row's newest (`last`, which this step writes): (ka, kb, v), the
     keys as their two halves with ROPE (kb unused without)."""
@@ -180,20 +193,16 @@ def _split_body(
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     if PRELOAD:
-        newest = (n == last)[:, None]
-        ka = tl.where(newest, ka_new[None, :], ka)
-        kb = tl.where(newest, kb_new[None, :], kb)
-        v = tl.where(newest, vn[None, :].to(v.dtype), v)
-        m_i, l_i, acc = _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE)
+        m_i, l_i, acc = _attend_tile(
+            qa, qb, ka, kb, v, ka_new, kb_new, vn, n, nmask, last, m_i, l_i, acc, sm_scale, ROPE
+        )
     for n0 in range(first, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
         ka, kb, v = _cached_tile(K, V, kv, n, nmask, last, HALF, D, ROPE)
-        newest = (n == last)[:, None]
-        ka = tl.where(newest, ka_new[None, :], ka)
-        kb = tl.where(newest, kb_new[None, :], kb)
-        v = tl.where(newest, vn[None, :].to(v.dtype), v)
-        m_i, l_i, acc = _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE)
+        m_i, l_i, acc = _attend_tile(
+            qa, qb, ka, kb, v, ka_new, kb_new, vn, n, nmask, last, m_i, l_i, acc, sm_scale, ROPE
+        )
     own = (dk * 0 + last >= start) & (dk * 0 + last < start + SPLIT)
     slot = (kv + last).to(tl.int64) * D
     tl.store(K + slot + dk, ka_new, mask=own)
@@ -295,12 +304,8 @@ def _combine_heads(OP, LSE, O, rows, gmask, NSPLIT, D: tl.constexpr, BLOCK_G: tl
 
 
 @jit(do_not_specialize=["NSPLIT"])
-def decode_attn_combine_kernel(
-    OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)  # b * HQ + head
-    pdl_release(PDL)
-    pdl_wait(PDL)
+def decode_attn_combine_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b * T + t) * HQ + head: a row of the (B * T, HQ) parts
     s = tl.arange(0, BLOCK_S)
     smask = s < NSPLIT
     lse = tl.load(LSE + row * NSPLIT + s, mask=smask, other=float("-inf"))  # (BLOCK_S,)
@@ -579,7 +584,7 @@ def combine_launch(key: KernelKey, parts: torch.Tensor, lse: torch.Tensor, dtype
     """The combine kernel's (kernel, grid, args, kwargs, (o,)) for parts (B, Hq, S, D) -> o (B, Hq, D)."""
     b, hq, nsplit, d = parts.shape
     o = torch.empty((b, hq, d), dtype=dtype, device=parts.device)
-    kwargs = dict(D=d, HQ=hq, BLOCK_S=key["BLOCK_S"], PDL=pdl_constexpr(key), **launch_options(key))
+    kwargs = dict(D=d, HQ=hq, BLOCK_S=key["BLOCK_S"], **launch_options(key))
     return decode_attn_combine_kernel, (b * hq,), (parts, lse, o, nsplit), kwargs, (o,)
 
 
@@ -755,11 +760,9 @@ def multi_split_key(
 
 
 @memoized
-def combine_key(
-    arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: int, chained: bool = False
-) -> KernelKey:
-    """The combine kernel writing `dtype` for caches of up to max_len slots (the lanes' count); chained
-    as split_key's."""
+def combine_key(arch: str, *, head_dim: int, q_heads: int, dtype: str, max_len: int) -> KernelKey:
+    """The combine kernel (the T-token step's parts) writing `dtype` for caches of up to max_len slots
+    (the lanes' count)."""
     return make_key(
         COMBINE.op,
         arch,
@@ -767,7 +770,6 @@ def combine_key(
         HQ=int(q_heads),
         dtype=dtype_name(dtype),
         align=COMBINE.align(),
-        PDL=bool(chained) and pdl(arch),
         num_warps=4,
         num_stages=1,
         **combine_tiles(max_len),
