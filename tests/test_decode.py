@@ -188,6 +188,36 @@ def test_engine_keys_are_planned(tmp_path, head_dim):
     assert {k["ROPE"] for k in triton if k.op == "decode_attn_split"} == {head_dim >= 32}
 
 
+def test_prefill_graphs_take_a_shape_seen_twice_and_keep_the_most_recent():
+    """The bookkeeping of captured prefills: a shape is captured on its second sighting if it is small
+    enough and its capture never failed; the least recently used graph goes first."""
+    from kdistill.decode import _PrefillGraphs
+
+    pg = _PrefillGraphs(max_tokens=64, keep=2)
+    assert not pg.wants((2, 16)) and pg.wants((2, 16))  # seen once: eager; twice: capture
+    assert not pg.wants((2, 40)) and not pg.wants((2, 40))  # 80 tokens: never
+    graphs = {shape: object() for shape in [(1, 8), (2, 8), (3, 8), (4, 8)]}
+    for shape in [(1, 8), (2, 8), (3, 8)]:
+        pg.add(shape, graphs[shape])
+    assert list(pg.graphs) == [(2, 8), (3, 8)]
+    assert pg.get((2, 8)) is graphs[(2, 8)] and pg.get((1, 8)) is None
+    pg.add((4, 8), graphs[(4, 8)])  # (3, 8) was used least recently
+    assert list(pg.graphs) == [(2, 8), (4, 8)]
+    pg.failed((2, 16))
+    assert not pg.wants((2, 16))
+    pg.clear()
+    assert not pg.graphs and not pg.wants((2, 16))  # forgotten: a first sighting again
+
+
+def test_the_cpu_engine_captures_no_prefill(tmp_path):
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    rows = ragged(model.spec.vocab_size)
+    eng = DecodeEngine(model, batch_size=2, max_len=40, sampling=Sampling(max_new_tokens=3))
+    first = eng.generate(rows)
+    assert eng.generate(rows) == first and eng.generate(rows) == first
+    assert not eng.slots.prefill_graphs.graphs and not eng.slots.prefill_graphs.seen
+
+
 def test_a_plan_for_the_longest_cache_serves_engines_with_shorter_ones(tmp_path):
     """The decode step's keys do not follow the cache's length below the split length's first step
     (1,024 slots): one plan, made for a run's longest cache, holds the keys of its engines with shorter

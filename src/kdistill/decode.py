@@ -34,6 +34,12 @@ Slot refill. Prompts wait in order; whenever rows finish, the waiting prompts ar
 freed slots (a right-padded causal prefill of the new prompts only, written into their cache rows),
 so a file of ragged prompts runs at a full batch until the queue is empty.
 
+Prefill graphs. A prefill of a few prompts is host-bound (about 300 launches for a 24-block model, each
+costing the host more than the device). On a GPU, a prefill shape (prompts x padded length, at most
+PREFILL_GRAPH_TOKENS tokens) seen a second time is captured as a CUDA graph and replayed from then on
+(`_PrefillGraphs`, kept with the cache they write into, _Slots: at most PREFILL_GRAPHS of them, one
+memory pool shared by an engine's; the captured forward is the eager one, so the tokens are the same).
+
 Sampling (`Sampling`): temperature below MIN_TEMPERATURE is greedy (argmax); otherwise logits /
 temperature, then top-k, then top-p (the smallest set of most probable tokens reaching p), and one
 uniform number per row from a torch.Generator seeded by `seed` picks the token by inverse CDF. The
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +64,7 @@ from kdistill import dispatch
 from kdistill.errors import UserError
 from kdistill.kernels import decode_attention as decode_attention_kernel
 from kdistill.kernels import decode_gemv
+from kdistill.memory import PREFILL_GRAPH_TOKENS  # prompts x padded length of a captured prefill
 from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
 from kdistill.models.lora import LoraLinear
@@ -441,6 +448,67 @@ def forward_tokens(
     return dispatch.add_rmsnorm(delta, residual, w.norm, eps)[0]
 
 
+# -- prefill graphs ---------------------------------------------------------------------------------
+PREFILL_GRAPHS = 4  # captured prefills an engine keeps: the least recently used is dropped first
+
+
+@dataclasses.dataclass
+class _PrefillGraph:
+    """A captured prefill of one shape: its static inputs (ids (n, P), the slots and the prompts'
+    lengths (n,)) and its output, each prompt's last hidden state (n, H)."""
+
+    graph: Any
+    ids: torch.Tensor
+    rows: torch.Tensor
+    lens: torch.Tensor
+    last: torch.Tensor
+
+
+class _PrefillGraphs:
+    """Which prefill shapes (prompts, padded length) an engine captures, and the graphs it keeps.
+
+    A shape is captured the second time it is seen, when it holds at most max_tokens tokens: a run's
+    fixed-shape prefills (a benchmark's, an on-policy step's equal prompts) replay from their second
+    call on, a shape seen once costs no capture. At most `keep` graphs are kept (the least recently used
+    is dropped) and at most 4 * keep shapes remembered. A shape whose capture failed is not tried again."""
+
+    def __init__(self, max_tokens: int = PREFILL_GRAPH_TOKENS, keep: int = PREFILL_GRAPHS) -> None:
+        self.max_tokens, self.keep = int(max_tokens), int(keep)
+        self.graphs: OrderedDict[tuple[int, int], _PrefillGraph] = OrderedDict()
+        self.seen: OrderedDict[tuple[int, int], bool] = OrderedDict()  # shape -> capturable
+
+    def get(self, shape: tuple[int, int]) -> _PrefillGraph | None:
+        g = self.graphs.get(shape)
+        if g is not None:
+            self.graphs.move_to_end(shape)
+        return g
+
+    def wants(self, shape: tuple[int, int]) -> bool:
+        """Whether to capture `shape` now (its second sighting, small enough, not failed before)."""
+        if shape[0] * shape[1] > self.max_tokens:
+            return False
+        if shape in self.seen:
+            self.seen.move_to_end(shape)
+            return self.seen[shape]
+        self.seen[shape] = True
+        while len(self.seen) > 4 * self.keep:
+            self.seen.popitem(last=False)
+        return False
+
+    def add(self, shape: tuple[int, int], graph: _PrefillGraph) -> None:
+        self.graphs[shape] = graph
+        while len(self.graphs) > self.keep:
+            self.graphs.popitem(last=False)
+
+    def failed(self, shape: tuple[int, int]) -> None:
+        self.seen[shape] = False
+
+    def clear(self) -> None:
+        """Forget every graph and shape."""
+        self.graphs.clear()
+        self.seen.clear()
+
+
 # -- the slots: cache and per-row state of one batch bucket --------------------------------------
 class _Slots:
     """Static buffers of one (batch B, max length M): the KV cache and every row's state. The decode
@@ -461,6 +529,7 @@ class _Slots:
         self.out = torch.zeros((batch, max_new + 1), **i64)  # the last column takes done rows' writes
         self.u = torch.zeros(batch, dtype=torch.float32, device=device)
         self.graph: Any = None
+        self.prefill_graphs = _PrefillGraphs()  # captured prefills write into these caches: kept with them
 
 
 class DecodeEngine:
@@ -513,6 +582,7 @@ class DecodeEngine:
         # RoPE inside the decode step's attention kernel where a head's halves fit its dots
         self.rope_in_attention = decode_attention_kernel.rope_supported(self.spec.head_dim)
         self.slots: _Slots | None = None
+        self.prefill_pool: Any = None  # the memory pool of every captured prefill (graph_pool_handle)
         self.steps = 0  # decode steps run (for tokens/s and the fraction of the floor)
 
     # -- weights ------------------------------------------------------------------------------
@@ -626,7 +696,8 @@ class DecodeEngine:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write the prompts into the caches of `slots` (a right-padded causal forward of the prompts
         alone: padding after a prompt is never attended by it) -> (each prompt's last hidden state (n, H),
-        the slots (n,), the prompt lengths (n,)) on the device."""
+        the slots (n,), the prompt lengths (n,)) on the device. On a GPU, through a captured graph of the
+        shape when it has one (_PrefillGraphs)."""
         n, p = len(prompts), max(len(x) for x in prompts)
         ids = torch.full((n, p), self.pad_id, dtype=torch.int64)
         for i, row in enumerate(prompts):
@@ -634,6 +705,22 @@ class DecodeEngine:
         ids = ids.to(self.device, non_blocking=True)
         rows = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
         lens = torch.tensor([len(x) for x in prompts], dtype=torch.int64).to(self.device, non_blocking=True)
+        if self.graphs:
+            g = self._prefill_graph(st, ids, rows, lens)
+            if g is not None:
+                g.ids.copy_(ids)
+                g.rows.copy_(rows)
+                g.lens.copy_(lens)
+                g.graph.replay()
+                return g.last, rows, lens
+        return self._prompt_forward(st, ids, rows, lens), rows, lens
+
+    def _prompt_forward(
+        self, st: _Slots, ids: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """The prefill's device work (no host sync: graph-safe): the forward of ids (n, P), its keys and
+        values written into the cache rows `rows` -> each prompt's last hidden state (n, H)."""
+        n, p = ids.shape
         cos, sin = self.cos[:p], self.sin[:p]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -642,7 +729,42 @@ class DecodeEngine:
             return dispatch.attention(q, k, v)  # causal over the prompt
 
         h = forward_tokens(self.weights, ids, cos, sin, attend)  # (n, P, H)
-        return h[torch.arange(n, device=self.device), lens - 1], rows, lens
+        return h[torch.arange(n, device=ids.device), lens - 1]
+
+    def _prefill_graph(
+        self, st: _Slots, ids: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor
+    ) -> _PrefillGraph | None:
+        """The captured prefill of ids' shape: kept, captured now (its second sighting), or None (run
+        it eagerly). The capture runs the forward once eagerly on a side stream first (it writes these
+        prompts into their rows, as the replay then does again) so every kernel is loaded; a capture
+        that fails leaves the shape to the eager path for good."""
+        shape = (int(ids.shape[0]), int(ids.shape[1]))
+        pg = st.prefill_graphs
+        g = pg.get(shape)
+        if g is not None or not pg.wants(shape):
+            return g
+        static = (ids.clone(), rows.clone(), lens.clone())
+        try:
+            torch.cuda.synchronize(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._prompt_forward(st, *static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self.prefill_pool is None:
+                self.prefill_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local as the decode step's capture (a process group's watchdog thread may poll)
+            with torch.cuda.graph(graph, pool=self.prefill_pool, capture_error_mode="thread_local"):
+                last = self._prompt_forward(st, *static)
+            torch.cuda.synchronize(self.device)
+        except RuntimeError:  # a kernel that cannot be captured: this shape stays eager
+            torch.cuda.synchronize(self.device)
+            pg.failed(shape)
+            return None
+        g = _PrefillGraph(graph, *static, last)
+        pg.add(shape, g)
+        return g
 
     def _prefill(self, st: _Slots, slots: list[int], prompts: list[list[int]], limits: list[int]) -> None:
         """Write the prompts into the caches of `slots` and sample each row's first token."""

@@ -450,6 +450,10 @@ def on_policy_memory(s: StepShape, fixed: dict[str, int], forward_peak: dict[str
         )
         prompt = s.cfg.data.seq_len + 1 - kd.max_new_tokens
         generation = max(engine_write_memory(m, slots, prompt) for m in writers)
+        if slots * prompt <= PREFILL_GRAPH_TOKENS:  # each engine keeps its captured prefill's pool
+            fixed["decode_engine_prefill_graphs"] = sum(
+                engine_prefill_bytes(m, slots * prompt) for m in writers
+            )
     else:  # the eager path's KV cache of every row, freed after the rollout
         generation = generation_memory(writers, rows, slots_per_row, act_bytes)
     if act_bytes == 2 and w > 1:
@@ -543,17 +547,24 @@ def kv_cache_bytes(spec: ModelSpec, rows: int, max_len: int, act_bytes: int) -> 
 
 
 PREFILL_TOKENS = 16384  # padded prompt tokens a decode engine prefills at once (DecodeEngine's default)
+# padded prompt tokens of a prefill the decode engine captures as a graph on a GPU (its pool stays
+# allocated beside the engine's cache; kdistill.decode)
+PREFILL_GRAPH_TOKENS = 1024
+
+
+def engine_prefill_bytes(spec: ModelSpec, tokens: int) -> int:
+    """A prefill of `tokens` padded tokens (bf16): its hidden states and one block's activations (q/k/v,
+    attention output, gate/up and the SwiGLU output)."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    return tokens * (3 * h + 2 * spec.q_size + 2 * spec.kv_size + 3 * i) * 2
 
 
 def engine_write_memory(spec: ModelSpec, slots: int, prompt_len: int) -> int:
     """The decode engine's transient bytes while writing (bf16), beside its kept KV cache: the prefill of
-    a group of prompts (at most PREFILL_TOKENS padded tokens, or one prompt): its hidden states and one
-    block's activations (q/k/v, attention output, gate/up and the SwiGLU output); then per step the
+    a group of prompts (at most PREFILL_TOKENS padded tokens, or one prompt); then per step the
     lm_head's (slots, vocab) logits and the sampler's fp32 copies of them."""
     tokens = max(min(slots * prompt_len, PREFILL_TOKENS), prompt_len)
-    h, i = spec.hidden_size, spec.intermediate_size
-    prefill = tokens * (3 * h + 2 * spec.q_size + 2 * spec.kv_size + 3 * i) * 2
-    return prefill + slots * spec.vocab_size * (2 + 3 * 4)
+    return engine_prefill_bytes(spec, tokens) + slots * spec.vocab_size * (2 + 3 * 4)
 
 
 def generation_memory(writers: list[ModelSpec], rows: int, max_len: int, act_bytes: int) -> int:

@@ -184,6 +184,22 @@ def test_graph_step_equals_eager_step_for_every_row():
     assert seal.jit_after_prewarm() == 0
 
 
+def test_captured_prefill_gives_the_eager_prefills_tokens():
+    """A prefill shape seen a second time is captured and replayed: the same tokens as the eager
+    engine's, call after call, with nothing compiled after the seal."""
+    model = _model()
+    prepare_kernels(model, 4, 64, 200)
+    seal.seal(strict=True)
+    prompts = _ragged(model.spec.vocab_size, [40, 64, 17, 50])
+    s = Sampling(max_new_tokens=24)
+    want = DecodeEngine(model, batch_size=4, max_len=200, sampling=s, cuda_graphs="off").generate(prompts)
+    eng = DecodeEngine(model, batch_size=4, max_len=200, sampling=s, cuda_graphs="on")
+    for _ in range(3):  # eager (first sighting), captured, replayed
+        assert eng.generate(prompts) == want
+    assert list(eng.slots.prefill_graphs.graphs) == [(4, 64)]
+    assert seal.jit_after_prewarm() == 0, seal.cache_misses()
+
+
 def test_generation_after_strict_prewarm_compiles_nothing():
     model = _model(layers=2)
     lens_short, lens_long = [20, 31, 64], [200, 380, 255]
