@@ -12,7 +12,8 @@ as generate_bench's), the median of --reps calls (after one warm-up) of:
 - `first_token_ms`: write_prompts, the lm_head and the first token's sampling and bookkeeping (the
   engine's _prefill), synchronised;
 - `generate_1_ms` / `generate_n_ms`: a whole generate of 1 and of --new new tokens;
-- `step_ms`: (generate_n_ms - generate_1_ms) / (new - 1), the decode steps' share.
+- `steps_1` / `steps_n`: the decode steps each of those runs (the engine's count);
+- `step_ms`: (generate_n_ms - generate_1_ms) / (steps_n - steps_1), a decode step inside a generate.
 
 Plus, from torch.profiler over one prefill: the CUDA kernels it launched, their summed device time, and
 the host ops with the most self CPU time. Random weights at the presets' shapes; a CUDA device.
@@ -82,10 +83,11 @@ def profile_prefill(fn) -> dict:
 
 
 @torch.no_grad()
-def generate_ms(model, prompts: list[list[int]], new: int, reps: int, max_len: int) -> float:
-    """A whole generate of `new` tokens per prompt, on an engine of its own."""
+def generate_ms(model, prompts: list[list[int]], new: int, reps: int, max_len: int) -> tuple[float, float]:
+    """A whole generate of `new` tokens per prompt, on an engine of its own -> (ms, decode steps a call)."""
     eng = DecodeEngine(model, batch_size=len(prompts), max_len=max_len, sampling=Sampling(max_new_tokens=new))
-    return median_ms(lambda: eng.generate(prompts), reps)
+    ms = median_ms(lambda: eng.generate(prompts), reps)
+    return ms, eng.steps / (reps + 1)
 
 
 @torch.no_grad()
@@ -112,13 +114,16 @@ def prefill_phases(model, prompts: list[list[int]], reps: int, max_len: int) -> 
 
 def measure(model, prompts: list[list[int]], a, max_len: int) -> dict:
     """The phases of one batch of prompts (the module's docstring)."""
+    (g1, s1), (gn, sn) = (generate_ms(model, prompts, n, a.reps, max_len) for n in (1, a.new))
     row = {
-        "generate_1_ms": generate_ms(model, prompts, 1, a.reps, max_len),
-        "generate_n_ms": generate_ms(model, prompts, a.new, a.reps, max_len),
+        "generate_1_ms": g1,
+        "generate_n_ms": gn,
+        "steps_1": s1,
+        "steps_n": sn,
         **prefill_phases(model, prompts, a.reps, max_len),
     }
     torch.cuda.empty_cache()
-    row["step_ms"] = (row["generate_n_ms"] - row["generate_1_ms"]) / (a.new - 1)
+    row["step_ms"] = (gn - g1) / (sn - s1)
     return row
 
 
@@ -153,7 +158,7 @@ def main() -> None:
             p = row["prefill_profile"]
             print(
                 f"{preset} batch {b}: generate 1 {row['generate_1_ms']:.2f} ms, {a.new} {row['generate_n_ms']:.2f} ms "
-                f"(steps {row['step_ms']:.3f} ms each); prefill {row['prefill_ms']:.2f} ms (host "
+                f"({row['steps_n']:.0f} steps, {row['step_ms']:.3f} ms each); prefill {row['prefill_ms']:.2f} ms (host "
                 f"{row['prefill_host_ms']:.2f}; {p['kernels']} kernels, {p['kernel_ms']:.2f} ms on the device), "
                 f"with the first token {row['first_token_ms']:.2f} ms",
                 flush=True,

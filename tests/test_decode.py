@@ -88,10 +88,10 @@ def test_the_engine_on_the_cpu_equals_the_oracle_token_for_token(pair, batch):
 
 
 @pytest.mark.parametrize("sync_every", [1, 3, 4])
-def test_the_host_queues_a_round_ahead_but_none_past_the_rows_budgets(pair, sync_every):
+def test_the_host_queues_a_round_ahead_but_no_step_past_the_rows_budgets(pair, sync_every):
     """The host reads each round's done flags while the next round runs (the device never waits for
-    it), and queues no round past the one that ends every row's budget: rows that all run to
-    max_new_tokens cost the steps a one-round-at-a-time loop runs, and the tokens are the same."""
+    it), and the last round runs only the steps the rows' budgets leave: rows that all run to
+    max_new_tokens cost the steps a step-at-a-time loop runs, and the tokens are the same."""
     model, _ = pair
     rows = ragged(model.spec.vocab_size)[:4]
     s = Sampling(max_new_tokens=10)
@@ -100,7 +100,9 @@ def test_the_host_queues_a_round_ahead_but_none_past_the_rows_budgets(pair, sync
     out = eng.generate(rows)
     assert out == one.generate(rows) and all(len(r) == 10 for r in out)
     assert one.steps == 9  # the prefill samples each row's first token, a step each of the other nine
-    assert eng.steps == -(-one.steps // sync_every) * sync_every  # whole rounds, none beyond the budget
+    assert eng.steps == one.steps  # the last round shortened to the budgets, whatever sync_every
+    one_new = DecodeEngine(model, batch_size=4, max_len=40, sampling=Sampling(max_new_tokens=1), sync_every=4)
+    assert all(len(r) == 1 for r in one_new.generate(rows)) and one_new.steps == 1  # not a whole round
 
 
 def test_slot_refill_bookkeeping(pair):

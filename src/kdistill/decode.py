@@ -880,11 +880,13 @@ def run_slots(
     so the device never idles while the host reads (a done row's steps change nothing; a finished row is
     noticed one round after it stopped). A finished slot's tokens are its prompt's answer (on_finish(i,
     ids); on_done(i, flags[:, slot]) for any bookkeeping of the other rows) and the slot takes the next
-    waiting prompts; on_tokens(i, ids so far) streams. No round is queued past the one that the rows'
-    budgets (limits) end: a batch of rows that all run to their budget wastes no step."""
+    waiting prompts; on_tokens(i, ids so far) streams. A round runs at most the steps that the running
+    rows' budgets (limits) leave, counted from the last flags read and the rounds queued since (each step
+    adds at least one token to a running row): rows that all run to their budget cost no step beyond it."""
     waiting = deque(range(len(prompts)))
     owner: list[int | None] = [None] * slots
     results: list[list[int] | None] = [None] * len(prompts)
+    left = [0] * slots  # per slot: at most this many more steps write a token of its row
 
     def fill(free: list[int]) -> None:
         while free and waiting:
@@ -899,33 +901,33 @@ def run_slots(
             taken = [free.pop(0) for _ in group]
             for s, i in zip(taken, group):
                 owner[s] = i
+                left[s] = int(limits[i])
             prefill(taken, [list(prompts[i]) for i in group], [int(limits[i]) for i in group])
 
-    def round_() -> _Snapshot:
-        for _ in range(sync_every):
-            step()
-        return _Snapshot(flags())
+    def steps_left() -> int:
+        """Steps the next round runs: sync_every, or fewer where every running row's budget ends sooner."""
+        return min(sync_every, max((left[s] for s, o in enumerate(owner) if o is not None), default=0))
 
-    def ends_in_flight(f: torch.Tensor | None) -> bool:
-        """Whether every row still running at the read flags f has at most one round of tokens left
-        (each step adds at least one token to a running row): the round queued after f finishes them
-        all, and another would be wasted."""
-        if f is None:
-            return False
-        left = [
-            int(limits[i]) - int(f[1, s]) for s, i in enumerate(owner) if i is not None and not bool(f[0, s])
-        ]
-        return all(n <= sync_every for n in left)
+    def round_(n: int) -> _Snapshot:
+        for _ in range(n):
+            step()
+        for s, o in enumerate(owner):
+            if o is not None:
+                left[s] = max(0, left[s] - n)
+        return _Snapshot(flags())
 
     fill(list(range(slots)))
     last: _Snapshot | None = None  # the flags after the last queued round, not yet read
-    f: torch.Tensor | None = None  # the flags read last
     while any(o is not None for o in owner):
         if last is None:  # after a prefill: flags taken before it would show the old rows
-            last, f = round_(), None
+            last = round_(max(1, steps_left()))
         # the device works on the next round while the host reads the last one's flags
-        queued = None if ends_in_flight(f) else round_()
+        n = steps_left()
+        queued = round_(n) if n else None
         f, last = last.read(), queued
+        for s, o in enumerate(owner):  # the flags' token counts, less the round queued since
+            if o is not None and not bool(f[0, s]):
+                left[s] = min(left[s], max(0, int(limits[o]) - int(f[1, s]) - n))
         finished = [s for s, o in enumerate(owner) if o is not None and bool(f[0, s])]
         if finished:
             outs = out[finished].cpu()  # after the queued round: a finished row's tokens are final
