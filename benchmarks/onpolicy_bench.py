@@ -100,12 +100,16 @@ def build_assets(out: Path, tiny: bool, shape: Shape, rows: int) -> Path:
             )
         raw.update(eos_token_id=0, bos_token_id=0, pad_token_id=0)
         torch.manual_seed(0 if role == "teacher" else 1)
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.Qwen2Config(**raw), dtype=torch.bfloat16
-        )
+        # random weights drawn on the GPU where there is one: a 7B model's on the CPU take minutes
+        with torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.Qwen2Config(**raw), dtype=torch.bfloat16
+            )
         model.save_pretrained(out / role)
         tok.save_pretrained(out / role)
         del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the runs that follow are other processes
     g = torch.Generator().manual_seed(0)
     with open(out / "data.jsonl", "w", encoding="utf-8") as f:
         for _ in range(rows):
