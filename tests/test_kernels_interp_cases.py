@@ -528,42 +528,6 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
     assert int(decode_gemv.counters(x.device, 1).abs().sum()) == 0
 
 
-def case_decode_gemv_add_norm(device="cpu", dtype=torch.float32, rows=3, hidden=48, n=40, k=64, inter=24):
-    """A decode block's residual add and RMSNorm folded into the products around it: the product before
-    the norm adds the residual and writes its sums of squares, the next product (gate/up with its
-    SwiGLU, or a plain one with a bias) norms its input with them; both against the unfused reference
-    (the linear, add_rmsnorm, the linear). hidden not a multiple of 16 columns' blocks' power of two:
-    masked partial sums."""
-    from kdistill import dispatch
-    from kdistill.kernels import decode_gemv
-    from kdistill.ops.rmsnorm import add_rmsnorm_reference
-
-    g = torch.Generator().manual_seed(hidden * k + rows)
-    x = torch.randn((rows, k), generator=g).to(device=device, dtype=dtype)
-    res = torch.randn((rows, hidden), generator=g).to(device=device, dtype=dtype)
-    w_o = (torch.randn((hidden, k), generator=g) / k**0.5).to(device, dtype)
-    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, dtype)
-    w_gu = (torch.randn((2 * inter, hidden), generator=g) / hidden**0.5).to(device, dtype)
-    w_qkv = (torch.randn((n, hidden), generator=g) / hidden**0.5).to(device, dtype)
-    bias = torch.randn(n, generator=g).to(device, dtype)
-    eps = 1e-6
-    with torch.no_grad():
-        a = torch.nn.functional.linear(x, w_o)
-        normed, summed = add_rmsnorm_reference(a, res, nw, eps)
-        gate, up = torch.nn.functional.linear(normed, w_gu).chunk(2, dim=-1)
-        want_act = torch.nn.functional.silu(gate) * up
-        want_qkv = torch.nn.functional.linear(normed, w_qkv, bias)
-        with _kernel_mode():
-            s, ss = dispatch.decode_linear_add(x, w_o, res)
-            act = dispatch.decode_linear(s, w_gu, gate_up=True, norm=(ss, nw, eps))
-            qkv = dispatch.decode_linear(s, w_qkv, bias, norm=(ss, nw, eps))
-    assert ss.shape == (rows, decode_gemv.norm_blocks(hidden)) and ss.dtype == torch.float32
-    _close("residual sum", s, summed, dtype)
-    _close("sums of squares", ss.sum(-1), summed.float().pow(2).sum(-1), torch.float32)
-    _close("gate/up", act, want_act, dtype)
-    _close("q/k/v", qkv, want_qkv, dtype)
-
-
 def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16):
     """The decode engine's greedy tokens with the kernels equal the reference ops' (slot refill, a stop
     token, a head size the decode-attention kernel takes; from 32 on, with RoPE inside it)."""
@@ -682,16 +646,6 @@ CASES = {
     # past 16 rows the step's products stay on the library GEMM and the SwiGLU kernel
     "decode_gemv_fp32_swiglu_20_rows": (case_decode_gemv, dict(rows=20, n=40, k=48, epilogue="swiglu")),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
-    "decode_gemv_fp32_add_norm": (case_decode_gemv_add_norm, {}),
-    # o_proj's K split over 2 programs (the last adds the residual), 16 rows, a K loop after the norm
-    "decode_gemv_fp32_add_norm_split_k": (
-        case_decode_gemv_add_norm,
-        dict(rows=16, hidden=32, n=24, k=2048, inter=16),
-    ),
-    "decode_gemv_fp32_add_norm_k_loop": (
-        case_decode_gemv_add_norm,
-        dict(rows=1, hidden=1040, n=16, k=32, inter=8),
-    ),
     "decode_attention_fp32_rope": (
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True),

@@ -405,30 +405,20 @@ def forward_tokens(
     sin None: q and k reach attend unrotated (views of the q/k/v output; the decode step's attention
     kernel rotates them itself). step: a one-token decode step (T = 1): the block's products (q/k/v,
     o_proj, gate/up with its SwiGLU, down) go through dispatch.decode_linear (a matrix-vector kernel at
-    small buckets), which also takes the residual adds and norms between them where it serves both
-    sides (decode_gemv.fuses_add: o_proj and down add, gate/up and the next q/k/v norm)."""
+    small buckets)."""
     s = w.spec
     b, t = ids.shape
     eps = s.rms_eps
     delta = F.embedding(ids, w.embed)  # (B, T, H)
     residual = None
-    # step: where the matrix-vector kernel serves both products around a norm, the product before it
-    # adds the residual and the one after it norms its input (decode_gemv's FUSE): no norm kernel
-    qkv_epi = decode_gemv.EPI_BIAS if w.layers[0].qkv_bias is not None else decode_gemv.EPI_NONE
-    add_o = step and decode_gemv.fuses_add(b, s.q_size, s.hidden_size, decode_gemv.EPI_SWIGLU)
-    add_down = step and decode_gemv.fuses_add(b, w.layers[0].down.shape[1], s.hidden_size, qkv_epi)
-    ss = None  # the sums of squares of `residual` when the last product added it (its norm still due)
     for i, layer in enumerate(w.layers):
-        norm = None
         if residual is None:
             residual = delta
             h = dispatch.rmsnorm(delta, layer.ln1, eps)
-        elif ss is not None:
-            h, norm = residual, (ss, layer.ln1, eps)
         else:
             h, residual = dispatch.add_rmsnorm(delta, residual, layer.ln1, eps)
         if step:  # (B, 1, H): the products at B rows
-            qkv = dispatch.decode_linear(h[:, 0], layer.qkv, layer.qkv_bias, norm=norm)[:, None]
+            qkv = dispatch.decode_linear(h[:, 0], layer.qkv, layer.qkv_bias)[:, None]
         else:
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (B, T, q + 2 kv)
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
@@ -443,19 +433,10 @@ def forward_tokens(
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         o = attend(i, q, k, v.transpose(1, 2))  # (B, Hq, T, D)
         o = o.transpose(1, 2).reshape(b, t, s.q_size)
-        if step and add_o:
-            r, ss = dispatch.decode_linear_add(o[:, 0], layer.o, residual[:, 0])
-            residual = r[:, None]
-            act = dispatch.decode_linear(r, layer.gate_up, gate_up=True, norm=(ss, layer.ln2, eps))
-        elif step:
+        if step:
             a = dispatch.decode_linear(o[:, 0], layer.o)[:, None]
             x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
             act = dispatch.decode_linear(x[:, 0], layer.gate_up, gate_up=True)
-        ss = None
-        if step and add_down and i + 1 < len(w.layers):  # the last block's sum goes to the final norm
-            r, ss = dispatch.decode_linear_add(act, layer.down, residual[:, 0])
-            residual = r[:, None]
-        elif step:
             delta = dispatch.decode_linear(act, layer.down)[:, None]
         else:
             a = F.linear(o, layer.o)

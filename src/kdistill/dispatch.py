@@ -75,7 +75,6 @@ __all__ = [
     "decode_attention",
     "decode_attention_multi",
     "decode_linear",
-    "decode_linear_add",
     "kd_loss",
     "quantize_cols",
     "quantize_rows",
@@ -551,71 +550,31 @@ def decode_attention_multi(
 
 
 def decode_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    gate_up: bool = False,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gate_up: bool = False
 ) -> torch.Tensor:
     """A decode step's linear on x (B, K) -> (B, N): F.linear (+ bias), or with gate_up the stacked
     gate/up product's SwiGLU (weight (2N, K)). At buckets of at most 16 rows the matrix-vector kernel
-    (kernels/decode_gemv.py); else cuBLAS and the SwiGLU kernel, as the prefill runs them. norm = (ss,
-    the norm's weight, eps): x is a residual sum from decode_linear_add with its sums of squares ss,
-    RMS-normed inside the product (only where decode_gemv.fuses_add said so)."""
+    (kernels/decode_gemv.py); else cuBLAS and the SwiGLU kernel, as the prefill runs them."""
     rt = current()
     rows, k = x.shape
     plain = decode_gemv.EPI_BIAS if bias is not None else decode_gemv.EPI_NONE
     epi = decode_gemv.EPI_SWIGLU if gate_up else plain
     if not decode_gemv.serves(rows, k, epi):
-        if norm is not None:
-            raise ValueError("decode_linear: a normed input needs the matrix-vector kernel (fuses_add)")
         y = torch.nn.functional.linear(x, weight, bias)
         return swiglu(*y.chunk(2, dim=-1)) if gate_up else y
     n = weight.shape[0] // 2 if gate_up else weight.shape[0]
     x = x.contiguous()
-    fuse = decode_gemv.FUSE_NORM if norm is not None else decode_gemv.FUSE_NONE
-    nw = norm[1] if norm is not None else None
     key = decode_gemv.gemv_key(
-        rt.arch, n=n, k=k, dtype=x.dtype, epilogue=epi, fuse=fuse, aligned=aligned(x, weight, bias, None, nw)
+        rt.arch, n=n, k=k, dtype=x.dtype, epilogue=epi, aligned=aligned(x, weight, bias)
     )
-    spec = lambda: decode_gemv.launch(key, x, weight, bias, None, norm)  # noqa: E731
+    spec = lambda: decode_gemv.launch(key, x, weight, bias)  # noqa: E731
     if rt.use_kernel(key, x, weight):
         try:
             return rt.launch(key, lambda: decode_gemv.run(spec()), spec)[0]
         except Exception as e:
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", spec)
-    return decode_gemv.decode_gemv_reference(x, weight, bias, gate_up, norm=norm)[0]
-
-
-def decode_linear_add(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's plain linear with the residual added (where decode_gemv.fuses_add): x (B, K),
-    residual (B, N) -> (s = x W^T + residual (B, N), its sums of squares per row and column block (B,
-    decode_gemv.norm_blocks(N)), fp32), for the next product to norm s with (decode_linear's norm)."""
-    rt = current()
-    rows, k = x.shape
-    n = weight.shape[0]
-    x, residual = x.contiguous(), residual.contiguous()
-    key = decode_gemv.gemv_key(
-        rt.arch,
-        n=n,
-        k=k,
-        dtype=x.dtype,
-        fuse=decode_gemv.FUSE_ADD,
-        aligned=aligned(x, weight, None, residual, None),
-    )
-    spec = lambda: decode_gemv.launch(key, x, weight, None, residual)  # noqa: E731
-    if rt.use_kernel(key, x, weight, residual):
-        try:
-            return rt.launch(key, lambda: decode_gemv.run(spec()), spec)
-        except Exception as e:
-            rt.kernel_failed(key, e)
-    rt.record(key, "fwd", spec)
-    s, ss = decode_gemv.decode_gemv_reference(x, weight, residual=residual)
-    return s, ss
+    return decode_gemv.decode_gemv_reference(x, weight, bias, gate_up)
 
 
 # -- FP8 GEMM inputs (an FP8 teacher or student) ---------------------------------------------------

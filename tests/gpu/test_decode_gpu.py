@@ -158,35 +158,6 @@ def test_decode_gemv_kernel_matches_reference(rows, n, k, epilogue):
     assert out.shape == (rows, n) and err < 1e-2, err
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize(
-    "hidden,k,inter,n_qkv",
-    [(896, 896, 4864, 1152), (1536, 1536, 8960, 2048)],  # o_proj -> add + norm -> gate/up and q/k/v
-)
-def test_decode_gemv_residual_add_and_norm_match_the_unfused_products(rows, hidden, k, inter, n_qkv):
-    g = torch.Generator(device="cuda").manual_seed(hidden + rows)
-    bf = torch.bfloat16
-    x = torch.randn((rows, k), generator=g, device="cuda", dtype=bf)
-    res = torch.randn((rows, hidden), generator=g, device="cuda", dtype=bf)
-    w_o = (torch.randn((hidden, k), generator=g, device="cuda") / k**0.5).to(bf)
-    nw = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(bf)
-    w_gu = (torch.randn((2 * inter, hidden), generator=g, device="cuda") / hidden**0.5).to(bf)
-    w_qkv = (torch.randn((n_qkv, hidden), generator=g, device="cuda") / hidden**0.5).to(bf)
-    bias = torch.randn(n_qkv, generator=g, device="cuda", dtype=bf)
-    with dispatch.using(mode="triton", arch="sm_90", strict=True):
-        a = dispatch.decode_linear(x, w_o)
-        normed, summed = dispatch.add_rmsnorm(a, res, nw, 1e-6)
-        want_act = dispatch.decode_linear(normed, w_gu, gate_up=True)
-        want_qkv = dispatch.decode_linear(normed, w_qkv, bias)
-        s, ss = dispatch.decode_linear_add(x, w_o, res)
-        act = dispatch.decode_linear(s, w_gu, gate_up=True, norm=(ss, nw, 1e-6))
-        qkv = dispatch.decode_linear(s, w_qkv, bias, norm=(ss, nw, 1e-6))
-    assert torch.equal(s, summed)  # the same roundings as the product's output plus the residual
-    for got, want in ((act, want_act), (qkv, want_qkv)):
-        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        assert got.shape == want.shape and err < 1e-2, err
-
-
 def _model(preset: str = "qwen2.5-0.5b", layers: int = 4):
     spec = dataclasses.replace(load_spec(preset), num_layers=layers)
     return build_decoder(spec, "cuda", torch.bfloat16, seed=0).eval()

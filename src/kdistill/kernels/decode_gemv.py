@@ -4,11 +4,6 @@ its epilogue: kernel, launcher, reference, key functions, registered KernelSpec.
     y = x W^T (+ bias)                        (EPI 0, 1)       x (M, K), W (N, K)  -> y (M, N)
     y = silu(x Wg^T) * (x Wu^T)               (EPI 2)          W = [Wg; Wu] (2N, K) -> y (M, N)
 
-and the residual add with RMSNorm folded into the products on either side of it (FUSE, below):
-
-    s = x W^T + r, ss[m, j] = sum of s[m, c]^2 over column block j        (FUSE_ADD: o_proj, down)
-    y = (norm(x) * nw) W^T ..., norm(x) = x / sqrt(sum_j ss[m, j] / K + eps)   (FUSE_NORM: q/k/v, gate/up)
-
 At one to sixteen rows a decode step's linears are memory-bound matrix-vector products: what counts is
 streaming W once with enough programs in flight, and each kernel's fixed latency. One program per
 BLOCK_N output columns (and per K split) holds all rows (BLOCK_M = 16, the dot's smallest tile: a batch
@@ -21,14 +16,6 @@ acquire-release count per column block) sums them in split order and writes y. W
 the up rows of its columns stream side by side, so the (M, 2N) gate/up output is never written and the
 SwiGLU kernel is not launched; the epilogue rounds as the unfused path does (gate and up to the
 weights' dtype, silu(gate) likewise).
-
-FUSE: a decode block's residual add and RMSNorm without a norm kernel between two products. The product
-before the norm (FUSE_ADD) adds the residual r to its output and writes the sum s (the next residual)
-and, per row, the sum of squares of each of its column blocks (ss (M, column blocks), fp32); the product
-after it (FUSE_NORM) reads s as its input, sums those partials in column order for each row's rstd
-(the same partials whichever program reads them: graph and eager stay token-identical), and normalises
-each input tile before its dot, rounding as the norm kernel does (s to its dtype, s * rstd to the
-dtype, then times the norm's weight nw). Two launches fewer a block.
 
 The file reads top to bottom: kernel, launcher, reference, key functions and tile policy, then the
 registered KernelSpec. No backward: generation runs without gradients.
@@ -58,29 +45,7 @@ from kdistill.kernels.keys import (
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
-FUSE_NONE, FUSE_NORM, FUSE_ADD = 0, 1, 2  # the product after a block's norm, the product before it
-ADD_BLOCK_N = 16  # columns a program of a FUSE_ADD product: one partial sum of squares each
 MAX_ROWS = 16  # the buckets this kernel serves (one row tile); larger ones stay on cuBLAS
-
-
-@jit
-def _normed(x, rstd, nw):
-    """An input tile (rows, k) of residual sums, normed as the norm kernel rounds: s * rstd to the
-    tile's dtype, then times the norm's weight (fp32 nw (k,)), to the dtype again."""
-    n = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-    return (n * nw[None, :]).to(x.dtype)
-
-
-@jit
-def _add_store(acc, res, Y, SS, yoffs, ymask, rows, rmask, pid, BLOCK_SS: tl.constexpr):
-    """FUSE_ADD's epilogue: the product rounded to Y's dtype (as the unfused product writes it) plus
-    the residual, rounded again (as the norm kernel's sum), stored, and each row's sum of squares over
-    this program's columns stored at (row, column block)."""
-    d = acc.to(Y.dtype.element_ty).to(tl.float32)
-    sm = (d + res).to(Y.dtype.element_ty)
-    tl.store(Y + yoffs, sm, mask=ymask)
-    sf = tl.where(ymask, sm.to(tl.float32), 0.0)
-    tl.store(SS + rows * BLOCK_SS + pid, tl.sum(sf * sf, axis=1), mask=rmask)
 
 
 @jit(do_not_specialize=["M"])
@@ -91,16 +56,10 @@ def decode_gemv_kernel(
     Y,
     P,
     CNT,
-    RES,
-    NW,
-    SS,
     M,
-    eps,
     N: tl.constexpr,
     K: tl.constexpr,
     EPI: tl.constexpr,
-    FUSE: tl.constexpr,
-    BLOCK_SS: tl.constexpr,
     SPLIT: tl.constexpr,
     K_SPLIT: tl.constexpr,
     PRE_K: tl.constexpr,
@@ -128,26 +87,8 @@ def decode_gemv_kernel(
     pw2 = pw
     if EPI == 2:
         pw2 = tl.load(W + (cols64 + N)[:, None] * K + kp[None, :], mask=pwmask, other=0.0)
-    pnw = pw  # FUSE_NORM: the norm's weight over the first PRE_K inputs (a weight: before the wait)
-    if FUSE == 1:
-        pnw = tl.load(NW + kp, mask=pmask, other=0.0).to(tl.float32)
     pdl_wait(PDL)
     px = tl.load(X + rows[:, None] * K + kp[None, :], mask=rmask[:, None] & pmask[None, :], other=0.0)
-    rstd = tl.zeros((BLOCK_M,), tl.float32)
-    if FUSE == 1:  # each row's rstd from the previous product's partial sums of squares, in column order
-        nb = tl.arange(0, BLOCK_SS)
-        nbmask = nb < (K + 15) // 16  # the column blocks of ADD_BLOCK_N (16) the previous product wrote
-        ss = tl.load(
-            SS + rows[:, None] * BLOCK_SS + nb[None, :], mask=rmask[:, None] & nbmask[None, :], other=0.0
-        )
-        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
-        px = _normed(px, rstd, pnw)
-    res = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if FUSE == 2:  # the residual this product adds (written by an earlier kernel: after the wait)
-        res = tl.load(
-            RES + rows[:, None] * N + cols64[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0
-        )
-        res = res.to(tl.float32)
     acc = tl.dot(px, tl.trans(pw), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if EPI == 2:
@@ -156,8 +97,6 @@ def decode_gemv_kernel(
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < k_hi
         x = tl.load(X + rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if FUSE == 1:
-            x = _normed(x, rstd, tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32))
         wmask = cmask[:, None] & kmask[None, :]
         w = tl.load(W + cols64[:, None] * K + kk[None, :], mask=wmask, other=0.0)  # (BLOCK_N, BLOCK_K)
         acc = tl.dot(x, tl.trans(w), acc)
@@ -174,10 +113,7 @@ def decode_gemv_kernel(
             u = acc2.to(Y.dtype.element_ty).to(tl.float32)
             act = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
             acc = act * u
-        if FUSE == 2:
-            _add_store(acc, res, Y, SS, yoffs, ymask, rows, rmask, pid, BLOCK_SS)
-        else:
-            tl.store(Y + yoffs, acc.to(Y.dtype.element_ty), mask=ymask)
+        tl.store(Y + yoffs, acc.to(Y.dtype.element_ty), mask=ymask)
     else:
         # K split over SPLIT programs per column block (EPI 0 and 1): each writes its fp32 partial, and
         # the last of them to arrive (an acquire-release count per column block) sums the partials in
@@ -192,10 +128,7 @@ def decode_gemv_kernel(
                 tot += tl.load(P + s * M * N + yoffs, mask=ymask, other=0.0, cache_modifier=".cg")
             if EPI == 1:
                 tot += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            if FUSE == 2:
-                _add_store(tot, res, Y, SS, yoffs, ymask, rows, rmask, pid, BLOCK_SS)
-            else:
-                tl.store(Y + yoffs, tot.to(Y.dtype.element_ty), mask=ymask)
+            tl.store(Y + yoffs, tot.to(Y.dtype.element_ty), mask=ymask)
             tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
 
 
@@ -214,20 +147,11 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
-def launch(
-    key: KernelKey,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-):
-    """The kernel's (kernel, grid, args, kwargs, outs) for x (M, K) contiguous with M <= BLOCK_M, the
-    weight (N, K) (EPI 0, 1) or the stacked (2N, K) (EPI 2) contiguous, bias (N,) for EPI 1. FUSE_ADD:
-    residual (M, N) contiguous, outs (s, ss); FUSE_NORM: norm = (ss, the norm's weight (K,), eps) with
-    ss the previous FUSE_ADD product's, x its s; else outs (y,)."""
+def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The kernel's (kernel, grid, args, kwargs, (y,)) for x (M, K) contiguous with M <= BLOCK_M, the
+    weight (N, K) (EPI 0, 1) or the stacked (2N, K) (EPI 2) contiguous, bias (N,) for EPI 1."""
     m, k = x.shape
-    n, epi, split, fuse = int(key["N"]), int(key["EPI"]), int(key["SPLIT"]), int(key["FUSE"])
+    n, epi, split = int(key["N"]), int(key["EPI"]), int(key["SPLIT"])
     if m > int(key["BLOCK_M"]) or k != int(key["K"]):
         raise KernelError(f"decode_gemv: x {tuple(x.shape)} does not fit the key (<= {key['BLOCK_M']} rows)")
     if weight.shape != ((2 * n if epi == EPI_SWIGLU else n), k) or not (
@@ -236,52 +160,18 @@ def launch(
         raise KernelError(f"decode_gemv: weight {tuple(weight.shape)} does not fit the key")
     if split > 1 and epi == EPI_SWIGLU:
         raise KernelError("decode_gemv: the SwiGLU epilogue needs the whole K in one program (SPLIT 1)")
-    dtype = torch_dtype(key["dtype"])
-    block_ss = int(key["BLOCK_SS"])
-    if (fuse == FUSE_ADD) != (residual is not None) or (fuse == FUSE_NORM) != (norm is not None):
-        raise KernelError(
-            f"decode_gemv: FUSE {fuse} with residual={residual is not None}, norm={norm is not None}"
-        )
-    if residual is not None and (
-        residual.shape != (m, n) or residual.dtype != dtype or not residual.is_contiguous()
-    ):
-        raise KernelError(
-            f"decode_gemv: residual {tuple(residual.shape)} {residual.dtype} does not fit the key"
-        )
-    ss, nw, eps = (None, None, 0.0) if norm is None else norm
-    if ss is not None and (ss.shape != (m, block_ss) or ss.dtype != torch.float32):
-        raise KernelError(f"decode_gemv: sums of squares {tuple(ss.shape)} do not fit the key")
-    if nw is not None and (nw.shape != (k,) or nw.dtype != dtype):
-        raise KernelError(f"decode_gemv: norm weight {tuple(nw.shape)} {nw.dtype} does not fit the key")
-    y = torch.empty((m, n), dtype=dtype, device=x.device)
+    y = torch.empty((m, n), dtype=torch_dtype(key["dtype"]), device=x.device)
     col_blocks = cdiv(n, int(key["BLOCK_N"]))
     cnt = counters(x.device, col_blocks)
     if split > 1:
         parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     else:
         parts = cnt.view(torch.float32)  # not read or written without a split
-    if fuse == FUSE_ADD:
-        ss = torch.empty((m, block_ss), dtype=torch.float32, device=x.device)
-    outs = (y, ss) if fuse == FUSE_ADD else (y,)
-    args = (
-        x,
-        weight,
-        bias if epi == EPI_BIAS else weight,
-        y,
-        parts,
-        cnt,
-        residual if residual is not None else weight,
-        nw if nw is not None else weight,
-        ss if ss is not None else parts,
-        m,
-        float(eps),
-    )
+    args = (x, weight, bias if epi == EPI_BIAS else weight, y, parts, cnt, m)
     kwargs = dict(
         N=n,
         K=k,
         EPI=epi,
-        FUSE=fuse,
-        BLOCK_SS=block_ss,
         SPLIT=split,
         K_SPLIT=int(key["K_SPLIT"]),
         PRE_K=int(key["PRE_K"]),
@@ -291,7 +181,7 @@ def launch(
         PDL=pdl_constexpr(key),
         **launch_options(key),
     )
-    return decode_gemv_kernel, (col_blocks, split), args, kwargs, outs
+    return decode_gemv_kernel, (col_blocks, split), args, kwargs, (y,)
 
 
 def run(spec) -> tuple:
@@ -301,38 +191,15 @@ def run(spec) -> tuple:
 
 
 def decode_gemv_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    swiglu: bool = False,
-    residual: torch.Tensor | None = None,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> tuple[torch.Tensor, ...]:
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False
+) -> torch.Tensor:
     """The kernel's function in PyTorch: what the unfused step computes (a linear, then SwiGLU over the
-    two halves of the stacked gate/up output, in the inputs' dtype) -> (y,); with `norm` (FUSE_NORM)
-    x normed first by the partial sums of squares, with `residual` (FUSE_ADD) -> (y + residual, its
-    sums of squares per row and column block of ADD_BLOCK_N (M, norm_blocks(N)))."""
-    if norm is not None:
-        ss, nw, eps = norm
-        rstd = torch.rsqrt(ss.sum(-1, keepdim=True) / x.shape[-1] + eps)
-        x = nw * (x.float() * rstd).to(x.dtype)
+    two halves of the stacked gate/up output, in the inputs' dtype)."""
     y = F.linear(x, weight, bias)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    if residual is None:
-        return (y,)
-    s = y + residual
-    m, n = s.shape
-    blocks = cdiv(n, ADD_BLOCK_N)
-    sq = F.pad(s.float().pow(2), (0, blocks * ADD_BLOCK_N - n)).view(m, blocks, ADD_BLOCK_N).sum(-1)
-    return s, F.pad(sq, (0, norm_blocks(n) - blocks))
-
-
-def norm_blocks(n: int) -> int:
-    """The row stride of the sums of squares a FUSE_ADD product of width n writes (its column blocks,
-    rounded up to a power of two: the next product loads them as one tile)."""
-    return next_pow2(cdiv(n, ADD_BLOCK_N))
+        return F.silu(gate) * up
+    return y
 
 
 # -- tile policy and key functions --------------------------------------------------------------
@@ -342,17 +209,14 @@ PRE_K = {EPI_NONE: 1024, EPI_BIAS: 1024, EPI_SWIGLU: 512}  # at most, loaded bef
 MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,864 faster here, 8,960 not)
 
 
-def tiles(*, n: int, k: int, epilogue: int, fuse: int = FUSE_NONE) -> dict[str, int]:
+def tiles(*, n: int, k: int, epilogue: int) -> dict[str, int]:
     """16 rows (every bucket it serves); 32 columns a program with the SwiGLU epilogue (two weight tiles
     each), else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split)
     into as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
     run alone after the others); the first PRE_K inputs' weights loaded before the wait for the
     previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
-    twelve). FUSE_ADD: 16 columns a program (one partial sum of squares each, ADD_BLOCK_N); BLOCK_SS:
-    the row stride of the sums of squares written (FUSE_ADD) or read (FUSE_NORM)."""
+    twelve)."""
     block_n = 32 if epilogue == EPI_SWIGLU else 16
-    if fuse == FUSE_ADD and (epilogue == EPI_SWIGLU or block_n != ADD_BLOCK_N):
-        raise ValueError("decode_gemv: the residual add needs 16 columns a program and no SwiGLU")
     split, k_split = 1, k
     if epilogue != EPI_SWIGLU:
         want = max(1, min(PROGRAMS // cdiv(n, block_n), k // MIN_SPLIT_K))
@@ -366,36 +230,27 @@ def tiles(*, n: int, k: int, epilogue: int, fuse: int = FUSE_NONE) -> dict[str, 
         "PRE_K": pre_k,
         "SPLIT": split,
         "K_SPLIT": k_split,
-        "BLOCK_SS": norm_blocks(n) if fuse == FUSE_ADD else norm_blocks(k) if fuse == FUSE_NORM else 1,
     }
 
 
 @memoized
 def gemv_key(
-    arch: str,
-    *,
-    n: int,
-    k: int,
-    dtype: str,
-    epilogue: int = EPI_NONE,
-    fuse: int = FUSE_NONE,
-    aligned: Sequence[bool] | None = None,
+    arch: str, *, n: int, k: int, dtype: str, epilogue: int = EPI_NONE, aligned: Sequence[bool] | None = None
 ) -> KernelKey:
     """The kernel for an (n, k) weight in `dtype` (n: the output width; the stacked weight of the SwiGLU
-    epilogue has 2n rows); fuse: FUSE_NONE, FUSE_NORM or FUSE_ADD. aligned: X, W, BIAS, RES, NW."""
+    epilogue has 2n rows). aligned: X, W, BIAS."""
     return make_key(
         GEMV.op,
         arch,
         N=int(n),
         K=int(k),
         EPI=int(epilogue),
-        FUSE=int(fuse),
         dtype=dtype_name(dtype),
         align=GEMV.align(aligned),
         PDL=pdl(arch),
         num_warps=4,
         num_stages=3,
-        **tiles(n=n, k=k, epilogue=epilogue, fuse=fuse),
+        **tiles(n=n, k=k, epilogue=epilogue),
     )
 
 
@@ -411,13 +266,6 @@ def serves(rows: int, k: int, epilogue: int) -> bool:
     return rows <= MAX_ROWS and supported(k) and (epilogue == EPI_SWIGLU or k <= MAX_PLAIN_K)
 
 
-def fuses_add(rows: int, k: int, n: int, next_epilogue: int) -> bool:
-    """Whether a plain product of k inputs and n outputs at `rows` rows takes the residual add (FUSE_ADD),
-    the product after the norm (n inputs, next_epilogue) then normalising its input (FUSE_NORM): both
-    served by this kernel."""
-    return serves(rows, k, EPI_NONE) and serves(rows, n, next_epilogue)
-
-
 # -- registered description ---------------------------------------------------------------------
 def _warm(key: KernelKey, device: Any) -> tuple:
     """Two rows, aligned as `key` says, through the launcher."""
@@ -426,13 +274,7 @@ def _warm(key: KernelKey, device: Any) -> tuple:
     x = tensor((2, k), dt, device, al[0])
     w = tensor((2 * n if epi == EPI_SWIGLU else n, k), dt, device, al[1])
     bias = tensor((n,), dt, device, al[2]) if epi == EPI_BIAS else None
-    fuse, block_ss = int(key["FUSE"]), int(key["BLOCK_SS"])
-    residual = tensor((2, n), dt, device, al[6]) if fuse == FUSE_ADD else None  # X W BIAS Y P CNT RES
-    norm = None
-    if fuse == FUSE_NORM:
-        ss = torch.ones((2, block_ss), dtype=torch.float32, device=device)
-        norm = (ss, tensor((k,), dt, device, al[7]), 1e-6)
-    return launch(key, x, w, bias, residual, norm)
+    return launch(key, x, w, bias)
 
 
 def plan(
@@ -447,29 +289,17 @@ def plan(
     dtype: str,
 ) -> set[KernelKey]:
     """Keys of the decode step's products this kernel serves: q/k/v (with its bias), o_proj, gate/up
-    with its SwiGLU, down (one key per product and fusion: every bucket of at most 16 rows launches the
-    same binary, and an engine of any batch size decodes a few prompts in such a bucket). Where the
-    residual add and norm fold into the products around them (fuses_add): o_proj adds and gate/up
-    norms; down adds (the last block's does not: the final norm follows it) and q/k/v norms (the first
-    block's does not: the embedding's norm is a kernel)."""
+    with its SwiGLU, down (one key per product: every bucket of at most 16 rows launches the same
+    binary, and an engine of any batch size decodes a few prompts in such a bucket)."""
     del grad
-    qkv_epi = EPI_BIAS if qkv_bias else EPI_NONE
-    qkv, o, gate_up, down = (
-        (q_size + 2 * kv_size, hidden, qkv_epi),
+    products = (
+        (q_size + 2 * kv_size, hidden, EPI_BIAS if qkv_bias else EPI_NONE),
         (hidden, q_size, EPI_NONE),
         (intermediate, hidden, EPI_SWIGLU),
         (hidden, intermediate, EPI_NONE),
     )
-    after_o = fuses_add(1, q_size, hidden, EPI_SWIGLU)
-    after_down = fuses_add(1, intermediate, hidden, qkv_epi)
-    keys: set[tuple[tuple[int, int, int], int]] = {(qkv, FUSE_NONE), (down, FUSE_NONE)}
-    keys |= {(o, FUSE_ADD), (gate_up, FUSE_NORM)} if after_o else {(o, FUSE_NONE), (gate_up, FUSE_NONE)}
-    if after_down:
-        keys |= {(qkv, FUSE_NORM), (down, FUSE_ADD)}
     return {
-        gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, fuse=fuse)
-        for (n, k, epi), fuse in keys
-        if serves(1, k, epi)
+        gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi) for n, k, epi in products if serves(1, k, epi)
     }
 
 
@@ -485,10 +315,7 @@ GEMV = Kernel(
         "Y": "dtype",
         "P": "fp32",
         "CNT": "i32",
-        "RES": "dtype",
-        "NW": "dtype",
-        "SS": "fp32",
     },
-    outputs=("Y", "P", "CNT", "SS"),
+    outputs=("Y", "P", "CNT"),
 )
 SPEC = KernelSpec(name="decode_gemv", kernels=(GEMV,), tiles=tiles, plan=plan)
