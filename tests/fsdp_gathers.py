@@ -3,10 +3,10 @@ tests/test_distributed.py launches under torchrun; not a test module).
 
     torchrun --nproc_per_node=2 --standalone tests/fsdp_gathers.py OUT.json
 
-Writes {"regathered": {"root": n, "blocks": [n, ...]}, "kept": {...}} from rank 0: the all-gathers each
-FSDP unit issued during a forward, the chunked KD loss (many chunks) and the backward, with activation
-checkpointing on, the student's blocks resharded after forward (FSDP2's default) or kept gathered
-until their backward.
+Writes {"regathered": {"root": n, "blocks": [n, ...]}, "kept": {...}, "units": {...}} from rank 0: the
+all-gathers each FSDP unit issued during a forward, the chunked KD loss (many chunks) and the backward,
+with activation checkpointing on, the student's blocks resharded after forward (FSDP2's default) or kept
+gathered until their backward; and a kept student of 8 blocks in units of several blocks (kept_in_units).
 """
 
 from __future__ import annotations
@@ -54,9 +54,50 @@ def count_gathers(keep_gathered: bool) -> dict:
     return {"root": counts.get("root", 0), "blocks": [counts.get(f"model.layers.{i}", 0) for i in range(3)]}
 
 
+def _kept_step(per: int | None) -> tuple[dict, list[torch.Tensor]]:
+    """One step of a kept student of 8 blocks sharded `per` blocks a unit (None: the policy) -> ({units
+    that gathered, all-gathers, loss}, this process's gradient shards)."""
+    teacher = build_decoder(make_spec(hidden=32, layers=3), seed=0).eval().requires_grad_(False)
+    student = build_decoder(make_spec(hidden=24, inter=40, layers=8), seed=1)
+    dist.shard_student(student, keep_gathered=True, unit_blocks=per)
+    dist.shard_teacher(teacher)
+    gathered: dict[int, int] = {}
+    unshard = param_group.FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):  # a real all-gather: not gathered yet, none in flight
+        if not self.is_unsharded and getattr(self, "_all_gather_result", None) is None:
+            if any(m is student or m in student.model.layers for m in self.modules):
+                gathered[id(self)] = gathered.get(id(self), 0) + 1
+        return unshard(self, *args, **kwargs)
+
+    param_group.FSDPParamGroup.unshard = counted
+    try:
+        run = make_run(batch=2, seq=8, chunk=2)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 40, (2, 8), generator=g)
+        labels = torch.randint(0, 40, (16,), generator=g)
+        r = compute_loss(student, teacher, ids, labels, run, torch.autocast("cpu", enabled=False))
+        r.loss.backward()
+        dist.reshard(teacher)
+    finally:
+        param_group.FSDPParamGroup.unshard = unshard
+    counts = {"units": len(gathered), "gathers": sum(gathered.values()), "loss": float(r.loss.detach())}
+    return counts, [p.grad.to_local().clone() for p in student.parameters()]
+
+
+def kept_in_units() -> dict:
+    """A kept student of 8 blocks sharded as the policy says (memory.student_unit_blocks: 2 blocks a
+    unit) against one block a unit: the units that gathered in one step and how often, and whether the
+    loss and every process's gradient shards are the same."""
+    policy, g_policy = _kept_step(None)
+    blocks, g_blocks = _kept_step(1)
+    same = all(torch.equal(a, b) for a, b in zip(g_policy, g_blocks))
+    return {"policy": policy, "blocks": blocks, "same_grads": same}
+
+
 def check() -> dict:
     """The check, in a process group already joined (tests/fsdp_checks.py runs it beside the others)."""
-    return {"regathered": count_gathers(False), "kept": count_gathers(True)}
+    return {"regathered": count_gathers(False), "kept": count_gathers(True), "units": kept_in_units()}
 
 
 def main(out: str) -> None:

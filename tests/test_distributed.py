@@ -442,10 +442,20 @@ def test_root_gathered_once_per_step_and_blocks_once_each_way(runs):
     # forward, 8 chunks of the KD head and the backward (checkpointed blocks recomputed): the root's
     # embeddings and lm_head once, each block once for forward and once for backward; kept gathered
     # from forward to backward, each block once.
-    assert _helper_result(runs, "gathers") == {
+    result = _helper_result(runs, "gathers")
+    assert {k: result[k] for k in ("regathered", "kept")} == {
         "regathered": {"root": 1, "blocks": [2, 2, 2]},
         "kept": {"root": 1, "blocks": [1, 1, 1]},
     }
+
+
+def test_a_kept_student_is_sharded_a_few_blocks_to_a_unit_with_the_same_gradients(runs):
+    # 8 blocks kept gathered: 4 units of 2 blocks and the root, each gathered once a step (one block a
+    # unit: 9 units); the loss and every process's gradient shards equal to one block a unit
+    u = _helper_result(runs, "gathers")["units"]
+    assert (u["policy"]["units"], u["policy"]["gathers"]) == (5, 5)
+    assert (u["blocks"]["units"], u["blocks"]["gathers"]) == (9, 9)
+    assert u["policy"]["loss"] == u["blocks"]["loss"] and u["same_grads"]
 
 
 def test_replicated_teacher_checkpointed_blocks_and_kept_student_match(runs, more):

@@ -164,6 +164,10 @@ def test_student_kept_gathered_plans_every_block_in_bf16_and_is_dropped_when_it_
     c = s.param_counts()
     extra = kept["student_gathered_units"] - per_block["student_gathered_units"]
     assert extra == (s.num_layers - 2) * c["per_layer"] * 2
+    # kept, its blocks are sharded 7 to a unit (28 / 4 units): each unit's fp32 gradients at once
+    assert per_block["student_reduce_unit"] == c["per_layer"] * 4
+    assert kept["student_reduce_unit"] == 7 * c["per_layer"] * 4
+    extra += kept["student_reduce_unit"] - per_block["student_reduce_unit"]
     assert kept["total"] - per_block["total"] == extra
     # a budget between the two: the blocks are regathered in backward, nothing else is traded
     budget = (kept["total"] + per_block["total"]) // 2

@@ -295,6 +295,8 @@ def resident_memory(s: StepShape) -> dict[str, int]:
                 student, s.base_bytes if lora.enabled else s.act_bytes, s.layout.student_kept
             )
             + (_gathered_adapters(student, lora, s.layout.student_kept) if lora.enabled else 0),
+            # the gradients of one unit as the reduce-scatter takes them (in fp32 or the compute dtype)
+            "student_reduce_unit": _reduce_unit(s),
         }
     fixed = {
         "teacher_weights": 0 if s.cached else _teacher_weights(s),
@@ -576,6 +578,30 @@ def generation_memory(writers: list[ModelSpec], rows: int, max_len: int, act_byt
     for spec in writers:
         out = max(out, kv_cache_bytes(spec, rows, max_len, act_bytes) + 3 * rows * spec.vocab_size * 4)
     return out
+
+
+STUDENT_UNITS = 4  # FSDP2 units of decoder blocks a student kept gathered is sharded in (at most)
+
+
+def student_unit_blocks(num_layers: int, kept: bool) -> int:
+    """Decoder blocks per FSDP2 unit of a sharded student: one, or for a student kept gathered from
+    forward to backward (Layout.student_kept) num_layers / STUDENT_UNITS rounded up. Its units are
+    gathered once a step whatever their size, so fewer of them cost no memory and make fewer
+    collectives a step, each a point where every process waits for the slowest (on-policy, 1.5B -> 0.5B,
+    2 x H200: 6 blocks a unit took the update 0.138 -> 0.094 s, benchmarks/NOTES.md round fourteen)."""
+    return max(1, -(-num_layers // STUDENT_UNITS)) if kept else 1
+
+
+def _reduce_unit(s: StepShape) -> int:
+    """Bytes of one FSDP2 unit's gradients as its reduce-scatter takes them: the unit's blocks
+    (student_unit_blocks) of trainable weights (a LoRA student's adapters only), in fp32 or, with
+    runtime.grad_reduce=compute, the compute dtype."""
+    student, lora = s.student, s.cfg.student.lora
+    per_layer = (
+        s.trainable // max(1, student.num_layers) if lora.enabled else student.param_counts()["per_layer"]
+    )
+    blocks = student_unit_blocks(student.num_layers, s.layout.student_kept and not lora.enabled)
+    return blocks * per_layer * (s.act_bytes if s.cfg.runtime.grad_reduce == "compute" else 4)
 
 
 def _gathered(spec: ModelSpec, nbytes: int, every_block: bool = False) -> int:

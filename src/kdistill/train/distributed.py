@@ -12,8 +12,9 @@ embeddings, the final norm and the lm_head. On a GPU the student's units gather 
 compute dtype and reduce gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
 the fp32 masters and AdamW state stay sharded). Each block prefetches the next block's all-gather in
 forward. With `keep_gathered` (memory.Layout.student_kept, runtime.student_reshard) the blocks stay
-gathered until their backward, which then gathers nothing; otherwise each is freed after its forward
-and prefetches the previous block's all-gather in backward. The root is not resharded after forward (FSDP2's rule for
+gathered until their backward, which then gathers nothing, and a full-weight (not LoRA) student's blocks
+are sharded a few consecutive blocks to a unit (memory.student_unit_blocks: fewer collectives a step);
+otherwise each is freed after its forward and prefetches the previous block's all-gather in backward. The root is not resharded after forward (FSDP2's rule for
 the root), so the KD head reads the gathered lm_head for every chunk and in its backward without another
 all-gather: the root's weights are gathered once per micro-batch. The teacher (runtime.teacher_placement)
 is sharded the same way (frozen, blocks resharded after forward, the root after the loss's backward) or
@@ -70,6 +71,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from kdistill.decode import dense_linear, full_value
 from kdistill.errors import UserError
+from kdistill.memory import student_unit_blocks
 from kdistill.models.decoder import KD_ONLY_PREFIX, build_decoder
 from kdistill.models.lora import has_lora
 
@@ -326,13 +328,16 @@ def shard_student(
     compute_dtype: torch.dtype = torch.float32,
     keep_gathered: bool = False,
     reduce_dtype: torch.dtype = torch.float32,
+    unit_blocks: int | None = None,
 ) -> torch.nn.Module:
-    """FSDP2: every decoder block, then the root (embeddings, final norm, lm_head). compute_dtype other
+    """FSDP2: the decoder blocks, then the root (embeddings, final norm, lm_head). compute_dtype other
     than fp32: parameters gathered in it, gradients reduced in fp32; block inputs keep their dtypes (the
     residual stream stays as the decoder makes it). A LoRA student's parameters are gathered as stored.
     keep_gathered (memory.Layout.student_kept): the blocks stay gathered from their forward to their
     backward (`reshard_after_forward=False`), so the backward gathers nothing. reduce_dtype
-    (runtime.grad_reduce): fp32, or the compute dtype for half the reduce-scatter's bytes."""
+    (runtime.grad_reduce): fp32, or the compute dtype for half the reduce-scatter's bytes. unit_blocks:
+    consecutive blocks sharded as one unit (one all-gather and one reduce-scatter for them all); None:
+    memory.student_unit_blocks (one, or a few units for a kept student that is not LoRA)."""
     mesh = _mesh()
     kwargs: dict[str, Any] = {"mesh": mesh}
     # A LoRA student: the same units (a block's frozen base linears, its norms and its trainable adapters
@@ -351,12 +356,15 @@ def shard_student(
             param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
         )
     units = _shard_units(model)
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=not keep_gathered, **kwargs)
+    per = unit_blocks or student_unit_blocks(len(units), keep_gathered and not has_lora(model))
+    for i in range(0, len(units), per):
+        group = units[i : i + per]
+        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=not keep_gathered, **kwargs)
     # The root keeps its gathered parameters after forward in either case (FSDP2's default for a root):
     # the KD head reads the lm_head after the decoder's forward and again in its backward.
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    _prefetch(model, units, backward=not keep_gathered)
+    if per == 1:  # units of several blocks: FSDP2's own order (as measured, memory.student_unit_blocks)
+        _prefetch(model, units, backward=not keep_gathered)
     return model
 
 
