@@ -179,6 +179,43 @@ def test_student_kept_gathered_plans_every_block_in_bf16_and_is_dropped_when_it_
     )  # one process: no FSDP
 
 
+def test_student_unit_blocks_set_how_many_blocks_are_gathered_and_reduced_at_once():
+    """runtime.student_unit_blocks: one block a unit for a kept student (its fp32 gradients of one block
+    at the reduce-scatter); 3 a unit regathered in backward (two units, 6 blocks, gathered at once)."""
+    t, s = load_spec("qwen2.5-7b"), load_spec("qwen2.5-1.5b")
+    c = s.param_counts()
+    kept = Layout(world=2, student_kept=True)
+    one = estimate_memory(t, s, _cfg(student_unit_blocks=1), batch=4, layout=kept)
+    assert one["student_reduce_unit"] == c["per_layer"] * 4
+    compute = estimate_memory(t, s, _cfg(student_unit_blocks=1, grad_reduce="compute"), batch=4, layout=kept)
+    assert compute["student_reduce_unit"] == c["per_layer"] * 2  # reduced in bf16
+    regathered = Layout(world=2)
+    three = estimate_memory(t, s, _cfg(student_unit_blocks=3), batch=4, layout=regathered)
+    default = estimate_memory(t, s, _cfg(), batch=4, layout=regathered)
+    assert three["student_gathered_units"] - default["student_gathered_units"] == 4 * c["per_layer"] * 2
+    assert three["student_reduce_unit"] == 3 * default["student_reduce_unit"]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            ["runtime.student_unit_blocks=-1"],
+            "runtime.student_unit_blocks is -1, expected 0 (auto) or a positive number of decoder blocks a unit",
+        ),
+        (
+            ["runtime.student_unit_blocks=2", "student.lora.rank=8"],
+            "runtime.student_unit_blocks is 2, but a LoRA student (student.lora) is sharded one decoder block "
+            "a unit: expected 0 or 1",
+        ),
+    ],
+)
+def test_student_unit_blocks_is_refused_in_one_line(capsys, overrides, expected):
+    rc, _, err = run_cli(capsys, "plan", "qwen2.5-1.5b:qwen2.5-0.5b", *overrides)
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == f"kdistill: error: {expected}"
+
+
 def test_student_reshard_must_be_one_of_the_choices(capsys):
     rc, _, err = run_cli(capsys, "plan", "qwen2.5-1.5b:qwen2.5-0.5b", "runtime.student_reshard=never")
     assert rc == 2

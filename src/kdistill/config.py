@@ -16,7 +16,7 @@ A run config is YAML with these sections (every field has a default except the m
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
     runtime:  {device, dtype, precision: auto|fp8, kernels, strict_kernels, arch, kernel_pack, on_nonfinite,
                max_nonfinite, auto_fit, gpu_memory_gib, teacher_placement, activation_checkpointing,
-               student_reshard, grad_reduce, profile_steps,
+               student_reshard, student_unit_blocks, grad_reduce, profile_steps,
                cuda_graphs}
               (runtime.precision=fp8: the student's block linears train through row-wise scaled FP8
               GEMMs over fp32 master weights; compute capability 8.9 or newer, emulated on the CPU)
@@ -366,6 +366,10 @@ class RuntimeConfig:
     # forward to backward: half the all-gathers, the whole student in bf16 at the peak); auto: after
     # the backward when the memory plan says it fits.
     student_reshard: str = "auto"  # auto | after_forward | after_backward
+    # Under torchrun: consecutive decoder blocks of the student sharded as one FSDP unit (one all-gather
+    # and one reduce-scatter for them all); 0 (auto): a student kept gathered from forward to backward in
+    # 4 units, otherwise one block a unit (memory.student_unit_blocks). A LoRA student: 0 or 1.
+    student_unit_blocks: int = 0
     # Under torchrun: the dtype the student's gradients are reduce-scattered in: fp32 (their sums exact to
     # fp32) or compute (the dtype its parameters are gathered in, bf16 on a GPU: half the bytes on the
     # link; each sum of bf16 gradients rounded to bf16 once).
@@ -396,6 +400,11 @@ class RuntimeConfig:
             ("auto", "none", "swiglu", "blocks"),
         )
         _choice("runtime.student_reshard", self.student_reshard, ("auto", "after_forward", "after_backward"))
+        if self.student_unit_blocks < 0:
+            raise UserError(
+                f"runtime.student_unit_blocks is {self.student_unit_blocks}, expected 0 (auto) or a positive "
+                "number of decoder blocks a unit"
+            )
         _choice("runtime.cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
         _choice("runtime.grad_reduce", self.grad_reduce, ("fp32", "compute"))
         if self.profile_steps < 0:
@@ -428,6 +437,11 @@ class RunConfig:
                 section.validate()
         self._validate_teachers()
         self._validate_kd_options()
+        if self.runtime.student_unit_blocks > 1 and self.student.lora.enabled:
+            raise UserError(
+                f"runtime.student_unit_blocks is {self.runtime.student_unit_blocks}, but a LoRA student "
+                "(student.lora) is sharded one decoder block a unit: expected 0 or 1"
+            )
         if self.runtime.precision == "fp8" and self.student.lora.enabled:
             raise UserError(
                 "runtime.precision=fp8 trains the student's own linears in FP8, but student.lora freezes "

@@ -292,7 +292,7 @@ def resident_memory(s: StepShape) -> dict[str, int]:
             "optimizer_state": s.trainable * 8 // w,
             # a LoRA student is gathered as stored (its base in lora.base_dtype, the adapters fp32)
             "student_gathered_units": _gathered(
-                student, s.base_bytes if lora.enabled else s.act_bytes, s.layout.student_kept
+                student, s.base_bytes if lora.enabled else s.act_bytes, s.layout.student_kept, _unit_blocks(s)
             )
             + (_gathered_adapters(student, lora, s.layout.student_kept) if lora.enabled else 0),
             # the gradients of one unit as the reduce-scatter takes them (in fp32 or the compute dtype)
@@ -583,13 +583,24 @@ def generation_memory(writers: list[ModelSpec], rows: int, max_len: int, act_byt
 STUDENT_UNITS = 4  # FSDP2 units of decoder blocks a student kept gathered is sharded in (at most)
 
 
-def student_unit_blocks(num_layers: int, kept: bool) -> int:
-    """Decoder blocks per FSDP2 unit of a sharded student: one, or for a student kept gathered from
-    forward to backward (Layout.student_kept) num_layers / STUDENT_UNITS rounded up. Its units are
-    gathered once a step whatever their size, so fewer of them cost no memory and make fewer
-    collectives a step, each a point where every process waits for the slowest (on-policy, 1.5B -> 0.5B,
-    2 x H200: 6 blocks a unit took the update 0.138 -> 0.094 s, benchmarks/NOTES.md round fourteen)."""
+def student_unit_blocks(num_layers: int, kept: bool, configured: int = 0) -> int:
+    """Decoder blocks per FSDP2 unit of a sharded student: `configured` (runtime.student_unit_blocks)
+    when set, else one, or for a student kept gathered from forward to backward (Layout.student_kept)
+    num_layers / STUDENT_UNITS rounded up. A kept student's units are gathered once a step whatever
+    their size, so fewer of them cost no memory and make fewer collectives a step, each a point where
+    every process waits for the slowest (on-policy, 1.5B -> 0.5B, 2 x H200: 6 blocks a unit took the
+    update 0.130 -> 0.091 s, benchmarks/NOTES.md round fourteen)."""
+    if configured > 0:
+        return min(int(configured), max(1, num_layers))
     return max(1, -(-num_layers // STUDENT_UNITS)) if kept else 1
+
+
+def _unit_blocks(s: StepShape) -> int:
+    """student_unit_blocks of a step's student (a LoRA student's one block a unit unless set)."""
+    lora = s.cfg.student.lora.enabled
+    return student_unit_blocks(
+        s.student.num_layers, s.layout.student_kept and not lora, s.cfg.runtime.student_unit_blocks
+    )
 
 
 def _reduce_unit(s: StepShape) -> int:
@@ -600,15 +611,15 @@ def _reduce_unit(s: StepShape) -> int:
     per_layer = (
         s.trainable // max(1, student.num_layers) if lora.enabled else student.param_counts()["per_layer"]
     )
-    blocks = student_unit_blocks(student.num_layers, s.layout.student_kept and not lora.enabled)
-    return blocks * per_layer * (s.act_bytes if s.cfg.runtime.grad_reduce == "compute" else 4)
+    return _unit_blocks(s) * per_layer * (s.act_bytes if s.cfg.runtime.grad_reduce == "compute" else 4)
 
 
-def _gathered(spec: ModelSpec, nbytes: int, every_block: bool = False) -> int:
-    """Bytes of a sharded model's parameters gathered at once: the root and two decoder blocks (the
-    one computing and the one prefetched), or every block when they stay gathered until backward."""
+def _gathered(spec: ModelSpec, nbytes: int, every_block: bool = False, unit: int = 1) -> int:
+    """Bytes of a sharded model's parameters gathered at once: the root and two units of `unit` decoder
+    blocks (the one computing and the one prefetched), or every block when they stay gathered until
+    backward."""
     c = spec.param_counts()
-    blocks = spec.num_layers if every_block else 2
+    blocks = spec.num_layers if every_block else min(spec.num_layers, 2 * unit)
     return (c["embedding"] + c["lm_head"] + spec.hidden_size + blocks * c["per_layer"]) * nbytes
 
 

@@ -335,9 +335,10 @@ def shard_student(
     residual stream stays as the decoder makes it). A LoRA student's parameters are gathered as stored.
     keep_gathered (memory.Layout.student_kept): the blocks stay gathered from their forward to their
     backward (`reshard_after_forward=False`), so the backward gathers nothing. reduce_dtype
-    (runtime.grad_reduce): fp32, or the compute dtype for half the reduce-scatter's bytes. unit_blocks:
-    consecutive blocks sharded as one unit (one all-gather and one reduce-scatter for them all); None:
-    memory.student_unit_blocks (one, or a few units for a kept student that is not LoRA)."""
+    (runtime.grad_reduce): fp32, or the compute dtype for half the reduce-scatter's bytes. unit_blocks
+    (runtime.student_unit_blocks): consecutive blocks sharded as one unit (one all-gather and one
+    reduce-scatter for them all); None or 0: memory.student_unit_blocks (one, or a few units for a kept
+    student that is not LoRA)."""
     mesh = _mesh()
     kwargs: dict[str, Any] = {"mesh": mesh}
     # A LoRA student: the same units (a block's frozen base linears, its norms and its trainable adapters
@@ -356,7 +357,7 @@ def shard_student(
             param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
         )
     units = _shard_units(model)
-    per = unit_blocks or student_unit_blocks(len(units), keep_gathered and not has_lora(model))
+    per = student_unit_blocks(len(units), keep_gathered and not has_lora(model), unit_blocks or 0)
     for i in range(0, len(units), per):
         group = units[i : i + per]
         fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=not keep_gathered, **kwargs)

@@ -230,9 +230,13 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     student.keep_swiglu(layout.swiglu_kept)
     if multi:
         reduce = dtype if cfg.runtime.grad_reduce == "compute" else torch.float32
-        dist.shard_student(
-            student, dtype, keep_gathered=layout.student_kept, reduce_dtype=reduce
-        )  # a LoRA student: its base and adapters gathered as stored
+        dist.shard_student(  # a LoRA student: its base and adapters gathered as stored
+            student,
+            dtype,
+            keep_gathered=layout.student_kept,
+            reduce_dtype=reduce,
+            unit_blocks=cfg.runtime.student_unit_blocks,
+        )
         if teacher is not None and layout.teacher_sharded:
             for t in [t for t, _ in mixture] if mixture else [teacher]:
                 dist.shard_teacher(t)
