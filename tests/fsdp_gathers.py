@@ -23,21 +23,16 @@ from kdistill.train.step import compute_loss
 from tests.test_contract import make_run, make_spec
 
 
-def count_gathers(keep_gathered: bool) -> dict:
-    """All-gathers per unit of the student in one step: {"root": n, "blocks": [n, ...]}."""
-    teacher = build_decoder(make_spec(hidden=32, layers=3), seed=0).eval().requires_grad_(False)
-    student = build_decoder(make_spec(hidden=24, inter=40, layers=3), seed=1)
-    student.checkpoint_blocks(True)
-    dist.shard_student(student, keep_gathered=keep_gathered)
-    dist.shard_teacher(teacher)
-    counts: dict[str, int] = {}
+def _counted_step(student, teacher) -> tuple[dict, float]:
+    """One step (forward, the chunked KD loss, backward) of a sharded student -> (the all-gathers each of
+    its FSDP param groups issued, keyed by the group, the loss)."""
+    gathered: dict = {}
     unshard = param_group.FSDPParamGroup.unshard
 
     def counted(self, *args, **kwargs):  # a real all-gather: not gathered yet, none in flight
         if not self.is_unsharded and getattr(self, "_all_gather_result", None) is None:
             if any(m is student or m in student.model.layers for m in self.modules):
-                name = self._module_fqn or "root"
-                counts[name] = counts.get(name, 0) + 1
+                gathered[self] = gathered.get(self, 0) + 1
         return unshard(self, *args, **kwargs)
 
     param_group.FSDPParamGroup.unshard = counted
@@ -51,37 +46,33 @@ def count_gathers(keep_gathered: bool) -> dict:
         dist.reshard(teacher)
     finally:
         param_group.FSDPParamGroup.unshard = unshard
+    return gathered, float(r.loss.detach())
+
+
+def _models(layers: int):
+    teacher = build_decoder(make_spec(hidden=32, layers=3), seed=0).eval().requires_grad_(False)
+    return teacher, build_decoder(make_spec(hidden=24, inter=40, layers=layers), seed=1)
+
+
+def count_gathers(keep_gathered: bool) -> dict:
+    """All-gathers per unit of the student in one step: {"root": n, "blocks": [n, ...]}."""
+    teacher, student = _models(3)
+    student.checkpoint_blocks(True)
+    dist.shard_student(student, keep_gathered=keep_gathered)
+    dist.shard_teacher(teacher)
+    gathered, _ = _counted_step(student, teacher)
+    counts = {group._module_fqn or "root": n for group, n in gathered.items()}
     return {"root": counts.get("root", 0), "blocks": [counts.get(f"model.layers.{i}", 0) for i in range(3)]}
 
 
 def _kept_step(per: int | None) -> tuple[dict, list[torch.Tensor]]:
     """One step of a kept student of 8 blocks sharded `per` blocks a unit (None: the policy) -> ({units
     that gathered, all-gathers, loss}, this process's gradient shards)."""
-    teacher = build_decoder(make_spec(hidden=32, layers=3), seed=0).eval().requires_grad_(False)
-    student = build_decoder(make_spec(hidden=24, inter=40, layers=8), seed=1)
+    teacher, student = _models(8)
     dist.shard_student(student, keep_gathered=True, unit_blocks=per)
     dist.shard_teacher(teacher)
-    gathered: dict[int, int] = {}
-    unshard = param_group.FSDPParamGroup.unshard
-
-    def counted(self, *args, **kwargs):  # a real all-gather: not gathered yet, none in flight
-        if not self.is_unsharded and getattr(self, "_all_gather_result", None) is None:
-            if any(m is student or m in student.model.layers for m in self.modules):
-                gathered[id(self)] = gathered.get(id(self), 0) + 1
-        return unshard(self, *args, **kwargs)
-
-    param_group.FSDPParamGroup.unshard = counted
-    try:
-        run = make_run(batch=2, seq=8, chunk=2)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, 40, (2, 8), generator=g)
-        labels = torch.randint(0, 40, (16,), generator=g)
-        r = compute_loss(student, teacher, ids, labels, run, torch.autocast("cpu", enabled=False))
-        r.loss.backward()
-        dist.reshard(teacher)
-    finally:
-        param_group.FSDPParamGroup.unshard = unshard
-    counts = {"units": len(gathered), "gathers": sum(gathered.values()), "loss": float(r.loss.detach())}
+    gathered, loss = _counted_step(student, teacher)
+    counts = {"units": len(gathered), "gathers": sum(gathered.values()), "loss": loss}
     return counts, [p.grad.to_local().clone() for p in student.parameters()]
 
 

@@ -584,23 +584,25 @@ def generation_memory(writers: list[ModelSpec], rows: int, max_len: int, act_byt
 STUDENT_UNITS = 4  # FSDP2 units of decoder blocks a student kept gathered is sharded in (at most)
 
 
-def student_unit_blocks(num_layers: int, kept: bool, configured: int = 0) -> int:
+def student_unit_blocks(num_layers: int, kept: bool, lora: bool = False, configured: int = 0) -> int:
     """Decoder blocks per FSDP2 unit of a sharded student: `configured` (runtime.student_unit_blocks)
-    when set, else one, or for a student kept gathered from forward to backward (Layout.student_kept)
-    num_layers / STUDENT_UNITS rounded up. A kept student's units are gathered once a step whatever
+    when set, else one, or for a full-weight (not LoRA) student kept gathered from forward to backward
+    (Layout.student_kept) num_layers / STUDENT_UNITS rounded up. A kept student's units are gathered once a step whatever
     their size, so fewer of them cost no memory and make fewer collectives a step, each a point where
     every process waits for the slowest (on-policy, 1.5B -> 0.5B, 2 x H200: 6 blocks a unit took the
     update 0.130 -> 0.091 s, benchmarks/NOTES.md round fourteen)."""
     if configured > 0:
         return min(int(configured), max(1, num_layers))
-    return max(1, -(-num_layers // STUDENT_UNITS)) if kept else 1
+    return max(1, -(-num_layers // STUDENT_UNITS)) if kept and not lora else 1
 
 
 def _unit_blocks(s: StepShape) -> int:
-    """student_unit_blocks of a step's student (a LoRA student's one block a unit unless set)."""
-    lora = s.cfg.student.lora.enabled
+    """student_unit_blocks of a step's student."""
     return student_unit_blocks(
-        s.student.num_layers, s.layout.student_kept and not lora, s.cfg.runtime.student_unit_blocks
+        s.student.num_layers,
+        s.layout.student_kept,
+        s.cfg.student.lora.enabled,
+        s.cfg.runtime.student_unit_blocks,
     )
 
 

@@ -357,7 +357,7 @@ def shard_student(
             param_dtype=compute_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
         )
     units = _shard_units(model)
-    per = student_unit_blocks(len(units), keep_gathered and not has_lora(model), unit_blocks or 0)
+    per = student_unit_blocks(len(units), keep_gathered, has_lora(model), unit_blocks or 0)
     for i in range(0, len(units), per):
         group = units[i : i + per]
         fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=not keep_gathered, **kwargs)
