@@ -9,9 +9,10 @@ real step) are launched one after another, captured in one CUDA graph; the time 
 over the blocks: one product's cost inside a chain of launches. `cublas` is F.linear (+ the SwiGLU kernel
 for gate/up), as the prefill runs them; `gemv` variants are kernels/decode_gemv.py at the tiles named
 (PRE_K: inputs whose weights are loaded before the wait for the previous kernel, SPLIT: programs a
-column block's K is split over, not for gate/up, whose SwiGLU needs the whole K; BLOCK_N: columns a
-program), with programmatic dependent launch
-(`pdl`) or without. Each variant is checked against the reference (relative error printed). Bytes/s
+column block's K is split over (with gate/up the last of them applies the SwiGLU), BLOCK_N: columns a
+program, BLOCK_K: inputs an iteration of the K loop, then Triton's num_stages and num_warps, and
+BLOCK_M: rows a program, at least the bucket's), with
+programmatic dependent launch (`pdl`) or without. Each variant is checked against the reference (relative error printed). Bytes/s
 counts the weight bytes.
 """
 
@@ -59,28 +60,48 @@ def products(preset: str) -> dict[str, tuple[int, int, int]]:
 
 
 def variant_key(
-    n: int, k: int, epi: int, pre_k: int | None, split: int | None, block_n: int | None, pdl: bool
+    n: int,
+    k: int,
+    epi: int,
+    pre_k: int | None,
+    split: int | None,
+    block_n: int | None,
+    pdl: bool,
+    block_k: int | None = None,
+    stages: int | None = None,
+    warps: int | None = None,
+    block_m: int | None = None,
 ):
     """The engine's key for the product with the tiles overridden (None: the policy's)."""
     base = decode_gemv.gemv_key("sm_90", n=n, k=k, dtype="bf16", epilogue=epi)
     p = dict(base.params)
     if block_n:
         p["BLOCK_N"] = block_n
-    if split and epi != decode_gemv.EPI_SWIGLU:  # the SwiGLU epilogue takes no split
-        p["K_SPLIT"] = cdiv(cdiv(k, split), 128) * 128
+    if block_k:
+        p["BLOCK_K"] = block_k
+    if block_m:
+        p["BLOCK_M"] = block_m
+    if split:
+        p["K_SPLIT"] = cdiv(cdiv(k, split), p["BLOCK_K"]) * p["BLOCK_K"]
         p["SPLIT"] = cdiv(k, p["K_SPLIT"])
-    if pre_k:
-        p["PRE_K"] = min(pre_k, 1 << max(0, p["K_SPLIT"] - 1).bit_length())
+    if pre_k or split:
+        p["PRE_K"] = min(pre_k or p["PRE_K"], 1 << max(0, p["K_SPLIT"] - 1).bit_length())
+    if stages:
+        p["num_stages"] = stages
+    if warps:
+        p["num_warps"] = warps
     p["PDL"] = pdl
     return make_key(base.op, base.arch, **p)
 
 
 def parse_variants(text: str) -> list[tuple]:
-    """'name:A:B:C,...' -> [(name, A, B, C), ...], '-' as None (the policy's value)."""
+    """'name:A:B:C[:D:E:F:G],...' -> [(name, A, B, C, D, E, F, G), ...], '-' or a field left out as
+    None (the policy's value)."""
     out = []
     for item in text.split(","):
         name, *vals = item.split(":")
-        out.append((name, *(None if v == "-" else int(v) for v in vals)))
+        vals = [None if v == "-" else int(v) for v in vals] + [None] * (7 - len(vals))
+        out.append((name, *vals))
     return out
 
 
@@ -114,8 +135,10 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="policy:-:-:-,pre128:128:-:-,pre256:256:-:-,pre512:512:-:-,split1:-:1:-,split2:-:2:-,split4:-:4:-",
-        help="name:PRE_K:SPLIT:BLOCK_N,... ('-': the policy's)",
+        help="name:PRE_K:SPLIT:BLOCK_N[:BLOCK_K:num_stages:num_warps:BLOCK_M],... ('-': the policy's)",
     )
+    ap.add_argument("--products", default="qkv,o_proj,gate_up,down", help="which of a block's products")
+    ap.add_argument("--pdl", default="on,off", help="on, off or both: with programmatic dependent launch")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     configure(kernels="triton", strict=False)
@@ -125,6 +148,8 @@ def main() -> None:
     for preset in a.models.split(","):
         layers = PRESETS[preset]["num_hidden_layers"]
         for name, (n, k, epi) in products(preset).items():
+            if name not in a.products.split(","):
+                continue
             wn = 2 * n if epi == decode_gemv.EPI_SWIGLU else n
             ws = [
                 torch.randn((wn, k), generator=gen, device="cuda").div_(k**0.5).bfloat16()
@@ -149,9 +174,13 @@ def main() -> None:
 
                 results = {"cublas": chain_us([lambda w=w: cublas(w) for w in ws], a.reps)}
                 errs = {"cublas": ((cublas(ws[0]).double() - ref).norm() / ref.norm()).item()}
-                for vname, pre, split, bn in variants:
-                    for pdl in (True, False):
-                        key = variant_key(n, k, epi, pre, split, bn, pdl)
+                for vname, pre, split, bn, bk, stages, warps, bm in variants:
+                    for pdl in [p == "on" for p in a.pdl.split(",")]:
+                        try:
+                            key = variant_key(n, k, epi, pre, split, bn, pdl, bk, stages, warps, bm)
+                        except Exception as e:  # a tile the key refuses: reported, not fatal
+                            results[vname], errs[vname] = None, f"{e.__class__.__name__}: {str(e)[:200]}"
+                            continue
                         tag = f"{vname}{'' if pdl else '-nopdl'}"
 
                         def gemv(w, key=key, x=x, bias=bias):

@@ -253,6 +253,29 @@ def test_only_a_small_buckets_step_launches_its_norms_and_attention_chained(tmp_
     assert {k["PDL"] for k in rec.keys() if k.op == "decode_attn_split"} == {chained}
 
 
+def test_a_wide_steps_attention_reads_longer_splits_and_its_plan_holds_them(tmp_path):
+    """A step of more than WIDE_ROWS rows reads its cache in splits of at least WIDE_SPLIT keys (programs
+    enough without short splits); the plan for an engine of that batch holds the key, and an engine of
+    at most WIDE_ROWS rows never launches it."""
+    from kdistill.kernels import decode_attention
+
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    wide = decode_attention.WIDE_ROWS + 1
+    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(wide)]
+    splits = {}
+    for batch in (wide, decode_attention.WIDE_ROWS):
+        with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+            DecodeEngine(model, batch_size=batch, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(
+                rows
+            )
+        triton = {k for k in rec.keys() if not k.is_library}
+        plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=batch, prompt_len=3, max_len=16)
+        assert triton <= plan, (batch, triton - plan)
+        splits[batch] = {k["SPLIT"] for k in triton if k.op == "decode_attn_split"}
+    assert splits[wide] == {decode_attention.WIDE_SPLIT}
+    assert splits[decode_attention.WIDE_ROWS] == {decode_attention.split_len(16)}
+
+
 # -- generate --out ------------------------------------------------------------------------------
 chat_dir = test_generate.chat_dir  # the tiny chat model of the generate tests (a module fixture)
 

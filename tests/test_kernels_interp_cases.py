@@ -381,14 +381,19 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
 
 
 def case_decode_attention(
-    device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d=16, m=300, rope=False, chained=False
+    device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d=16, m=300, rope=False, chained=False, wide=False
 ):
     """One token per row over a static cache: rows whose newest slot is 0, inside the first split, on
     a split boundary and at the cache's end (empty splits must weigh nothing). rope: q and the new key
     arrive unrotated, q as a view into a q/k/v row (as the engine's step passes it), and the kernel
     rotates both at the row's position. chained: the key of a small bucket's step on an arch with
-    programmatic dependent launch, whose split reads its first tile of cached keys before the wait."""
+    programmatic dependent launch, whose split reads its first tile of cached keys before the wait.
+    wide: the key of a step of more than WIDE_ROWS rows (the threshold lowered to this case's rows),
+    whose splits run several tiles of keys."""
+    from unittest import mock
+
     from kdistill import dispatch
+    from kdistill.kernels import decode_attention as decode_kernel
     from kdistill.kernels import runtime
     from kdistill.ops.attention import decode_attention_reference
 
@@ -412,9 +417,11 @@ def case_decode_attention(
         runtime.using(mode="triton", strict=True, **arch),
         runtime.chained(chained),
         runtime.recording() as rec,
+        mock.patch.object(decode_kernel, "WIDE_ROWS", b - 1 if wide else decode_kernel.WIDE_ROWS),
     ):
         got = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
     assert [k["PDL"] for k in rec.keys()] == [chained]
+    assert [k["SPLIT"] for k in rec.keys()] == [decode_kernel.split_len(m, wide)]
     assert got.dtype == dtype and got.shape == (b, hq, d)
     _close("o", got, want, dtype)
     _close("k cache", k, kr, dtype)  # the new key and value are in the cache, nothing else changed
@@ -504,10 +511,13 @@ def case_forward_at_multi(device="cpu", dtype=torch.float32, head_dim=32):
         _close(f"v cache {i}", st.v[i], ref.v[i], dtype, scale=10)
 
 
-def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epilogue="swiglu"):
+def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epilogue="swiglu", split=0):
     """A decode step's linear at a few rows: plain, with a bias, and the stacked gate/up product with
-    its SwiGLU, against the unfused reference (odd widths: masked columns)."""
+    its SwiGLU, against the unfused reference (odd widths: masked columns). split: K split over that
+    many programs by a key of its own (no PDL; the launcher's path, not the engine's policy)."""
     from kdistill import dispatch
+    from kdistill.kernels import decode_gemv
+    from kdistill.kernels.keys import make_key
 
     g = torch.Generator().manual_seed(n * k + rows)
     x = torch.randn((rows, k), generator=g).to(device=device, dtype=dtype)
@@ -518,11 +528,16 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
         if epilogue == "swiglu":
             gate, up = y.chunk(2, dim=-1)
             y = torch.nn.functional.silu(gate) * up
-        with _kernel_mode():
-            got = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
+        if split:
+            key = decode_gemv.gemv_key("sm_80", n=n, k=k, dtype=dtype, epilogue=decode_gemv.EPI_SWIGLU)
+            k_split = -(-k // split)
+            key = make_key(key.op, key.arch, **{**dict(key.params), "SPLIT": split, "K_SPLIT": k_split})
+            got = decode_gemv.run(decode_gemv.launch(key, x, w))[0]
+        else:
+            with _kernel_mode():
+                got = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
     assert got.shape == (rows, n) and got.dtype == dtype
     _close("y", got, y, dtype)
-    from kdistill.kernels import decode_gemv
 
     # a split product's last program sets its column block's arrival count back to zero
     assert int(decode_gemv.counters(x.device, 1).abs().sum()) == 0
@@ -656,6 +671,16 @@ CASES = {
         dict(dtype=torch.float32, b=4, hq=2, hkv=1, d=32, m=4200, rope=True, chained=True),
     ),
     "decode_attention_fp32_chained": (case_decode_attention, dict(dtype=torch.float32, chained=True)),
+    # a wide step's splits of 256 keys: four tiles each, a row's newest slot on the second split's first
+    "decode_attention_fp32_rope_wide": (
+        case_decode_attention,
+        dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, wide=True),
+    ),
+    # the SwiGLU epilogue applied by the last of a column block's K splits (the policy keeps it whole)
+    "decode_gemv_fp32_swiglu_split": (
+        case_decode_gemv,
+        dict(rows=3, n=40, k=1100, epilogue="swiglu", split=3),
+    ),
     "fp8_quant_cols_fp32": (case_fp8_quant_cols, dict(dtype=torch.float32)),
     "fp8_quant_cols_narrow": (case_fp8_quant_cols, dict(dtype=torch.float32, rows=5, cols=3)),
     # fp32: the interpreter rounds float8 ties away from even, and bf16 inputs make exact ties common

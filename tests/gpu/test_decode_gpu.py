@@ -32,13 +32,29 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("chained", [False, True])  # a small bucket's step: PDL, first tile before the wait
 def test_decode_attention_kernel_matches_reference(hq, hkv, d, m, dtype, rope, chained):
+    _attention_matches_reference(hq, hkv, d, m, dtype, rope, chained, [0, m - 1, m // 2, 255, 256])
+
+
+@pytest.mark.parametrize("hq,hkv,d,m", [(14, 2, 64, 700), (12, 2, 128, 300)])
+def test_a_wide_steps_decode_attention_matches_reference(hq, hkv, d, m):
+    """More rows than WIDE_ROWS: splits of at least WIDE_SPLIT keys, several tiles each."""
+    from kdistill.kernels import decode_attention
+
+    rows = decode_attention.WIDE_ROWS + 6
+    pos = [0, m - 1, 255, 256, 63, 64] + torch.randint(0, m, (rows - 6,)).tolist()
+    with dispatch.recording() as rec:
+        _attention_matches_reference(hq, hkv, d, m, torch.bfloat16, True, False, pos)
+    assert [k["SPLIT"] for k in rec.keys()] == [decode_attention.split_len(m, wide=True)]
+
+
+def _attention_matches_reference(hq, hkv, d, m, dtype, rope, chained, positions):
     g = torch.Generator(device="cuda").manual_seed(hq * m)
-    b = 5
+    b = len(positions)
     qkv = torch.randn((b, (hq + 2 * hkv) * d), generator=g, device="cuda", dtype=dtype)
     q = qkv[:, : hq * d].view(b, hq, d)  # the engine's layout: heads of one q/k/v row
     k = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=dtype)
     v = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=dtype)
-    pos = torch.tensor([0, m - 1, m // 2, 255, 256], device="cuda").clamp(max=m - 1)
+    pos = torch.tensor(positions, device="cuda").clamp(max=m - 1)
     kn = torch.randn((b, hkv, d), generator=g, device="cuda", dtype=dtype)
     vn = torch.randn((b, 2, hkv, d), generator=g, device="cuda", dtype=dtype)[:, 0]  # strided rows
     cos = sin = ref_cos = ref_sin = None

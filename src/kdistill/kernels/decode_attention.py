@@ -15,9 +15,11 @@ writes an fp32 partial output and its log-sum-exp; splits past p_b write an empt
 of each (b, kv head) to arrive (an acquire-release count, set back to zero by it) combines the parts of
 its G heads: o = sum_s exp(lse_s - lse) o_s, with no kernel of its own. The number of splits is a
 runtime grid size (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head
-counts and the tiles are in the key. In a small bucket's decode step (runtime.chained) it launches with
-programmatic dependent launch (keys.pdl) and reads its first tile of cached keys and values before the
-wait for the previous kernel (key PRELOAD).
+counts and the tiles are in the key. A step of more than WIDE_ROWS rows has programs enough without
+short splits: its key takes splits of at least WIDE_SPLIT keys (split_len), fewer parts to combine. In
+a small bucket's decode step (runtime.chained) it launches with programmatic dependent launch
+(keys.pdl) and reads its first tile of cached keys and values before the wait for the previous kernel
+(key PRELOAD).
 
 RoPE (key ROPE): the decode engine hands q and the new key over unrotated, straight from the q/k/v
 GEMM's output (q's rows strided by that output's width); the split kernel rotates them at the row's
@@ -619,21 +621,37 @@ MAX_SPLITS = 64  # the combine holds at most this many parts of a row: longer ca
 
 
 SHORT_CACHE = 1024  # slots up to which a split is one tile of keys
+WIDE_ROWS = 64  # a step of more rows than this is wide: its splits take at least WIDE_SPLIT keys
+WIDE_SPLIT = 256
 
 
-def split_len(max_len: int) -> int:
+def split_len(max_len: int, wide: bool = False) -> int:
     """Keys a split takes: 64 (one tile: each program runs one iteration, so a short cache still
     spreads over many programs) for caches of up to SHORT_CACHE slots, 128 past that, and longer where
-    a cache of max_len slots would need more than MAX_SPLITS parts (benchmarks/decode_attention_tiles.py
-    measures the choices; benchmarks/NOTES.md has the numbers)."""
-    return max(64 if max_len <= SHORT_CACHE else 128, next_pow2(-(-int(max_len) // MAX_SPLITS)))
+    a cache of max_len slots would need more than MAX_SPLITS parts. A wide step (more than WIDE_ROWS
+    rows) has programs enough without short splits: at least WIDE_SPLIT keys, fewer parts to write and
+    combine (benchmarks/decode_attention_tiles.py measures the choices; benchmarks/NOTES.md has the
+    numbers)."""
+    base = max(64 if max_len <= SHORT_CACHE else 128, next_pow2(-(-int(max_len) // MAX_SPLITS)))
+    return max(base, WIDE_SPLIT) if wide else base
 
 
-def tiles(head_dim: int, q_heads: int, kv_heads: int, max_len: int = 256) -> dict[str, int]:
+def wide(rows: int) -> bool:
+    """Whether a one-token step of `rows` rows takes the wide splits."""
+    return rows > WIDE_ROWS
+
+
+def tiles(
+    head_dim: int, q_heads: int, kv_heads: int, max_len: int = 256, wide: bool = False
+) -> dict[str, int]:
     """The G query heads of a kv head padded to >= 16 rows (the dot's smallest tile), 64 keys a tile,
-    `split_len(max_len)` keys a split."""
+    `split_len(max_len, wide)` keys a split."""
     del head_dim
-    return {"BLOCK_G": max(16, next_pow2(q_heads // kv_heads)), "BLOCK_N": 64, "SPLIT": split_len(max_len)}
+    return {
+        "BLOCK_G": max(16, next_pow2(q_heads // kv_heads)),
+        "BLOCK_N": 64,
+        "SPLIT": split_len(max_len, wide),
+    }
 
 
 MAX_ROWS = 256  # (token, q head) rows of one T-token tile: a longer step runs as several launches
@@ -709,12 +727,14 @@ def split_key(
     max_len: int,
     rope: bool = False,
     chained: bool = False,
+    wide: bool = False,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len);
     rope: q and the new key arrive unrotated (the kernel applies RoPE); chained: inside a small bucket's
-    decode step (runtime.chained: programmatic dependent launch where the arch has it). aligned: Q, K,
-    V, POS, KN, VN, COS, SIN (without rope the tables' flags are the outputs', always aligned)."""
+    decode step (runtime.chained: programmatic dependent launch where the arch has it); wide: a step of
+    more than WIDE_ROWS rows (longer splits). aligned: Q, K, V, POS, KN, VN, COS, SIN (without rope the
+    tables' flags are the outputs', always aligned)."""
     return make_key(
         SPLIT_K.op,
         arch,
@@ -725,7 +745,7 @@ def split_key(
         PRELOAD=bool(chained) and pdl(arch),
         num_warps=4,
         num_stages=2,
-        **tiles(head_dim, q_heads, kv_heads, max_len),
+        **tiles(head_dim, q_heads, kv_heads, max_len, wide),
     )
 
 
@@ -828,12 +848,14 @@ def plan(
     rope: bool = True,
     tokens: Sequence[int] = (),
     chained: Sequence[bool] = (False, True),
+    rows: int = 1,
 ) -> set[KernelKey]:
     """Keys of one decode step's attention (no backward: generation only); none for shapes the
     kernel does not take (`supported`). rope: the engine's step, which leaves RoPE to the kernel.
     tokens: the T > 1 of the engine's T-token steps (DecodeEngine.forward_at), each a launch of the
     T-token kernel per chunk of token_chunks. chained: the one-token step's keys for each of these
-    (runtime.chained: a small bucket's step, or not)."""
+    (runtime.chained: a small bucket's step, or not). rows: the engine's batch; past WIDE_ROWS its
+    steps also take the wide splits (a smaller bucket, the others)."""
     del grad
     if not supported(head_dim, q_heads, kv_heads):
         return set()
@@ -867,6 +889,19 @@ def plan(
                 max_len=max_len,
                 rope=rope,
                 chained=c,
+            )
+        )
+    if wide(rows):
+        out.add(
+            split_key(
+                arch,
+                head_dim=head_dim,
+                q_heads=q_heads,
+                kv_heads=kv_heads,
+                dtype=dtype,
+                max_len=max_len,
+                rope=rope,
+                wide=True,
             )
         )
     return out

@@ -115,19 +115,33 @@ def decode_gemv_kernel(
             acc = act * u
         tl.store(Y + yoffs, acc.to(Y.dtype.element_ty), mask=ymask)
     else:
-        # K split over SPLIT programs per column block (EPI 0 and 1): each writes its fp32 partial, and
-        # the last of them to arrive (an acquire-release count per column block) sums the partials in
-        # split order (the same sum whichever program is last), writes y and sets the count back to 0.
-        tl.store(P + split.to(tl.int64) * M * N + yoffs, acc, mask=ymask)
+        # K split over SPLIT programs per column block: each writes its fp32 partial (with EPI 2 the
+        # gate's, then the up's), and the last of them to arrive (an acquire-release count per column
+        # block) sums the partials in split order (the same sum whichever program is last), applies the
+        # epilogue, writes y and sets the count back to 0.
+        PARTS: tl.constexpr = 2 if EPI == 2 else 1
+        at = P + split.to(tl.int64) * PARTS * M * N + yoffs
+        tl.store(at, acc, mask=ymask)
+        if EPI == 2:
+            tl.store(at + M * N, acc2, mask=ymask)
         tl.debug_barrier()
         arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             tl.debug_barrier()
             tot = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            tot2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT):
-                tot += tl.load(P + s * M * N + yoffs, mask=ymask, other=0.0, cache_modifier=".cg")
+                tot += tl.load(P + s * PARTS * M * N + yoffs, mask=ymask, other=0.0, cache_modifier=".cg")
+                if EPI == 2:
+                    tot2 += tl.load(
+                        P + (s * PARTS + 1) * M * N + yoffs, mask=ymask, other=0.0, cache_modifier=".cg"
+                    )
             if EPI == 1:
                 tot += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if EPI == 2:
+                g = tot.to(Y.dtype.element_ty).to(tl.float32)
+                u = tot2.to(Y.dtype.element_ty).to(tl.float32)
+                tot = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32) * u
             tl.store(Y + yoffs, tot.to(Y.dtype.element_ty), mask=ymask)
             tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
 
@@ -158,13 +172,13 @@ def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         x.is_contiguous() and weight.is_contiguous()
     ):
         raise KernelError(f"decode_gemv: weight {tuple(weight.shape)} does not fit the key")
-    if split > 1 and epi == EPI_SWIGLU:
-        raise KernelError("decode_gemv: the SwiGLU epilogue needs the whole K in one program (SPLIT 1)")
     y = torch.empty((m, n), dtype=torch_dtype(key["dtype"]), device=x.device)
     col_blocks = cdiv(n, int(key["BLOCK_N"]))
     cnt = counters(x.device, col_blocks)
     if split > 1:
-        parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        parts = torch.empty(
+            (split, 2 if epi == EPI_SWIGLU else 1, m, n), dtype=torch.float32, device=x.device
+        )
     else:
         parts = cnt.view(torch.float32)  # not read or written without a split
     args = (x, weight, bias if epi == EPI_BIAS else weight, y, parts, cnt, m)
@@ -215,7 +229,9 @@ def tiles(*, n: int, k: int, epilogue: int) -> dict[str, int]:
     into as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
     run alone after the others); the first PRE_K inputs' weights loaded before the wait for the
     previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
-    twelve)."""
+    twelve; round fifteen measured wider and longer tiles, and a split SwiGLU, inside the step: none
+    faster). The SwiGLU epilogue stays in one program a column block: the kernel also takes it split
+    (the last program to arrive applies it), which measured slower."""
     block_n = 32 if epilogue == EPI_SWIGLU else 16
     split, k_split = 1, k
     if epilogue != EPI_SWIGLU:

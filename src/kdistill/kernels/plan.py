@@ -375,7 +375,7 @@ def generation_kernels(
     prec = Precision(compute=dt, teacher_weights=dt, student_weights=dt)
     fwd = model_kernels(spec, arch, prec, dt, grad=False, batch=batch, seq=prompt_len, masked=True)
     out = {k for k in fwd if not k.is_library}
-    out |= _decode_attention(spec, arch, dt, max_len)
+    out |= _decode_attention(spec, arch, dt, max_len, rows=batch)
     out |= _step_norms(spec, arch, dt)
     out |= registry.by_name("decode_gemv").plan(
         arch,
@@ -421,10 +421,10 @@ def _step_norms(spec: ModelSpec, arch: str, dt: str) -> set[keys.KernelKey]:
 
 
 def _decode_attention(
-    spec: ModelSpec, arch: str, dt: str, max_len: int, tokens: tuple[int, ...] = ()
+    spec: ModelSpec, arch: str, dt: str, max_len: int, tokens: tuple[int, ...] = (), rows: int = 1
 ) -> set[keys.KernelKey]:
     """The decode attention's keys for spec's heads over caches of max_len slots (tokens=(T,): the
-    T-token kernel's)."""
+    T-token kernel's) for an engine of `rows` rows."""
     return registry.by_name("decode_attention").plan(
         arch,
         grad=False,
@@ -434,6 +434,7 @@ def _decode_attention(
         dtype=dt,
         max_len=max_len,
         tokens=tokens,
+        rows=rows,
     )
 
 
