@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import glob
+import io
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from kdistill.fileio import atomic_write_bytes
 
 TARGETS = {2: 1.85, 4: 3.6}
 PHASES = ("generate", "score", "update")
@@ -131,10 +134,10 @@ def draw(rows: list[dict[str, Any]], out: Path) -> None:
     bx.set_title("where a step goes")
     bx.legend(loc="upper right", fontsize=8, ncols=3)
     fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(out)
+    atomic_write_bytes(out, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -878,7 +878,8 @@ def plan(
     out = set(multi)
     if multi:  # the T-token kernel's parts are combined by the combine kernel
         out.add(combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len))
-    for c in chained:
+    steps = [(c, False) for c in chained] + ([(False, True)] if wide(rows) else [])  # (chained, wide)
+    for c, w in steps:
         out.add(
             split_key(
                 arch,
@@ -889,19 +890,7 @@ def plan(
                 max_len=max_len,
                 rope=rope,
                 chained=c,
-            )
-        )
-    if wide(rows):
-        out.add(
-            split_key(
-                arch,
-                head_dim=head_dim,
-                q_heads=q_heads,
-                kv_heads=kv_heads,
-                dtype=dtype,
-                max_len=max_len,
-                rope=rope,
-                wide=True,
+                wide=w,
             )
         )
     return out
