@@ -276,6 +276,34 @@ def test_a_wide_steps_attention_reads_longer_splits_and_its_plan_holds_them(tmp_
     assert splits[decode_attention.WIDE_ROWS] == {decode_attention.split_len(16)}
 
 
+def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_them(tmp_path):
+    """o_proj and down split over K in a small bucket's step (runtime.chained): their fp32 partials go to
+    the residual add + norm after them (a key without the product's own combine, a norm key summing
+    that many parts); a larger bucket's step combines in the product. Both are in the plan, and the
+    engine's tokens are the reference forward's."""
+    from kdistill.kernels import decode_gemv
+
+    model = load_model(
+        make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32, intermediate_size=1024)
+    ).eval()
+    splits = decode_gemv.split(model.spec.hidden_size, model.spec.intermediate_size)
+    assert splits > 1
+    rows = [sample_ids(model.spec.vocab_size, 1, 4, seed=i)[0].tolist() for i in range(3)]
+    with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+        got = DecodeEngine(model, batch_size=4, max_len=16, sampling=Sampling(max_new_tokens=3)).generate(
+            rows
+        )
+    triton = {k for k in rec.keys() if not k.is_library}
+    plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=4, prompt_len=4, max_len=16)
+    assert triton <= plan, triton - plan
+    assert {k["PARTS"] for k in triton if k.op == "rmsnorm_fwd"} == {0, splits}
+    assert {k["COMBINE"] for k in triton if k.op == "decode_gemv" and k["K"] == 1024} == {False}
+    assert got == generate_ids(model, rows, Sampling(max_new_tokens=3))
+    with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+        DecodeEngine(model, batch_size=20, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(rows * 7)
+    assert {k["PARTS"] for k in rec.keys() if k.op == "rmsnorm_fwd"} == {0}
+
+
 # -- generate --out ------------------------------------------------------------------------------
 chat_dir = test_generate.chat_dir  # the tiny chat model of the generate tests (a module fixture)
 

@@ -543,6 +543,36 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
     assert int(decode_gemv.counters(x.device, 1).abs().sum()) == 0
 
 
+def case_decode_linear_add_rmsnorm(device="cpu", dtype=torch.float32, rows=3, n=20, k=1536):
+    """A small bucket's o_proj or down with the residual add + norm after it: the product split over K
+    hands its fp32 partials to the norm kernel, which sums them in split order; the same values as the
+    product combining them itself, then the add + norm."""
+    from kdistill import dispatch
+    from kdistill.kernels import decode_gemv, runtime
+
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn((rows, k), generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn((n, k), generator=g) / k**0.5).to(device, dtype)
+    residual = torch.randn((rows, 1, n), generator=g).to(device, dtype)
+    nw = torch.rand(n, generator=g).to(device, dtype) + 0.5
+    assert decode_gemv.split(n, k) > 1
+    with _kernel_mode(), runtime.chained(True), runtime.recording() as rec:
+        y, summed = dispatch.decode_linear_add_rmsnorm(x, w, residual, nw, 1e-6)
+    parts = {key["PARTS"] for key in rec.keys() if key.op == "rmsnorm_fwd"}
+    assert parts == {decode_gemv.split(n, k)}
+    assert [key["COMBINE"] for key in rec.keys() if key.op == "decode_gemv"] == [False]
+    with _kernel_mode(), runtime.chained(True):
+        want_y, want_sum = dispatch.add_rmsnorm(dispatch.decode_linear(x, w)[:, None], residual, nw, 1e-6)
+    assert y.shape == summed.shape == residual.shape
+    assert torch.equal(summed, want_sum) and torch.equal(y, want_y)
+    with torch.no_grad():
+        ref_y, ref_sum = dispatch.add_rmsnorm_reference(
+            x.double() @ w.double().T, residual.double()[:, 0], nw.double(), 1e-6
+        )
+    _close("sum", summed[:, 0], ref_sum, dtype)
+    _close("y", y[:, 0], ref_y, dtype)
+
+
 def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16):
     """The decode engine's greedy tokens with the kernels equal the reference ops' (slot refill, a stop
     token, a head size the decode-attention kernel takes; from 32 on, with RoPE inside it)."""
@@ -676,6 +706,9 @@ CASES = {
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, wide=True),
     ),
+    # a split product's partials summed by the residual add + norm after it (o_proj, down)
+    "decode_linear_add_rmsnorm_fp32": (case_decode_linear_add_rmsnorm, {}),
+    "decode_linear_add_rmsnorm_fp32_16_rows": (case_decode_linear_add_rmsnorm, dict(rows=16, n=40, k=2048)),
     # the SwiGLU epilogue applied by the last of a column block's K splits (the policy keeps it whole)
     "decode_gemv_fp32_swiglu_split": (
         case_decode_gemv,

@@ -405,16 +405,20 @@ def forward_tokens(
     sin None: q and k reach attend unrotated (views of the q/k/v output; the decode step's attention
     kernel rotates them itself). step: a one-token decode step (T = 1): the block's products (q/k/v,
     o_proj, gate/up with its SwiGLU, down) go through dispatch.decode_linear (a matrix-vector kernel at
-    small buckets)."""
+    small buckets), o_proj and down with the residual add + norm after them
+    (dispatch.decode_linear_add_rmsnorm: a split product's partials summed by the norm)."""
     s = w.spec
     b, t = ids.shape
     eps = s.rms_eps
     delta = F.embedding(ids, w.embed)  # (B, T, H)
     residual = None
+    down = None  # step: the last block's down product (input, weight), left to the next add + norm
     for i, layer in enumerate(w.layers):
         if residual is None:
             residual = delta
             h = dispatch.rmsnorm(delta, layer.ln1, eps)
+        elif down is not None:
+            h, residual = dispatch.decode_linear_add_rmsnorm(*down, residual, layer.ln1, eps)
         else:
             h, residual = dispatch.add_rmsnorm(delta, residual, layer.ln1, eps)
         if step:  # (B, 1, H): the products at B rows
@@ -434,10 +438,9 @@ def forward_tokens(
         o = attend(i, q, k, v.transpose(1, 2))  # (B, Hq, T, D)
         o = o.transpose(1, 2).reshape(b, t, s.q_size)
         if step:
-            a = dispatch.decode_linear(o[:, 0], layer.o)[:, None]
-            x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
+            x, residual = dispatch.decode_linear_add_rmsnorm(o[:, 0], layer.o, residual, layer.ln2, eps)
             act = dispatch.decode_linear(x[:, 0], layer.gate_up, gate_up=True)
-            delta = dispatch.decode_linear(act, layer.down)[:, None]
+            down = (act, layer.down)
         else:
             a = F.linear(o, layer.o)
             x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
@@ -445,6 +448,8 @@ def forward_tokens(
             delta = F.linear(dispatch.swiglu(gate, up), layer.down)
     if residual is None:
         return dispatch.rmsnorm(delta, w.norm, eps)
+    if down is not None:
+        return dispatch.decode_linear_add_rmsnorm(*down, residual, w.norm, eps)[0]
     return dispatch.add_rmsnorm(delta, residual, w.norm, eps)[0]
 
 

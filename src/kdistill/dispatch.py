@@ -75,6 +75,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_multi",
     "decode_linear",
+    "decode_linear_add_rmsnorm",
     "kd_loss",
     "quantize_cols",
     "quantize_rows",
@@ -576,6 +577,62 @@ def decode_linear(
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", spec)
     return decode_gemv.decode_gemv_reference(x, weight, bias, gate_up)
+
+
+def decode_linear_add_rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rmsnorm(decode_linear(x, weight), residual, norm_weight, eps) for a decode step's o_proj or
+    down (x (B, K), weight (N, K), no bias; residual of B rows of N) -> (y, x @ weight^T + residual),
+    each shaped as the residual. In a small bucket's step (runtime.chained) whose product the
+    matrix-vector kernel splits over K, the product's fp32 partials go to the norm kernel, which sums them
+    in split order and rounds the sum as the product's own combine does (the same values): the product's
+    last-arriving program, and its round trip through L2, leave the step's chain of launches."""
+    rt = current()
+    rows, k = x.shape
+    n = weight.shape[0]
+    served = decode_gemv.serves(rows, k, decode_gemv.EPI_NONE)
+    split = decode_gemv.split(n, k) if served else 1
+    if not rt.chained or split == 1 or residual.dtype != x.dtype or residual.numel() != rows * n:
+        delta = decode_linear(x, weight).view(residual.shape)
+        return add_rmsnorm(delta, residual, norm_weight, eps)
+    x = x.contiguous()
+    r2 = _rows(residual)
+    gkey = decode_gemv.gemv_key(
+        rt.arch, n=n, k=k, dtype=x.dtype, combine=False, aligned=aligned(x, weight, None)
+    )
+    nkey = norm_kernel.fwd_key(
+        rt.arch,
+        hidden=n,
+        eps=eps,
+        dtype=x.dtype,
+        w_dtype=norm_weight.dtype,
+        residual=True,
+        r_dtype=residual.dtype,
+        chained=True,
+        parts=split,
+        aligned=(True, *aligned(r2, norm_weight)),  # the partials: a fresh allocation
+    )
+    gspec = lambda: decode_gemv.launch(gkey, x, weight)  # noqa: E731
+
+    def nspec(parts: torch.Tensor | None = None) -> tuple:
+        parts = (
+            torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if parts is None else parts
+        )
+        return norm_kernel.fwd_launch(nkey, parts, r2, norm_weight, eps)
+
+    if rt.use_kernel(gkey, x, weight) and rt.use_kernel(nkey, r2, norm_weight):
+        try:
+            parts = rt.launch(gkey, lambda: decode_gemv.run(gspec()), gspec)[0]
+            y, summed, _ = rt.launch(nkey, lambda: norm_kernel._run(nspec(parts)), nspec)
+            return y.view(residual.shape), summed.view(residual.shape)
+        except Exception as e:
+            rt.kernel_failed(gkey, e)
+            rt.kernel_failed(nkey, e)
+    rt.record(gkey, "fwd", gspec)
+    rt.record(nkey, "fwd", nspec)
+    delta = decode_gemv.decode_gemv_reference(x, weight).view(residual.shape)
+    return add_rmsnorm_reference(delta, residual, norm_weight, eps)
 
 
 # -- FP8 GEMM inputs (an FP8 teacher or student) ---------------------------------------------------

@@ -67,6 +67,7 @@ def decode_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    COMBINE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,6 +115,9 @@ def decode_gemv_kernel(
             act = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
             acc = act * u
         tl.store(Y + yoffs, acc.to(Y.dtype.element_ty), mask=ymask)
+    elif not COMBINE:
+        # the partials are the output (EPI 0): the next kernel sums them in split order (rmsnorm's PARTS)
+        tl.store(P + split.to(tl.int64) * M * N + yoffs, acc, mask=ymask)
     else:
         # K split over SPLIT programs per column block: each writes its fp32 partial (with EPI 2 the
         # gate's, then the up's), and the last of them to arrive (an acquire-release count per column
@@ -163,16 +167,20 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 
 def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The kernel's (kernel, grid, args, kwargs, (y,)) for x (M, K) contiguous with M <= BLOCK_M, the
-    weight (N, K) (EPI 0, 1) or the stacked (2N, K) (EPI 2) contiguous, bias (N,) for EPI 1."""
+    weight (N, K) (EPI 0, 1) or the stacked (2N, K) (EPI 2) contiguous, bias (N,) for EPI 1. A key
+    without COMBINE returns the fp32 partials (SPLIT, M, N) instead of y."""
     m, k = x.shape
     n, epi, split = int(key["N"]), int(key["EPI"]), int(key["SPLIT"])
+    combine = bool(key["COMBINE"])
+    if not combine and (split == 1 or epi != EPI_NONE):
+        raise KernelError("decode_gemv: partials as the output need a split plain product (EPI 0)")
     if m > int(key["BLOCK_M"]) or k != int(key["K"]):
         raise KernelError(f"decode_gemv: x {tuple(x.shape)} does not fit the key (<= {key['BLOCK_M']} rows)")
     if weight.shape != ((2 * n if epi == EPI_SWIGLU else n), k) or not (
         x.is_contiguous() and weight.is_contiguous()
     ):
         raise KernelError(f"decode_gemv: weight {tuple(weight.shape)} does not fit the key")
-    y = torch.empty((m, n), dtype=torch_dtype(key["dtype"]), device=x.device)
+    y = torch.empty((m, n) if combine else (0,), dtype=torch_dtype(key["dtype"]), device=x.device)
     col_blocks = cdiv(n, int(key["BLOCK_N"]))
     cnt = counters(x.device, col_blocks)
     if split > 1:
@@ -193,9 +201,11 @@ def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         BLOCK_N=int(key["BLOCK_N"]),
         BLOCK_K=int(key["BLOCK_K"]),
         PDL=pdl_constexpr(key),
+        COMBINE=combine,
         **launch_options(key),
     )
-    return decode_gemv_kernel, (col_blocks, split), args, kwargs, (y,)
+    out = y if combine else parts.view(split, m, n)
+    return decode_gemv_kernel, (col_blocks, split), args, kwargs, (out,)
 
 
 def run(spec) -> tuple:
@@ -251,16 +261,25 @@ def tiles(*, n: int, k: int, epilogue: int) -> dict[str, int]:
 
 @memoized
 def gemv_key(
-    arch: str, *, n: int, k: int, dtype: str, epilogue: int = EPI_NONE, aligned: Sequence[bool] | None = None
+    arch: str,
+    *,
+    n: int,
+    k: int,
+    dtype: str,
+    epilogue: int = EPI_NONE,
+    combine: bool = True,
+    aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """The kernel for an (n, k) weight in `dtype` (n: the output width; the stacked weight of the SwiGLU
-    epilogue has 2n rows). aligned: X, W, BIAS."""
+    epilogue has 2n rows). combine False: a split plain product's output is its fp32 partials, summed
+    by the next kernel (a residual add + RMSNorm with PARTS = SPLIT). aligned: X, W, BIAS."""
     return make_key(
         GEMV.op,
         arch,
         N=int(n),
         K=int(k),
         EPI=int(epilogue),
+        COMBINE=bool(combine),
         dtype=dtype_name(dtype),
         align=GEMV.align(aligned),
         PDL=pdl(arch),
@@ -273,6 +292,11 @@ def gemv_key(
 def supported(k: int) -> bool:
     """Shapes the kernel takes: K a multiple of 16 (the dot's smallest K)."""
     return k % 16 == 0
+
+
+def split(n: int, k: int) -> int:
+    """The programs a plain (n, k) product splits each column block's K over (1: not split)."""
+    return tiles(n=n, k=k, epilogue=EPI_NONE)["SPLIT"]
 
 
 def serves(rows: int, k: int, epilogue: int) -> bool:
@@ -306,7 +330,9 @@ def plan(
 ) -> set[KernelKey]:
     """Keys of the decode step's products this kernel serves: q/k/v (with its bias), o_proj, gate/up
     with its SwiGLU, down (one key per product: every bucket of at most 16 rows launches the same
-    binary, and an engine of any batch size decodes a few prompts in such a bucket)."""
+    binary, and an engine of any batch size decodes a few prompts in such a bucket). o_proj and down
+    feed a residual add + RMSNorm: split, their partials go to it (combine False) in a small bucket's
+    step (runtime.chained), and are combined by the kernel elsewhere (T-token steps)."""
     del grad
     products = (
         (q_size + 2 * kv_size, hidden, EPI_BIAS if qkv_bias else EPI_NONE),
@@ -314,9 +340,13 @@ def plan(
         (intermediate, hidden, EPI_SWIGLU),
         (hidden, intermediate, EPI_NONE),
     )
-    return {
+    keys = {
         gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi) for n, k, epi in products if serves(1, k, epi)
     }
+    for n, k, epi in products[1::2]:  # o_proj, down
+        if serves(1, k, epi) and split(n, k) > 1:
+            keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, combine=False))
+    return keys
 
 
 GEMV = Kernel(

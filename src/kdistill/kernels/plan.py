@@ -22,7 +22,7 @@ import torch
 
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
-from kdistill.kernels import keys, library, registry
+from kdistill.kernels import decode_gemv, keys, library, registry
 from kdistill.models.spec import ModelSpec
 
 
@@ -407,8 +407,8 @@ def generation_kernels(
 
 def _step_norms(spec: ModelSpec, arch: str, dt: str) -> set[keys.KernelKey]:
     """The norms of a small bucket's decode step (runtime.chained: their keys launch with programmatic
-    dependent launch): the first block's input norm, the add + norms after it (and the final one), and
-    Qwen3's per-head q/k norms."""
+    dependent launch): the first block's input norm, the add + norms after it (and the final one), the
+    add + norms that sum a split o_proj's or down's partials, and Qwen3's per-head q/k norms."""
     norm = registry.by_name("rmsnorm").plan
     eps, h = spec.rms_eps, spec.hidden_size
     out = norm(arch, grad=False, hidden=h, eps=eps, dtype=dt, w_dtype=dt, chained=True)
@@ -417,6 +417,20 @@ def _step_norms(spec: ModelSpec, arch: str, dt: str) -> set[keys.KernelKey]:
     out |= norm(arch, grad=False, hidden=h, eps=eps, dtype=dt, w_dtype=dt, r_dtype=dt, chained=True)
     if spec.qk_norm:
         out |= norm(arch, grad=False, hidden=spec.head_dim, eps=eps, dtype=dt, w_dtype=dt, chained=True)
+    for k in (spec.q_size, spec.intermediate_size):  # o_proj's and down's split partials, summed here
+        if decode_gemv.serves(1, k, decode_gemv.EPI_NONE) and decode_gemv.split(h, k) > 1:
+            parts = decode_gemv.split(h, k)
+            out |= norm(
+                arch,
+                grad=False,
+                hidden=h,
+                eps=eps,
+                dtype=dt,
+                w_dtype=dt,
+                r_dtype=dt,
+                chained=True,
+                parts=parts,
+            )
     return out
 
 

@@ -59,6 +59,7 @@ def rmsnorm_fwd_kernel(
     EPS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,7 +71,13 @@ def rmsnorm_fwd_kernel(
     pdl_release(PDL)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)  # a weight: before the wait
     pdl_wait(PDL)
-    xf = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if PARTS == 0:
+        xf = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    else:  # x is a split product's PARTS fp32 partials: summed in split order, rounded as its output
+        xf = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
+        for p in tl.static_range(PARTS):
+            xf += tl.load(X + p * n_rows * H + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        xf = xf.to(S.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
         s = (xf + r).to(S.dtype.element_ty)  # rounded to the sum's dtype, as the reference's x + residual
@@ -141,13 +148,25 @@ def fwd_launch(
     key: KernelKey, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ):
     """(kernel, grid, args, kwargs, outputs) for the forward of `key`; problem constants come from the
-    call (x, eps, residual), tiles and warps from the key."""
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else x2
-    n_rows, h = x2.shape
-    s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    y = torch.empty(x2.shape, dtype=torch_dtype(key["y_dtype"]), device=x.device)
-    s = torch.empty(x2.shape, dtype=s_dtype, device=x.device) if residual is not None else y  # S aliases Y
+    call (x, eps, residual), tiles and warps from the key. With the key's PARTS, x is a split
+    product's fp32 partials (PARTS, rows, H), contiguous: their sum, rounded to the residual's dtype, is
+    what is added to the residual."""
+    parts = int(key["PARTS"])
+    if parts:
+        if residual is None or x.dim() != 3 or x.shape[0] != parts or not x.is_contiguous():
+            raise KernelError(f"rmsnorm: partials {tuple(x.shape)} do not fit the key ({parts} parts)")
+        x2 = x
+        r2 = _rows(residual)
+        if r2.shape != x.shape[1:]:
+            raise KernelError(f"rmsnorm: partials {tuple(x.shape)} against a residual {tuple(r2.shape)}")
+        s_dtype = residual.dtype
+    else:
+        x2 = _rows(x)
+        r2 = _rows(residual) if residual is not None else x2
+        s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    n_rows, h = r2.shape if parts else x2.shape
+    y = torch.empty((n_rows, h), dtype=torch_dtype(key["y_dtype"]), device=x.device)
+    s = torch.empty((n_rows, h), dtype=s_dtype, device=x.device) if residual is not None else y  # S aliases Y
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     grid = (cdiv(n_rows, key["BLOCK_M"]),)
     args = (x2, r2, weight, y, s, rstd, n_rows)
@@ -158,6 +177,7 @@ def fwd_launch(
         EPS=float(eps),
         HAS_RESIDUAL=residual is not None,
         PDL=pdl_constexpr(key),
+        PARTS=parts,
         **launch_options(key),
     )
     return rmsnorm_fwd_kernel, grid, args, kwargs, (y, s, rstd)
@@ -276,15 +296,19 @@ def fwd_key(
     r_dtype: str | None = None,
     y_dtype: str | None = None,
     chained: bool = False,
+    parts: int = 0,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """y = rmsnorm(x [+ residual]) * w. dtype: x's; r_dtype: the residual's (default x's; the sum s has
     their promotion); y_dtype: y's (default promote(s, w); a norm whose output feeds GEMMs only writes
     it in the autocast dtype). chained: inside a small bucket's decode step (runtime.chained), launched
-    with programmatic dependent launch where the arch has it. aligned: X, R, W (R is X when there is no
-    residual)."""
+    with programmatic dependent launch where the arch has it. parts: x is the fp32 partials of a split
+    product whose output would be in `dtype` (a decode step's o_proj or down, kernels/decode_gemv.py),
+    summed here; the residual then has that dtype. aligned: X, R, W (R is X when there is no residual)."""
     dtype, w_dtype = dtype_name(dtype), dtype_name(w_dtype)
     r_dtype = dtype_name(r_dtype) if (residual and r_dtype is not None) else dtype
+    if parts and (not residual or r_dtype != dtype):
+        raise KernelError("rmsnorm: partials are summed only beside a residual of the product's dtype")
     s_dtype = promote(dtype, r_dtype)
     y_dtype = dtype_name(y_dtype) if y_dtype is not None else promote(s_dtype, w_dtype)
     return make_key(
@@ -300,6 +324,8 @@ def fwd_key(
         s_dtype=s_dtype if residual else y_dtype,  # without residual S aliases Y (unused)
         align=FWD.align(aligned),
         PDL=bool(chained) and pdl(arch),
+        PARTS=int(parts),
+        **({"x_dtype": "fp32"} if parts else {}),  # X holds the product's fp32 partials
         **tiles(hidden),
     )
 
@@ -341,9 +367,10 @@ def _align_flags(key: KernelKey) -> list[bool]:
 
 
 def warm_fwd(key: KernelKey, device: Any) -> tuple:
-    """A 2-row launch that specializes as `key` (dtypes, alignment, H, EPS, residual)."""
+    """A 2-row launch that specializes as `key` (dtypes, alignment, H, EPS, residual, partials)."""
     al, h = _align_flags(key), key["H"]
-    x = tensor((2, h), key["dtype"], device, al[0])
+    parts = int(key["PARTS"])
+    x = tensor((parts, 2, h), "fp32", device, al[0]) if parts else tensor((2, h), key["dtype"], device, al[0])
     r = tensor((2, h), key["r_dtype"], device, al[1]) if key["HAS_RESIDUAL"] else None
     w = tensor((h,), key["w_dtype"], device, al[2])
     return fwd_launch(key, x, r, w, f64_value(key["EPS"]))
@@ -370,10 +397,12 @@ def plan(
     r_dtype: str | None = None,
     y_dtype: str | None = None,
     chained: bool = False,
+    parts: int = 0,
 ) -> set[KernelKey]:
     """Keys of one call rmsnorm(x) (r_dtype None) or add_rmsnorm(x, residual): the forward, and when
     grad the backward with and (if fused) without a gradient reaching the returned sum. y_dtype: the
-    output's dtype when it is not the promotion (see fwd_key); chained: a small bucket's decode step."""
+    output's dtype when it is not the promotion (see fwd_key); chained: a small bucket's decode step;
+    parts: x as a split product's partials (fwd_key)."""
     residual = r_dtype is not None
     keys = {
         fwd_key(
@@ -386,6 +415,7 @@ def plan(
             r_dtype=r_dtype,
             y_dtype=y_dtype,
             chained=chained,
+            parts=parts,
         )
     }
     if grad:
@@ -404,7 +434,14 @@ FWD = Kernel(
     fn=rmsnorm_fwd_kernel,
     key=fwd_key,
     launch=warm_fwd,
-    pointers={"X": "dtype", "R": "r_dtype", "W": "w_dtype", "Y": "y_dtype", "S": "s_dtype", "RSTD": "fp32"},
+    pointers={
+        "X": ("x_dtype", "dtype"),
+        "R": "r_dtype",
+        "W": "w_dtype",
+        "Y": "y_dtype",
+        "S": "s_dtype",
+        "RSTD": "fp32",
+    },
     outputs=("Y", "S", "RSTD"),
 )
 BWD = Kernel(
