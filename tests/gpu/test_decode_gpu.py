@@ -17,7 +17,7 @@ import torch
 from kdistill import dispatch
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.generate import prepare_kernels
-from kdistill.kernels import seal
+from kdistill.kernels import decode_gemv, seal
 from kdistill.models.decoder import build_decoder
 from kdistill.models.spec import load_spec
 from kdistill.ops.attention import decode_attention_reference
@@ -172,6 +172,23 @@ def test_decode_gemv_kernel_matches_reference(rows, n, k, epilogue):
         out = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert out.shape == (rows, n) and err < 1e-2, err
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("n,k", [(896, 4864), (1536, 1536), (896, 896)])  # down, o_proj split, not split
+def test_split_partials_summed_by_the_norm_equal_the_products_own_combine(rows, n, k):
+    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    x = torch.randn((rows, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn((n, k), generator=g, device="cuda") / k**0.5).bfloat16()
+    residual = torch.randn((rows, 1, n), generator=g, device="cuda", dtype=torch.bfloat16)
+    nw = (torch.rand(n, generator=g, device="cuda") + 0.5).bfloat16()
+    with dispatch.using(mode="triton", arch="sm_90", strict=True), dispatch.chained(True):
+        with dispatch.recording() as rec:
+            y, summed = dispatch.decode_linear_add_rmsnorm(x, w, residual, nw, 1e-6)
+        want_y, want_sum = dispatch.add_rmsnorm(dispatch.decode_linear(x, w)[:, None], residual, nw, 1e-6)
+    assert torch.equal(summed, want_sum) and torch.equal(y, want_y)
+    split = {key["PARTS"] for key in rec.keys() if key.op == "rmsnorm_fwd"}
+    assert split == {decode_gemv.split(n, k) if decode_gemv.split(n, k) > 1 else 0}
 
 
 def _model(preset: str = "qwen2.5-0.5b", layers: int = 4):

@@ -7,8 +7,10 @@ Forward: each program normalizes a (BLOCK_M x BLOCK_H) tile of rows and saves rs
 Backward: programs stride over row blocks, write dx (+ the gradient that reached s) and accumulate a
 per-program fp32 partial of dw; the partials are summed by torch. In a small bucket's decode step
 (runtime.chained) on sm_90 and newer the forward launches with programmatic dependent launch (keys.pdl):
-it loads w, then waits for the previous kernel. Qwen3's per-head q/k norm is the
-same kernel with H = head_dim. Tile sizes and warps come from the kernel key (`tiles` below).
+it loads w, then waits for the previous kernel. There, after a product split over K (o_proj, down;
+kernels/decode_gemv.py), x may arrive as the product's PARTS fp32 partials: summed in split order and
+rounded to the product's dtype, the values its own combine would have written. Qwen3's per-head q/k norm
+is the same kernel with H = head_dim. Tile sizes and warps come from the kernel key (`tiles` below).
 
 The file reads top to bottom: kernels, launchers, autograd Function, key functions and tile policy,
 then the registered KernelSpec (tiny warm launches and the keys of one call site).
