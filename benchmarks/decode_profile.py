@@ -4,7 +4,7 @@
         --batch 1,16,128 --json benchmarks/results/decode_profile.json
 
 For each model and batch size: the decode engine's captured step (random weights at the preset's
-shapes, bf16, prewarmed and sealed) is replayed alone, timed with CUDA events (`step_ms`), then replayed
+shapes, bf16, prewarmed and sealed) is replayed alone (greedy, or sampled at --temperature), timed with CUDA events (`step_ms`), then replayed
 under the profiler: every kernel of one step with its duration. `kernel_ms` is the sum of the kernels'
 durations per step and `gap_ms` = step_ms - kernel_ms the time between them (launch bubbles inside the
 graph). The floor is the step's bytes (every weight once, each row's cache up to its context) over the
@@ -102,6 +102,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy, the default)"
+    )
     ap.add_argument("--top", type=int, default=12, help="kernel groups printed per row")
     ap.add_argument("--json", default=None)
     ap.add_argument(
@@ -155,8 +158,14 @@ def main() -> None:
         g = torch.Generator().manual_seed(1)
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
-            eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=Sampling(max_new_tokens=a.new))
-            row = {"model": preset, "batch": b, **profile_one(eng, prompts, a.reps)}
+            s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
+            eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s)
+            row = {
+                "model": preset,
+                "batch": b,
+                "temperature": a.temperature,
+                **profile_one(eng, prompts, a.reps),
+            }
             floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
             row["floor_ms"] = floor * 1e3
             row["floor_fraction"] = floor * 1e3 / row["step_ms"]

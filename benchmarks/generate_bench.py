@@ -135,14 +135,21 @@ def bench_model(preset: str, a, bw: float) -> dict:
     rng = random.Random(0)
     ragged_lens = [rng.randint(16, 512) for _ in range(a.ragged)]
     # One plan for every batch and both prompt buckets (fixed and ragged), then the seal.
-    info = prepare_kernels(model, max(batches), a.prompt, max(max_len, 512 + a.new))
+    planned = max(max_len, 512 + a.new)  # the identity check and the ragged run take this cache length
+    info = prepare_kernels(model, max(batches), a.prompt, planned)
     print(f"{preset}: {info.get('prewarm', info)}", flush=True)
     rows = []
     g = torch.Generator().manual_seed(1)
     for b in batches:
         prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
-        s = Sampling(max_new_tokens=a.new)
-        row: dict = {"model": preset, "batch": b, "prompt": a.prompt, "new": a.new}
+        s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
+        row: dict = {
+            "model": preset,
+            "batch": b,
+            "prompt": a.prompt,
+            "new": a.new,
+            "temperature": a.temperature,
+        }
         for provider in a.providers.split(","):
             if provider.startswith("kdistill"):
                 graphs = "off" if provider == "kdistill-eager" else "auto"
@@ -178,7 +185,10 @@ def bench_model(preset: str, a, bw: float) -> dict:
     s = Sampling(max_new_tokens=64)
     outs = {}
     for graphs in ("auto", "off"):
-        eng = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, stop_ids={eos}, cuda_graphs=graphs)
+        # the planned cache length: a plan past 1,024 slots holds longer splits than a shorter cache's
+        eng = DecodeEngine(
+            model, batch_size=4, max_len=planned, sampling=s, stop_ids={eos}, cuda_graphs=graphs
+        )
         outs[graphs] = eng.generate(ragged)
         del eng
     identical = outs["auto"] == outs["off"]
@@ -189,7 +199,7 @@ def bench_model(preset: str, a, bw: float) -> dict:
         eng = DecodeEngine(
             model,
             batch_size=a.ragged_batch,
-            max_len=512 + a.new,
+            max_len=planned,
             sampling=Sampling(max_new_tokens=a.new),
             stop_ids={eos},
         )
@@ -263,6 +273,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--providers", default="kdistill,kdistill-eager,hf")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="kdistill's timed rows sample at this temperature (0: greedy; the identity check stays greedy)",
+    )
     ap.add_argument("--ragged", type=int, default=1000)
     ap.add_argument("--ragged-batch", type=int, default=128)
     ap.add_argument("--json", default=None)

@@ -45,9 +45,11 @@ from typing import Any
 import torch
 import yaml
 
+import kdistill
 from kdistill.models.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
+KDISTILL_SRC = Path(kdistill.__file__).resolve().parents[1]  # the runs' processes import this tree's kdistill
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
@@ -252,7 +254,8 @@ def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int
         text=True,
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+            # the kdistill this process imported (a tree chosen by PYTHONPATH, else the repository's)
+            "PYTHONPATH": os.pathsep.join([str(KDISTILL_SRC), os.environ.get("PYTHONPATH", "")]),
         },
     )
     run_dir = work / f"run-{world}"

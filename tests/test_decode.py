@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdistill.decode import MIN_TEMPERATURE, DecodeEngine, Sampling, sample_tokens
+from kdistill.decode import MIN_TEMPERATURE, DecodeEngine, Sampling
+from kdistill.kernels import contract, runtime, seal
 from kdistill.kernels import plan as plan_mod
-from kdistill.kernels import runtime
 from kdistill.models.hf_io import load_model
+from kdistill.ops.sample import sample_tokens
 from tests import test_generate
 from tests.oracle_decode import generate_ids
 from tests.test_generate import cli, hf_greedy
@@ -188,6 +189,25 @@ def test_engine_keys_are_planned(tmp_path, head_dim):
     assert "decode_attn_combine" not in {k.op for k in triton}  # the split's last program combines
     # from a head of 32 on, the step's RoPE runs inside the attention kernel (16: the RoPE kernel first)
     assert {k["ROPE"] for k in triton if k.op == "decode_attn_split"} == {head_dim >= 32}
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 1.0), (0.8, 0.9)])
+def test_the_steps_sampler_is_planned_prewarmed_and_specialized_as_keyed(tmp_path, temperature, top_p):
+    """The decode step's sampler and bookkeeping: one kernel (greedy, or a temperature alone) whose key
+    is in the plan and whose launch specializes as the key says; top-p sampling stays on the reference
+    (no key)."""
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    rows = ragged(model.spec.vocab_size)
+    s = Sampling(max_new_tokens=4, temperature=temperature, top_p=top_p)
+    with runtime.using(mode="reference", arch="sm_90"), runtime.recording(deep=True) as rec:
+        DecodeEngine(model, batch_size=2, max_len=40, sampling=s).generate(rows)
+    plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=2, prompt_len=11, max_len=40)
+    triton = [launch for launch in rec.launches if not launch.key.is_library]
+    sampler = {launch.key for launch in triton if launch.key.op == "decode_sample"}
+    assert {k["GREEDY"] for k in sampler} == (set() if top_p < 1 else {temperature == 0})
+    warm = seal.prewarm(plan, "cpu", dry=True)
+    assert warm.failed == []
+    assert contract.check(triton, plan, warm.specializations) == []
 
 
 def test_prefill_graphs_take_a_shape_seen_twice_and_keep_the_most_recent():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kdistill.decode import CDF_BLOCK, inverse_cdf
+from kdistill.ops.sample import CDF_BLOCK, inverse_cdf
 
 
 def _one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -573,9 +573,10 @@ def case_decode_linear_add_rmsnorm(device="cpu", dtype=torch.float32, rows=3, n=
     _close("y", y[:, 0], ref_y, dtype)
 
 
-def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16):
-    """The decode engine's greedy tokens with the kernels equal the reference ops' (slot refill, a stop
-    token, a head size the decode-attention kernel takes; from 32 on, with RoPE inside it)."""
+def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16, temperature=0.0):
+    """The decode engine's tokens with the kernels equal the reference ops' (slot refill, a stop token,
+    a head size the decode-attention kernel takes; from 32 on, with RoPE inside it), greedy or sampled
+    (the same uniforms: the sampler kernel's inverse CDF picks the reference's tokens)."""
     import tempfile
 
     from tiny import make_tiny_model
@@ -589,11 +590,75 @@ def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16):
     )  # fmt: skip
     model = load_model(d, device, dtype).eval()
     prompts = [[5, 9, 17, 3], [40, 41], [7, 8, 9, 10, 11, 12]]
-    s = Sampling(max_new_tokens=4)
+    s = Sampling(max_new_tokens=4, temperature=temperature, seed=5)
     want = DecodeEngine(model, batch_size=2, max_len=16, sampling=s, stop_ids={3}).generate(prompts)
     with _kernel_mode():
         got = DecodeEngine(model, batch_size=2, max_len=16, sampling=s, stop_ids={3}).generate(prompts)
     assert got == want, (got, want)
+
+
+def case_decode_sample(device="cpu", dtype=torch.float32, rows=6, vocab=5000, temperature=0.0):
+    """A decode step's sampler and bookkeeping in one kernel against the reference (ops/sample.py), over
+    a vocabulary of three chunks (the last ragged): greedy, the first index of a maximum planted twice
+    across chunks; sampled, the token of the exact (float64) inverse CDF wherever u is not within
+    rounding of a token's boundary. The rows' state covers a done row (pad id, nothing grows), a stop
+    id, a row at its budget, one at the cache's end, and one that goes on."""
+    from kdistill import dispatch
+    from kdistill.decode import Sampling
+    from kdistill.kernels import decode_gemv, runtime
+
+    g = torch.Generator().manual_seed(vocab + rows)
+    logits = (torch.randn((rows, vocab), generator=g) * 3).to(device=device, dtype=dtype)
+    logits[0, 4321] = logits[0, 17] = logits[0].max() + 1  # a tie across chunks: the first index wins
+    u = torch.rand(rows, generator=g).to(device)
+    s = Sampling(max_new_tokens=4, temperature=temperature)
+    i64 = dict(dtype=torch.int64, device=device)
+
+    def state():
+        return dict(
+            tok=torch.zeros(rows, **i64),
+            lens=torch.tensor([5, 7, 9, 3, 15, 6][:rows], **i64),
+            ngen=torch.tensor([1, 0, 2, 3, 1, 2][:rows], **i64),
+            limit=torch.tensor([4, 4, 4, 4, 4, 4][:rows], **i64),
+            done=torch.tensor([False, True, False, False, False, False][:rows], device=device),
+            out=torch.full((rows, 5), -7, **i64),
+        )
+
+    want, got = state(), state()
+    with torch.no_grad():
+        first = logits.argmax(-1) if s.greedy else None
+        stop = int(first[2]) if s.greedy else 11
+        stops = torch.tensor([stop, 99999], **i64)
+        args = (stops, 3, 16)  # pad id 3, 16 slots
+        dispatch.sample_append(logits, u, s, *want.values(), *args)
+        with _kernel_mode(), runtime.recording() as rec:
+            dispatch.decode_sample(logits, u, s, *got.values(), *args)
+    assert [k.op for k in rec.keys()] == ["decode_sample"]
+    assert int(decode_gemv.counters(logits.device, rows).abs().sum()) == 0  # the rows' counts reset
+    if s.greedy:
+        assert int(got["tok"][0]) == 17
+        for name in want:
+            assert torch.equal(got[name], want[name]), (name, got[name], want[name])
+        return
+    # sampled: the exact inverse CDF (float64) at u up to rounding: the token's interval of the CDF
+    # holds u times the total within eps; where u is farther than eps from the exact token's bounds,
+    # the kernel's token and the reference's are the exact one
+    cdf = torch.softmax(logits.double() / temperature, -1).cumsum(-1)
+    target = u.double() * cdf[:, -1]
+    eps = 1e-5
+    live = ~state()["done"]
+    tok = got["tok"].clamp(0, vocab - 1)
+    lo = torch.where(tok > 0, cdf.gather(1, (tok - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    hi = cdf.gather(1, tok[:, None])[:, 0]
+    assert bool(((lo - eps <= target) & (target <= hi + eps) & (hi > lo))[live].all()), (lo, target, hi)
+    exact = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    e_lo = torch.where(exact > 0, cdf.gather(1, (exact - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    e_hi = cdf.gather(1, exact[:, None])[:, 0]
+    far = live & (target - e_lo > eps) & (e_hi - target > eps)
+    assert torch.equal(got["tok"][far], exact[far]) and torch.equal(want["tok"][far], exact[far])
+    same = got["tok"] == want["tok"]  # then the same bookkeeping
+    for name in want:
+        assert torch.equal(got[name][same], want[name][same]), name
 
 
 def case_fp8_quant_cols(device="cpu", dtype=torch.float32, rows=1100, cols=45):
@@ -679,6 +744,11 @@ CASES = {
     "forward_at_multi_fp32_rope_in_attention": (case_forward_at_multi, dict(head_dim=32)),
     "forward_at_multi_fp32_rope_kernel_first": (case_forward_at_multi, dict(head_dim=16)),
     "decode_engine_fp32": (case_decode_engine, {}),
+    "decode_engine_fp32_sampled": (case_decode_engine, dict(head_dim=32, temperature=0.8)),
+    # the sampler and bookkeeping kernel: greedy (a tie across chunks), sampled (the inverse CDF)
+    "decode_sample_fp32_greedy": (case_decode_sample, {}),
+    "decode_sample_bf16_greedy": (case_decode_sample, dict(dtype=torch.bfloat16, rows=5)),
+    "decode_sample_fp32_sampled": (case_decode_sample, dict(temperature=0.7)),
     "decode_gemv_fp32_swiglu": (case_decode_gemv, dict(rows=3, n=40, k=48, epilogue="swiglu")),
     "decode_gemv_fp32_bias_one_row": (case_decode_gemv, dict(rows=1, n=37, k=144, epilogue="bias")),
     "decode_gemv_fp32_plain_16_rows": (case_decode_gemv, dict(rows=16, n=24, k=256, epilogue="none")),

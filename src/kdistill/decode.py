@@ -69,6 +69,7 @@ from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
 from kdistill.models.lora import LoraLinear
 from kdistill.models.spec import ModelSpec
+from kdistill.ops.sample import sample_tokens
 
 MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1 / T would overflow the logits' scale
 
@@ -104,59 +105,6 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
-
-
-def sample_tokens(logits: torch.Tensor, s: Sampling, u: torch.Tensor | None) -> torch.Tensor:
-    """Next token per row from logits (B, V) -> (B,) int64, with no host synchronisation (it runs
-    inside the captured step). u (B,): uniform numbers in [0, 1) (unused when greedy). Greedy takes the
-    argmax of the logits as they are (bf16 on a GPU): widening is exact, so the token is the same, and
-    no fp32 copy of (B, V) is written and read back."""
-    if s.greedy or u is None:
-        return logits.argmax(-1)
-    logits = logits.float()
-    logits = logits / s.temperature
-    idx = None
-    if s.top_k and s.top_k < logits.shape[-1]:
-        logits, idx = torch.topk(logits, s.top_k, dim=-1)  # (B, k), sorted descending
-    elif s.top_p < 1:
-        logits, idx = logits.sort(dim=-1, descending=True)
-    probs = logits.softmax(-1)
-    if s.top_p < 1:  # keep the most probable tokens up to the first whose cumulative mass reaches p
-        drop = probs.cumsum(-1) - probs >= s.top_p
-        probs = probs.masked_fill(drop, 0.0)
-    choice = inverse_cdf(probs, u)[:, None]  # (B, 1)
-    if idx is not None:
-        choice = idx.gather(1, choice)
-    return choice[:, 0]
-
-
-CDF_BLOCK = 128  # tokens per block of inverse_cdf's two-level search
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of probs (N, V) (any non-negative mass, not necessarily normalised) at u (N,) in
-    [0, 1): the first token whose cumulative mass exceeds u times the row's total (never a token of mass
-    0). No host sync, fixed shapes (graph-safe).
-
-    Two levels, so no scan runs over the whole vocabulary (a (N, 151936) cumsum is one slow kernel of
-    ~190 µs on an H200, an eighth of a sampled decode step): the blocks of CDF_BLOCK tokens are summed
-    and searched first, then the chosen block's own cumulative sum. The token is the one-level search's
-    up to the rounding of the two sums' orders."""
-    n, v = probs.shape
-    nb = -(-v // CDF_BLOCK)
-    p = F.pad(probs, (0, nb * CDF_BLOCK - v)) if nb * CDF_BLOCK != v else probs
-    blocks = p.view(n, nb, CDF_BLOCK)
-    outer = blocks.sum(-1).cumsum(-1)  # (N, nb)
-    target = u.to(outer.dtype)[:, None] * outer[:, -1:]  # (N, 1)
-    j = torch.searchsorted(outer, target, right=True).clamp_(max=nb - 1)  # (N, 1): a block of mass > 0
-    before = torch.where(j > 0, outer.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(target))
-    row = blocks.gather(1, j[:, :, None].expand(n, 1, CDF_BLOCK))[:, 0]  # (N, CDF_BLOCK)
-    inner = row.cumsum(-1)
-    k = torch.searchsorted(inner, target - before, right=True)  # (N, 1)
-    # rounding may put the residual at or past the block's total: its last token of mass > 0 then
-    last = CDF_BLOCK - 1 - (row > 0).flip(-1).int().argmax(-1, keepdim=True)
-    k = torch.minimum(k, last)
-    return (j * CDF_BLOCK + k).clamp_(max=v - 1)[:, 0]
 
 
 # -- the engine's weights -----------------------------------------------------------------------
@@ -622,8 +570,11 @@ class DecodeEngine:
             else:  # a head too narrow for the kernel's halves: the RoPE kernel first, at each row's position
                 cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
                 h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend, step=True)[:, 0]
-        tok = sample_tokens(F.linear(h, self.weights.lm_head), self.sampling, st.u)
-        self._append(st, tok, st.rows, st.lens + 1)
+        # the sampler and every row's bookkeeping: one kernel (kernels/decode_sample.py) or the reference
+        dispatch.decode_sample(
+            F.linear(h, self.weights.lm_head), st.u, self.sampling, st.tok, st.lens, st.ngen, st.limit,
+            st.done, st.out, self.stops, self.pad_id, st.max_len,
+        )  # fmt: skip
 
     def forward_at(self, st: _Slots, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """T new tokens per row through the static cache: ids (B, T) go to slots start[b] + j (at those

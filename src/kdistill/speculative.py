@@ -26,7 +26,7 @@ One round, all on the device with fixed shapes (captured as one CUDA graph per b
   grows by its own count. Slots past it in both caches hold refused drafts; attention reads slots
   0..len only, and the next round overwrites them.
 
-The sampling settings (temperature, top-k, top-p) shape p and q alike, as decode.sample_tokens does.
+The sampling settings (temperature, top-k, top-p) shape p and q alike, as ops.sample.sample_tokens does.
 The uniforms of a round are drawn before it (outside the graph) from one generator seeded by the
 sampling seed. Vocabularies of different sizes (a padded embedding) are compared over the larger, the
 missing rows with probability 0; a token past the draft's rows is fed to it as its last row. Attention
@@ -46,12 +46,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kdistill.decode import DecodeEngine, Sampling, _Slots, inverse_cdf, run_slots
+from kdistill.decode import DecodeEngine, Sampling, _Slots, run_slots
 from kdistill.errors import UserError
 from kdistill.kernels.plan import speculative_kernels
 from kdistill.kernels.seal import configure, prewarm, seal, unseal
 from kdistill.models.decoder import Decoder
 from kdistill.models.tokenizer import load_tokenizer
+from kdistill.ops.sample import inverse_cdf
 
 DEFAULT_DRAFT_TOKENS = 4
 DEFAULT_SAMPLING = Sampling()  # greedy
@@ -81,7 +82,7 @@ def check_same_tokenizer(target_dir: str | Path, draft_dir: str | Path, field: s
 
 def token_probs(logits: torch.Tensor, s: Sampling, vocab: int) -> torch.Tensor:
     """The sampling distribution of logits (N, V) under s (temperature, then top-k, then top-p, as
-    decode.sample_tokens draws from) -> (N, vocab) fp32, rows beyond V zero. No host sync."""
+    ops.sample.sample_tokens draws from) -> (N, vocab) fp32, rows beyond V zero. No host sync."""
     x = logits.float() / s.temperature
     v = x.shape[-1]
     top_k = s.top_k if s.top_k and s.top_k < v else 0

@@ -217,6 +217,24 @@ def test_graph_step_equals_eager_step_for_every_row():
     assert seal.jit_after_prewarm() == 0
 
 
+def test_sampled_graph_step_equals_eager_step_and_the_plan_holds_the_sampler():
+    """Sampling at a temperature: the captured step's sampler kernel draws the eager step's tokens from
+    the same uniforms (refilled slots, ragged stops), and nothing compiles after the seal."""
+    model = _model()
+    prepare_kernels(model, 4, 64, 400)
+    prompts = _ragged(model.spec.vocab_size, [17, 130, 64, 300, 5, 77, 250, 33, 9, 190])
+    s = Sampling(max_new_tokens=48, temperature=1.0, seed=11)
+    probe = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, cuda_graphs="off").generate(prompts)
+    stop = {probe[0][5], probe[3][20]}
+    graph = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="on")
+    eager = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="off")
+    a, b = graph.generate(prompts), eager.generate(prompts)
+    assert a == b
+    assert len({len(r) for r in a}) > 1
+    assert len({t for r in a for t in r}) > 100  # sampled: not one repeated token
+    assert seal.jit_after_prewarm() == 0
+
+
 def test_captured_prefill_gives_the_eager_prefills_tokens():
     """A prefill shape seen a second time is captured and replayed: the same tokens as the eager
     engine's, call after call, with nothing compiled after the seal."""

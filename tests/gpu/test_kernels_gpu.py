@@ -35,6 +35,9 @@ FULL = [
     ("swiglu_bf16_blocks", dict(dtype=BF16, rows=(4, 2048), inter=8960)),
     ("decoder_qwen3_fp32", dict(dtype=FP32, arch="qwen3")),
     ("decoder_qwen2_fp32", dict(dtype=FP32, arch="qwen2")),
+    ("decode_sample_bf16_greedy", dict(dtype=BF16, rows=6, vocab=151936)),
+    ("decode_sample_fp32_sampled", dict(dtype=BF16, rows=6, vocab=151936, temperature=2.0)),
+    ("decode_sample_fp32_sampled", dict(dtype=FP32, rows=6, vocab=128256, temperature=0.6)),
     ("bwd_failure_falls_back", {}),
     ("frozen_forward_skips_autograd", {}),
 ]

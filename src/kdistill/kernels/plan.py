@@ -366,7 +366,8 @@ def generation_kernels(
     """Every kernel key of the decode engine (kdistill.decode) for a model whose weights are in `dtype`
     (no autocast): the decoder's forward without grad, whose Triton keys do not depend on the token
     count, so the prefill and the one-token step launch the same ones; the decode step's attention
-    over the static cache of max_len slots (kernels/decode_attention.py); and the library shapes: the
+    over the static cache of max_len slots (kernels/decode_attention.py), its sampler and bookkeeping
+    (kernels/decode_sample.py); and the library shapes: the
     prefill's causal SDPA at prompt_len, the linears at batch x prompt_len and at batch tokens, the
     lm_head at batch rows. Prefills of other lengths are other library shapes, run unwarmed: library
     calls compile nothing, so the seal (which counts Triton compiles) is unaffected."""
@@ -377,6 +378,7 @@ def generation_kernels(
     out = {k for k in fwd if not k.is_library}
     out |= _decode_attention(spec, arch, dt, max_len, rows=batch)
     out |= _step_norms(spec, arch, dt)
+    out |= registry.by_name("decode_sample").plan(arch, grad=False, vocab=spec.vocab_size, dtype=dt)
     out |= registry.by_name("decode_gemv").plan(
         arch,
         grad=False,

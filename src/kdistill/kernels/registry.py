@@ -10,6 +10,7 @@ from __future__ import annotations
 from kdistill.kernels import (
     decode_attention,
     decode_gemv,
+    decode_sample,
     fp8_quant,
     fp8_quant_cols,
     kd_loss,
@@ -30,6 +31,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     fp8_quant_cols.SPEC,
     decode_attention.SPEC,
     decode_gemv.SPEC,
+    decode_sample.SPEC,
 )
 LIBRARY: tuple[LibraryOp, ...] = (library.SDPA, library.GEMM, library.FP8_GEMM)
 

@@ -115,7 +115,7 @@ class Kernel:
     def _dtype(self, key: KernelKey, name: str) -> str:
         ref = self.pointers[name]
         for param in (ref,) if isinstance(ref, str) else ref:
-            if param in ("fp32", "i64", "i32", "fp8e4nv"):
+            if param in ("fp32", "i64", "i32", "u1", "fp8e4nv"):
                 return param
             if key.get(param) is not None:
                 return dtype_name(key[param])
