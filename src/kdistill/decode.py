@@ -43,7 +43,9 @@ memory pool shared by an engine's; the captured forward is the eager one, so the
 Sampling (`Sampling`): temperature below MIN_TEMPERATURE is greedy (argmax); otherwise logits /
 temperature, then top-k, then top-p (the smallest set of most probable tokens reaching p), and one
 uniform number per row from a torch.Generator seeded by `seed` picks the token by inverse CDF. The
-same seed, prompts and settings give the same tokens on the same device.
+same seed, prompts and settings give the same tokens on the same device. In the decode step the sampler
+and every row's bookkeeping are one dispatcher call (dispatch.decode_sample: on a GPU one kernel,
+kernels/decode_sample.py, for greedy or a temperature alone; the reference, ops/sample.py, otherwise).
 """
 
 from __future__ import annotations
@@ -473,7 +475,6 @@ class _Slots:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         i64 = dict(dtype=torch.int64, device=device)
-        self.rows = torch.arange(batch, **i64)
         self.tok = torch.zeros(batch, **i64)  # the token each row feeds next
         self.lens = torch.zeros(batch, **i64)  # filled slots: the next token goes to slot lens[b]
         self.ngen = torch.zeros(batch, **i64)  # new tokens written to `out`
