@@ -606,6 +606,7 @@ def case_decode_sample(device="cpu", dtype=torch.float32, rows=6, vocab=5000, te
     from kdistill import dispatch
     from kdistill.decode import Sampling
     from kdistill.kernels import decode_gemv, runtime
+    from kdistill.ops.sample import Rows, sample_append
 
     g = torch.Generator().manual_seed(vocab + rows)
     logits = (torch.randn((rows, vocab), generator=g) * 3).to(device=device, dtype=dtype)
@@ -630,9 +631,9 @@ def case_decode_sample(device="cpu", dtype=torch.float32, rows=6, vocab=5000, te
         stop = int(first[2]) if s.greedy else 11
         stops = torch.tensor([stop, 99999], **i64)
         args = (stops, 3, 16)  # pad id 3, 16 slots
-        dispatch.sample_append(logits, u, s, *want.values(), *args)
+        sample_append(logits, u, s, Rows(*want.values(), *args))
         with _kernel_mode(), runtime.recording() as rec:
-            dispatch.decode_sample(logits, u, s, *got.values(), *args)
+            dispatch.decode_sample(logits, u, s, Rows(*got.values(), *args))
     assert [k.op for k in rec.keys()] == ["decode_sample"]
     assert int(decode_gemv.counters(logits.device, rows).abs().sum()) == 0  # the rows' counts reset
     if s.greedy:

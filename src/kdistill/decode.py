@@ -71,7 +71,7 @@ from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
 from kdistill.models.lora import LoraLinear
 from kdistill.models.spec import ModelSpec
-from kdistill.ops.sample import sample_tokens
+from kdistill.ops.sample import Rows, sample_tokens
 
 MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1 / T would overflow the logits' scale
 
@@ -572,10 +572,8 @@ class DecodeEngine:
                 cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
                 h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend, step=True)[:, 0]
         # the sampler and every row's bookkeeping: one kernel (kernels/decode_sample.py) or the reference
-        dispatch.decode_sample(
-            F.linear(h, self.weights.lm_head), st.u, self.sampling, st.tok, st.lens, st.ngen, st.limit,
-            st.done, st.out, self.stops, self.pad_id, st.max_len,
-        )  # fmt: skip
+        rows = Rows(st.tok, st.lens, st.ngen, st.limit, st.done, st.out, self.stops, self.pad_id, st.max_len)
+        dispatch.decode_sample(F.linear(h, self.weights.lm_head), st.u, self.sampling, rows)
 
     def forward_at(self, st: _Slots, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """T new tokens per row through the static cache: ids (B, T) go to slots start[b] + j (at those

@@ -9,7 +9,7 @@
     o = dispatch.attention(q, k, v, mask)                   # packed documents: (B, 1, T, T) bool mask
     o = dispatch.decode_attention(q, k_cache, v_cache, pos) # one token per row over a static cache
     o = dispatch.decode_attention_multi(q, k_cache, v_cache, start, k, v)  # T tokens per row: (B, Hq, T, D)
-    dispatch.decode_sample(logits, u, sampling, tok, lens, ngen, limit, done, out, stops, pad, max_len)
+    dispatch.decode_sample(logits, u, sampling, rows)      # next tokens and every row's bookkeeping (ops.sample.Rows)
     q, s = dispatch.quantize_rows(x)                        # FP8 GEMM input: (rows, K) e4m3, (rows,) fp32
     qt, s = dispatch.quantize_cols(x)                       # x^T's: (K, rows) e4m3, (K,) fp32
     r = dispatch.kd_loss(h, W, ht, Wt, labels, alpha=0.5, temperature=2.0, divergence="jsd", chunk_size=1024)
@@ -61,7 +61,7 @@ from kdistill.ops.attention import (
 from kdistill.ops.kd_loss import KDLossResult
 from kdistill.ops.rmsnorm import add_rmsnorm_reference, rmsnorm_reference
 from kdistill.ops.rope import rope_reference
-from kdistill.ops.sample import sample_append
+from kdistill.ops.sample import Rows, sample_append
 from kdistill.ops.swiglu import swiglu_reference
 
 __all__ = [
@@ -639,38 +639,19 @@ def decode_linear_add_rmsnorm(
     return add_rmsnorm_reference(delta, residual, norm_weight, eps)
 
 
-def decode_sample(
-    logits: torch.Tensor,
-    u: torch.Tensor,
-    sampling,
-    tok: torch.Tensor,
-    lens: torch.Tensor,
-    ngen: torch.Tensor,
-    limit: torch.Tensor,
-    done: torch.Tensor,
-    out: torch.Tensor,
-    stops: torch.Tensor,
-    pad_id: int,
-    max_len: int,
-) -> None:
+def decode_sample(logits: torch.Tensor, u: torch.Tensor, sampling, rows: Rows) -> None:
     """A decode step's sampler and bookkeeping for every row, in place (ops/sample.py says what):
-    logits (B, V), u (B,) fp32 uniforms (unused when greedy), the rows' state tok, lens, ngen, limit
-    (B,) int64, done (B,) bool, out (B, N) int64, stops (S,) int64. The kernel (kernels/decode_sample.py:
-    greedy, or a temperature without top-k and top-p), or the reference."""
+    logits (B, V), u (B,) fp32 uniforms (unused when greedy), the rows' state `rows`. The kernel
+    (kernels/decode_sample.py: greedy, or a temperature without top-k and top-p), or the reference."""
     rt = current()
     v = logits.shape[-1]
     if not sample_kernel.serves(sampling.top_k, sampling.top_p, v) or logits.stride(-1) != 1:
-        sample_append(logits, u, sampling, tok, lens, ngen, limit, done, out, stops, pad_id, max_len)
+        sample_append(logits, u, sampling, rows)
         return
     key = sample_kernel.sample_key(
-        rt.arch,
-        vocab=v,
-        dtype=logits.dtype,
-        greedy=sampling.greedy,
-        aligned=aligned(logits, u, tok, lens, ngen, limit, done, out, stops),
+        rt.arch, vocab=v, dtype=logits.dtype, greedy=sampling.greedy, aligned=aligned(logits, u, *rows[:7])
     )
-    state = (tok, lens, ngen, limit, done, out, stops, pad_id, max_len)
-    spec = lambda: sample_kernel.launch(key, logits, u, sampling.temperature, *state)  # noqa: E731
+    spec = lambda: sample_kernel.launch(key, logits, u, sampling.temperature, rows)  # noqa: E731
     if rt.use_kernel(key, logits):
         try:
             rt.launch(key, lambda: sample_kernel.run(spec()), spec)
@@ -678,7 +659,7 @@ def decode_sample(
         except Exception as e:
             rt.kernel_failed(key, e)
     rt.record(key, "fwd", spec)
-    sample_append(logits, u, sampling, tok, lens, ngen, limit, done, out, stops, pad_id, max_len)
+    sample_append(logits, u, sampling, rows)
 
 
 # -- FP8 GEMM inputs (an FP8 teacher or student) ---------------------------------------------------

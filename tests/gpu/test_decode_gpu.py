@@ -201,12 +201,15 @@ def _ragged(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in lens]
 
 
-def test_graph_step_equals_eager_step_for_every_row():
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_graph_step_equals_eager_step_for_every_row(temperature):
+    """The captured step's tokens are the eager step's, greedy and sampled (the sampler kernel draws from
+    the same uniforms), with refilled slots and ragged stops; nothing compiles after the prewarm."""
     model = _model()
     prepare_kernels(model, 4, 64, 400)
     prompts = _ragged(model.spec.vocab_size, [17, 130, 64, 300, 5, 77, 250, 33, 9, 190])
-    # a stop token that greedy decoding meets: rows end at different steps and slots are refilled
-    s = Sampling(max_new_tokens=48)
+    # a stop token that decoding meets: rows end at different steps and slots are refilled
+    s = Sampling(max_new_tokens=48, temperature=temperature, seed=11)
     probe = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, cuda_graphs="off").generate(prompts)
     stop = {probe[0][5], probe[3][20]}
     graph = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="on")
@@ -214,24 +217,8 @@ def test_graph_step_equals_eager_step_for_every_row():
     a, b = graph.generate(prompts), eager.generate(prompts)
     assert a == b
     assert len({len(r) for r in a}) > 1  # ragged completions: some rows stopped early
-    assert seal.jit_after_prewarm() == 0
-
-
-def test_sampled_graph_step_equals_eager_step_and_the_plan_holds_the_sampler():
-    """Sampling at a temperature: the captured step's sampler kernel draws the eager step's tokens from
-    the same uniforms (refilled slots, ragged stops), and nothing compiles after the seal."""
-    model = _model()
-    prepare_kernels(model, 4, 64, 400)
-    prompts = _ragged(model.spec.vocab_size, [17, 130, 64, 300, 5, 77, 250, 33, 9, 190])
-    s = Sampling(max_new_tokens=48, temperature=1.0, seed=11)
-    probe = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, cuda_graphs="off").generate(prompts)
-    stop = {probe[0][5], probe[3][20]}
-    graph = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="on")
-    eager = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="off")
-    a, b = graph.generate(prompts), eager.generate(prompts)
-    assert a == b
-    assert len({len(r) for r in a}) > 1
-    assert len({t for r in a for t in r}) > 100  # sampled: not one repeated token
+    if temperature:
+        assert len({t for r in a for t in r}) > 100  # sampled: not one repeated token
     assert seal.jit_after_prewarm() == 0
 
 

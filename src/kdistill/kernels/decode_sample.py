@@ -36,6 +36,7 @@ from kdistill.kernels import decode_gemv
 from kdistill.kernels._triton import jit, tl
 from kdistill.kernels.keys import KernelKey, dtype_name, launch_options, make_key, memoized, next_pow2
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
+from kdistill.ops.sample import Rows
 
 
 @jit(do_not_specialize=["V", "NCHUNK", "SL", "SO", "NSTOP", "MAXLEN", "PAD"])
@@ -126,24 +127,11 @@ def decode_sample_kernel(
         tl.atomic_xchg(CNT + b, 0, sem="relaxed", scope="gpu")
 
 
-def launch(
-    key: KernelKey,
-    logits: torch.Tensor,
-    u: torch.Tensor,
-    temperature: float,
-    tok: torch.Tensor,
-    lens: torch.Tensor,
-    ngen: torch.Tensor,
-    limit: torch.Tensor,
-    done: torch.Tensor,
-    out: torch.Tensor,
-    stops: torch.Tensor,
-    pad_id: int,
-    max_len: int,
-):
+def launch(key: KernelKey, logits: torch.Tensor, u: torch.Tensor, temperature: float, rows: Rows):
     """The kernel's (kernel, grid, args, kwargs, (tok,)) for logits (B, V) with contiguous rows, u (B,)
-    fp32, the rows' state tok, lens, ngen, limit (B,) int64, done (B,) bool, out (B, N) int64 with
-    contiguous rows, stops (S,) int64; all updated in place."""
+    fp32 and the rows' state (ops.sample.Rows: tok, lens, ngen, limit (B,) int64, done (B,) bool, out
+    (B, N) int64 with contiguous rows, stops (S,) int64), updated in place."""
+    tok, lens, ngen, limit, done, out, stops, pad_id, max_len = rows
     b, v = logits.shape
     chunk = int(key["CHUNK"])
     nchunk = -(-v // chunk)
@@ -218,7 +206,7 @@ def _warm(key: KernelKey, device: Any) -> tuple:
     done = dbuf[:2] if al[6] else dbuf[1:3]
     out = i64(6, al[7]).view(2, 3)
     stops = i64(1, al[8])
-    return launch(key, logits, u, 1.0, tok, lens, ngen, limit, done, out, stops, 0, 4)
+    return launch(key, logits, u, 1.0, Rows(tok, lens, ngen, limit, done, out, stops, 0, 4))
 
 
 def plan(arch: str, *, grad: bool, vocab: int, dtype: str) -> set[KernelKey]:

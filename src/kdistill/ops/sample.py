@@ -2,8 +2,8 @@
 the rows' state after it (kdistill.decode's engine keeps that state in its slots).
 
     tok = sample_tokens(logits, sampling, u)          # (B, V) -> (B,): greedy, or inverse CDF at u
-    append(tok, lens + 1, tok_buf, lens, ngen, limit, done, out, stops, pad_id, max_len)
-    sample_append(logits, u, sampling, ...)           # both, every row (the decode step)
+    append(tok, rows.lens + 1, rows)                  # rows: Rows, every row's state, updated in place
+    sample_append(logits, u, sampling, rows)          # both (the decode step)
 
 Reference math only (PyTorch, no host synchronisation: graph-safe); kdistill.dispatch picks it or
 the Triton kernel in kernels/decode_sample.py (greedy, or a temperature without top-k and top-p).
@@ -11,7 +11,7 @@ the Triton kernel in kernels/decode_sample.py (greedy, or a temperature without 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,50 +70,42 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (j * CDF_BLOCK + k).clamp_(max=v - 1)[:, 0]
 
 
-def append(
-    tok: torch.Tensor,
-    new_lens: torch.Tensor,
-    tok_buf: torch.Tensor,
-    lens: torch.Tensor,
-    ngen: torch.Tensor,
-    limit: torch.Tensor,
-    done: torch.Tensor,
-    out: torch.Tensor,
-    stops: torch.Tensor,
-    pad_id: int,
-    max_len: int,
-) -> None:
+class Rows(NamedTuple):
+    """Every row's state that a decode step's bookkeeping updates in place (the decode engine's slots hold
+    the tensors), and what it reads besides: tok (B,) int64 the token each row feeds next, lens (B,)
+    int64 its filled slots, ngen (B,) int64 the new tokens it has written to out (B, N) int64, limit (B,)
+    int64 its budget of new tokens, done (B,) bool; stops (S,) int64 the stop ids, pad_id the token a
+    done row writes, max_len the cache's slots a row."""
+
+    tok: torch.Tensor
+    lens: torch.Tensor
+    ngen: torch.Tensor
+    limit: torch.Tensor
+    done: torch.Tensor
+    out: torch.Tensor
+    stops: torch.Tensor
+    pad_id: int
+    max_len: int
+
+
+def append(tok: torch.Tensor, new_lens: torch.Tensor, rows: Rows) -> None:
     """Every row's bookkeeping after sampling `tok` (B,), in place: the token is a row's next output
     (out[b, ngen[b]]) unless the row is done (then the pad id); an active row's fed token now fills its
     slots up to new_lens; it is done on a stop id, at its budget (ngen >= limit) or with a full cache
-    (lens >= max_len); tok_buf takes the token it feeds next."""
-    active = ~done
-    tok = torch.where(active, tok, torch.full_like(tok, pad_id))
-    out.scatter_(1, ngen[:, None], tok[:, None])
-    n = ngen + active
-    new = torch.where(active, new_lens, lens)
-    stop = (tok[:, None] == stops[None, :]).any(-1) | (n >= limit) | (new >= max_len)
-    ngen.copy_(n)
-    lens.copy_(new)
-    done.logical_or_(active & stop)
-    tok_buf.copy_(tok)
+    (lens >= max_len); rows.tok takes the token it feeds next."""
+    active = ~rows.done
+    tok = torch.where(active, tok, torch.full_like(tok, rows.pad_id))
+    rows.out.scatter_(1, rows.ngen[:, None], tok[:, None])
+    n = rows.ngen + active
+    new = torch.where(active, new_lens, rows.lens)
+    stop = (tok[:, None] == rows.stops[None, :]).any(-1) | (n >= rows.limit) | (new >= rows.max_len)
+    rows.ngen.copy_(n)
+    rows.lens.copy_(new)
+    rows.done.logical_or_(active & stop)
+    rows.tok.copy_(tok)
 
 
-def sample_append(
-    logits: torch.Tensor,
-    u: torch.Tensor,
-    s: Any,
-    tok_buf: torch.Tensor,
-    lens: torch.Tensor,
-    ngen: torch.Tensor,
-    limit: torch.Tensor,
-    done: torch.Tensor,
-    out: torch.Tensor,
-    stops: torch.Tensor,
-    pad_id: int,
-    max_len: int,
-) -> None:
+def sample_append(logits: torch.Tensor, u: torch.Tensor, s: Any, rows: Rows) -> None:
     """A decode step's sampler and bookkeeping for every row: the token from logits (B, V) (u: the
     rows' uniforms, unused when greedy), each row's fed token filling one more slot."""
-    tok = sample_tokens(logits, s, u)
-    append(tok, lens + 1, tok_buf, lens, ngen, limit, done, out, stops, pad_id, max_len)
+    append(sample_tokens(logits, s, u), rows.lens + 1, rows)
