@@ -240,6 +240,16 @@ def kdistill_config(assets: Path, work: Path, device: str, shape: Shape, world: 
     return cfg
 
 
+def run_env() -> dict[str, str]:
+    """The environment of a `kdistill run` process: this one's, with the kdistill this process imported
+    first on PYTHONPATH (a tree chosen by PYTHONPATH when the benchmark started, else the repository's),
+    so that a run from another tree measures that tree."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(KDISTILL_SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
 def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int) -> dict[str, Any]:
     """`kdistill run` at kd.on_policy = 1 on `world` processes (torchrun above one); per-step phases
     from metrics.jsonl, rank 0's step times, completion tokens of every process."""
@@ -252,11 +262,7 @@ def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int
         [*launcher, "-m", "kdistill", "run", str(cfg_path), "--quiet"],
         capture_output=True,
         text=True,
-        env={
-            **os.environ,
-            # the kdistill this process imported (a tree chosen by PYTHONPATH, else the repository's)
-            "PYTHONPATH": os.pathsep.join([str(KDISTILL_SRC), os.environ.get("PYTHONPATH", "")]),
-        },
+        env=run_env(),
     )
     run_dir = work / f"run-{world}"
     if proc.returncode != 0 or not (run_dir / "summary.json").is_file():

@@ -7,6 +7,7 @@ and under torchrun on two (gloo), one timed step each, written as one JSON.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -81,3 +82,17 @@ def test_a_named_row_sets_the_pair_prompts_and_new_tokens_and_explicit_flags_win
     assert (shape.teacher, shape.student, shape.batch, shape.new) == ("qwen2.5-7b", "qwen2.5-1.5b", 4, 64)
     _, shape, _ = onpolicy_bench.parse_args([])
     assert (shape.teacher, shape.batch, shape.new) == ("qwen2.5-1.5b", 8, 128)
+
+
+def test_the_runs_import_the_tree_the_benchmark_was_started_with(tmp_path):
+    """A benchmark started with another tree first on PYTHONPATH (a before/after comparison) hands that
+    tree to its `kdistill run` processes, not the repository's src."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(REPO / "src" / "kdistill", other / "kdistill")
+    probe = "import onpolicy_bench, os; print(onpolicy_bench.run_env()['PYTHONPATH'].split(os.pathsep)[0])"
+    env = {**child_env(), "PYTHONPATH": os.pathsep.join([str(other), str(REPO / "benchmarks")])}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(other.resolve())
