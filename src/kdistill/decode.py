@@ -71,7 +71,7 @@ from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
 from kdistill.models.lora import LoraLinear
 from kdistill.models.spec import ModelSpec
-from kdistill.ops.sample import Rows, sample_tokens
+from kdistill.ops.sample import Rows, append, sample_tokens
 
 MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1 / T would overflow the logits' scale
 
@@ -572,8 +572,7 @@ class DecodeEngine:
                 cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
                 h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend, step=True)[:, 0]
         # the sampler and every row's bookkeeping: one kernel (kernels/decode_sample.py) or the reference
-        rows = Rows(st.tok, st.lens, st.ngen, st.limit, st.done, st.out, self.stops, self.pad_id, st.max_len)
-        dispatch.decode_sample(F.linear(h, self.weights.lm_head), st.u, self.sampling, rows)
+        dispatch.decode_sample(F.linear(h, self.weights.lm_head), st.u, self.sampling, self._rows(st))
 
     def forward_at(self, st: _Slots, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """T new tokens per row through the static cache: ids (B, T) go to slots start[b] + j (at those
@@ -602,20 +601,9 @@ class DecodeEngine:
         table = (start[:, None] + torch.arange(t, device=start.device)).clamp(max=last)  # (B, T)
         return forward_tokens(self.weights, ids, self.cos[table], self.sin[table], attend)
 
-    def _append(self, st: _Slots, tok: torch.Tensor, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
-        """Bookkeeping of rows `rows` after sampling `tok` (on the device): the token is a row's next
-        output unless the row is done; its fed token now fills the slots up to new_lens."""
-        active = ~st.done[rows]
-        tok = torch.where(active, tok, torch.full_like(tok, self.pad_id))
-        ngen = st.ngen[rows]
-        st.out[rows, ngen] = tok
-        ngen = ngen + active
-        lens = torch.where(active, new_lens, st.lens[rows])
-        stop = (tok[:, None] == self.stops[None, :]).any(-1) | (ngen >= st.limit[rows]) | (lens >= st.max_len)
-        st.ngen[rows] = ngen
-        st.lens[rows] = lens
-        st.done[rows] = st.done[rows] | (active & stop)
-        st.tok[rows] = tok
+    def _rows(self, st: _Slots) -> Rows:
+        """The slots' per-row state as the sampler's bookkeeping takes it (ops.sample.Rows)."""
+        return Rows(st.tok, st.lens, st.ngen, st.limit, st.done, st.out, self.stops, self.pad_id, st.max_len)
 
     def _step(self, st: _Slots) -> None:
         if not self.sampling.greedy:
@@ -733,7 +721,7 @@ class DecodeEngine:
         st.ngen[rows] = 0
         st.lens[rows] = 0
         st.limit[rows] = torch.tensor(limits, dtype=torch.int64).to(self.device, non_blocking=True)
-        self._append(st, tok, rows, lens)
+        append(tok, lens, self._rows(st), at=rows)
 
     # -- the loop -----------------------------------------------------------------------------
     def bucket(self, n: int) -> int:

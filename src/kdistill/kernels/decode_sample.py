@@ -105,7 +105,7 @@ def decode_sample_kernel(
             k = tl.sum((before + tl.cumsum(y, axis=0) <= target).to(tl.int32), axis=0)
             k = tl.minimum(k, tl.max(tl.where(y > 0, n, 0), axis=0))  # rounding: a token of mass
             tok = j * CHUNK + k
-        # the row's bookkeeping (DecodeEngine._append for every row)
+        # the row's bookkeeping (ops.sample.append)
         done = tl.load(DONE + b) != 0
         active = done == 0
         tok = tl.where(active, tok.to(tl.int64), PAD)

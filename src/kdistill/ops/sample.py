@@ -88,21 +88,25 @@ class Rows(NamedTuple):
     max_len: int
 
 
-def append(tok: torch.Tensor, new_lens: torch.Tensor, rows: Rows) -> None:
-    """Every row's bookkeeping after sampling `tok` (B,), in place: the token is a row's next output
-    (out[b, ngen[b]]) unless the row is done (then the pad id); an active row's fed token now fills its
-    slots up to new_lens; it is done on a stop id, at its budget (ngen >= limit) or with a full cache
-    (lens >= max_len); rows.tok takes the token it feeds next."""
-    active = ~rows.done
+def append(tok: torch.Tensor, new_lens: torch.Tensor, rows: Rows, at: torch.Tensor | None = None) -> None:
+    """The bookkeeping of rows `at` ((n,) indices; None: every row) after sampling `tok` (n,), in place:
+    the token is a row's next output (out[b, ngen[b]]) unless the row is done (then the pad id); an
+    active row's fed token now fills its slots up to new_lens (n,); it is done on a stop id, at its
+    budget (ngen >= limit) or with a full cache (lens >= max_len); rows.tok takes the token it feeds
+    next."""
+    i = torch.arange(len(tok), device=tok.device) if at is None else at
+    done = rows.done[i]
+    active = ~done
     tok = torch.where(active, tok, torch.full_like(tok, rows.pad_id))
-    rows.out.scatter_(1, rows.ngen[:, None], tok[:, None])
-    n = rows.ngen + active
-    new = torch.where(active, new_lens, rows.lens)
-    stop = (tok[:, None] == rows.stops[None, :]).any(-1) | (n >= rows.limit) | (new >= rows.max_len)
-    rows.ngen.copy_(n)
-    rows.lens.copy_(new)
-    rows.done.logical_or_(active & stop)
-    rows.tok.copy_(tok)
+    ngen = rows.ngen[i]
+    rows.out[i, ngen] = tok
+    ngen = ngen + active
+    lens = torch.where(active, new_lens, rows.lens[i])
+    stop = (tok[:, None] == rows.stops[None, :]).any(-1) | (ngen >= rows.limit[i]) | (lens >= rows.max_len)
+    rows.ngen[i] = ngen
+    rows.lens[i] = lens
+    rows.done[i] = done | (active & stop)
+    rows.tok[i] = tok
 
 
 def sample_append(logits: torch.Tensor, u: torch.Tensor, s: Any, rows: Rows) -> None:
