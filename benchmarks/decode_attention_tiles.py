@@ -8,7 +8,7 @@ as many distinct caches as the model has blocks are attended one after another (
 split kernel: RoPE, the cache write, the last split of each (row, kv head) combining the parts), captured
 in one CUDA graph; the time is the replay's median over the blocks: one attention's cost inside a chain of
 launches. Variants: `policy` (the engine's key for that cache), and SPLIT:WARPS:STAGES overrides (SPLIT:
-cached slots a program takes; the parts a row combines are SLOTS / SPLIT). `-pdl` variants launch with
+cached slots a program takes; the parts a row combines are SLOTS / SPLIT; BLOCK_N: the keys of one tile). `-pdl` variants launch with
 programmatic dependent launch and read their first tile before the wait, as a small bucket's step does.
 Each variant is checked against the reference (relative error). Bytes/s counts the cached keys and values
 read (FILLED slots of every row and kv head).
@@ -41,7 +41,15 @@ def heads(preset: str) -> tuple[int, int, int]:
     return d, c["num_attention_heads"], c["num_key_value_heads"]
 
 
-def variant_key(preset: str, slots: int, split: int | None, warps: int | None, stages: int | None, pdl: bool):
+def variant_key(
+    preset: str,
+    slots: int,
+    split: int | None,
+    warps: int | None,
+    stages: int | None,
+    pdl: bool,
+    block_n: int | None = None,
+):
     """The engine's split key for the cache with the tiles overridden (None: the policy's)."""
     d, hq, hkv = heads(preset)
     base = attn.split_key(
@@ -54,6 +62,8 @@ def variant_key(preset: str, slots: int, split: int | None, warps: int | None, s
         p["num_warps"] = warps
     if stages:
         p["num_stages"] = stages
+    if block_n:
+        p["BLOCK_N"] = block_n
     p["PDL"] = p["PRELOAD"] = pdl
     return make_key(base.op, base.arch, **p)
 
@@ -68,7 +78,7 @@ def main() -> None:
         "--variants",
         default="policy:-:-:-,s128:128:-:-,s256:256:-:-,s512:512:-:-,s1024:1024:-:-,"
         "s256w8:256:8:-,s256st3:256:-:3,s1024st3:1024:-:3",
-        help="name:SPLIT:WARPS:STAGES,... ('-': the policy's); a SPLIT past SLOTS is skipped",
+        help="name:SPLIT:WARPS:STAGES[:BLOCK_N],... ('-': the policy's); a SPLIT past SLOTS is skipped",
     )
     ap.add_argument("--pdl-batch", type=int, default=16, help="batches up to this also run -pdl variants")
     ap.add_argument("--json", default=None)
@@ -104,11 +114,11 @@ def main() -> None:
                 ).double()
                 kv_mb = b * hkv * filled * d * 2 * 2 / 1e6
                 results, errs = {}, {}
-                for vname, split, warps, stages in variants:
+                for vname, split, warps, stages, block_n, *_ in variants:
                     if split and split > slots:
                         continue
                     for pdl in (False, True) if b <= a.pdl_batch else (False,):
-                        key = variant_key(preset, slots, split, warps, stages, pdl)
+                        key = variant_key(preset, slots, split, warps, stages, pdl, block_n)
                         tag = f"{vname}{'-pdl' if pdl else ''}"
 
                         def one(kc, key=key, x=(q, pos, kn, vn, cos, sin)):

@@ -381,7 +381,17 @@ def case_bwd_failure_falls_back(device="cpu", dtype=torch.float32):
 
 
 def case_decode_attention(
-    device="cpu", dtype=torch.float32, b=4, hq=4, hkv=2, d=16, m=300, rope=False, chained=False, wide=False
+    device="cpu",
+    dtype=torch.float32,
+    b=4,
+    hq=4,
+    hkv=2,
+    d=16,
+    m=300,
+    rope=False,
+    chained=False,
+    wide=False,
+    positions=(0, 37, 256),
 ):
     """One token per row over a static cache: rows whose newest slot is 0, inside the first split, on
     a split boundary and at the cache's end (empty splits must weigh nothing). rope: q and the new key
@@ -389,7 +399,8 @@ def case_decode_attention(
     rotates both at the row's position. chained: the key of a small bucket's step on an arch with
     programmatic dependent launch, whose split reads its first tile of cached keys before the wait.
     wide: the key of a step of more than WIDE_ROWS rows (the threshold lowered to this case's rows),
-    whose splits run several tiles of keys."""
+    whose splits run several tiles of keys. positions: the first rows' newest slots (the last row's is
+    the cache's end)."""
     from unittest import mock
 
     from kdistill import dispatch
@@ -402,7 +413,7 @@ def case_decode_attention(
     q = qkv[:, : hq * d].view(b, hq, d) if rope else torch.randn((b, hq, d), generator=g).to(device, dtype)
     k = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
     v = torch.randn((b, hkv, m, d), generator=g).to(device=device, dtype=dtype)
-    pos = torch.tensor([0, 37, 256, m - 1][:b], device=device)
+    pos = torch.tensor([*positions, m - 1][:b], device=device)
     # the step's new k and v: k with contiguous rows, v a strided view (as the q/k/v GEMM gives it)
     kn = torch.randn((b, hkv, d), generator=g).to(device=device, dtype=dtype)
     vn = torch.randn((b, 3, hkv, d), generator=g).to(device=device, dtype=dtype)[:, 1]
@@ -412,6 +423,14 @@ def case_decode_attention(
         cos, sin = angles.cos(), angles.sin()
     kr, vr = k.float().clone(), v.float().clone()
     want = decode_attention_reference(q.float(), kr, vr, pos, kn.float(), vn.float(), cos, sin)
+    # slots from each row's newest on hold anything (NaN here): the kernel must not read them, though
+    # its first tile's loads are issued before it knows where the row ends
+    past = torch.arange(m, device=device)[None, None, :, None] >= pos[:, None, None, None]
+    k.masked_fill_(past, float("nan"))
+    v.masked_fill_(past, float("nan"))
+    ahead = torch.arange(m, device=device)[None, None, :, None] > pos[:, None, None, None]
+    kr.masked_fill_(ahead, float("nan"))
+    vr.masked_fill_(ahead, float("nan"))
     arch = {"arch": "sm_90"} if chained else {}
     with (
         runtime.using(mode="triton", strict=True, **arch),
@@ -424,8 +443,9 @@ def case_decode_attention(
     assert [k["SPLIT"] for k in rec.keys()] == [decode_kernel.split_len(m, wide)]
     assert got.dtype == dtype and got.shape == (b, hq, d)
     _close("o", got, want, dtype)
-    _close("k cache", k, kr, dtype)  # the new key and value are in the cache, nothing else changed
-    _close("v cache", v, vr, dtype)
+    # the new key and value are in the cache, nothing else changed
+    _close("k cache", k.float().nan_to_num(), kr.nan_to_num(), dtype)
+    _close("v cache", v.float().nan_to_num(), vr.nan_to_num(), dtype)
 
 
 def case_decode_attention_multi(
@@ -776,6 +796,11 @@ CASES = {
     "decode_attention_fp32_rope_wide": (
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, wide=True),
+    ),
+    # a wide step over a cache one split holds: the output written directly (no parts, no count)
+    "decode_attention_fp32_rope_wide_one_split": (
+        case_decode_attention,
+        dict(dtype=torch.float32, hq=6, hkv=2, d=32, m=200, rope=True, wide=True, positions=(0, 64, 130)),
     ),
     # a split product's partials summed by the residual add + norm after it (o_proj, down)
     "decode_linear_add_rmsnorm_fp32": (case_decode_linear_add_rmsnorm, {}),

@@ -13,9 +13,13 @@ Split-K ("flash decoding"): program (b, kv head, s) takes the slots [s * SPLIT, 
 its row, for all G query heads of that kv head at once (one tile of K and V serves G queries), and
 writes an fp32 partial output and its log-sum-exp; splits past p_b write an empty part. The last split
 of each (b, kv head) to arrive (an acquire-release count, set back to zero by it) combines the parts of
-its G heads: o = sum_s exp(lse_s - lse) o_s, with no kernel of its own. The number of splits is a
-runtime grid size (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head
-counts and the tiles are in the key. A step of more than WIDE_ROWS rows has programs enough without
+its G heads: o = sum_s exp(lse_s - lse) o_s, with no kernel of its own. Where one split holds the
+whole cache (NSPLIT = 1, a wide step's short cache) it writes o directly: no parts, no count. The
+newest slot is never read back from the cache: the split holding it starts its online softmax from
+the new key's score and value, and its loop over cached tiles feeds the loads straight to the dots
+(which lets Triton's pipeline stage them). The number of splits is a runtime grid size
+(ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head counts and the
+tiles are in the key. A step of more than WIDE_ROWS rows has programs enough without
 short splits: its key takes splits of at least WIDE_SPLIT keys (split_len), fewer parts to combine. In
 a small bucket's decode step (runtime.chained) it launches with programmatic dependent launch
 (keys.pdl) and reads its first tile of cached keys and values before the wait for the previous kernel
@@ -116,60 +120,51 @@ def _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE: tl.constexp
 
 
 @jit
-def _attend_tile(
-    qa, qb, ka, kb, v, ka_new, kb_new, vn, n, nmask, last, m_i, l_i, acc, sm_scale, ROPE: tl.constexpr
-):
-    """A tile of cached slots n (_cached_tile) with the row's newest slot `last` taken from the step's
-    own key and value, through the online softmax (_attend)."""
-    newest = (n == last)[:, None]
-    ka = tl.where(newest, ka_new[None, :], ka)
-    kb = tl.where(newest, kb_new[None, :], kb)
-    v = tl.where(newest, vn[None, :].to(v.dtype), v)
-    return _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE)
-
-
-@jit
-def _cached_tile(K, V, kv, n, nmask, last, HALF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
-    """Slots n of the cache except the row's newest (`last`, which this step writes): (ka, kb, v), the
-    keys as their two halves with ROPE (kb unused without)."""
-    cached = (nmask & (n != last))[:, None]
+def _cached_tile(K, V, kv, n, nmask, HALF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+    """Slots n of the cache where nmask: (ka, kb, v), the keys as their two halves with ROPE (kb unused
+    without). The loads feed the tile's dots directly (no select between load and dot), so the loop's
+    pipeline can stage them."""
     rows = (kv + n)[:, None].to(tl.int64) * D
     if ROPE:
         dk = tl.arange(0, HALF)
-        ka = tl.load(K + rows + dk[None, :], mask=cached, other=0.0)
-        kb = tl.load(K + rows + HALF + dk[None, :], mask=cached, other=0.0)
+        ka = tl.load(K + rows + dk[None, :], mask=nmask[:, None], other=0.0)
+        kb = tl.load(K + rows + HALF + dk[None, :], mask=nmask[:, None], other=0.0)
     else:
-        ka = tl.load(K + rows + tl.arange(0, D)[None, :], mask=cached, other=0.0)
+        ka = tl.load(K + rows + tl.arange(0, D)[None, :], mask=nmask[:, None], other=0.0)
         kb = ka
-    v = tl.load(V + rows + tl.arange(0, D)[None, :], mask=cached, other=0.0)
+    v = tl.load(V + rows + tl.arange(0, D)[None, :], mask=nmask[:, None], other=0.0)
     return ka, kb, v
 
 
 @jit
 def _split_body(
-    Q, K, V, KN, VN, COS, SIN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
+    Q, K, V, KN, VN, COS, SIN, b, h, heads, gmask, kv, last, start,
     sqn, skn, svn, sm_scale,
     D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     ROPE: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
-    """The split's slots [start, min(start + SPLIT, last + 1)) of row b, kv head h.
+    """The split's slots [start, min(start + SPLIT, last + 1)) of row b, kv head h: the online
+    softmax's (m_i, l_i, acc) over them.
 
-    With PRELOAD (a chained key: PDL), the cached slots of the split's first tile (and the RoPE tables'
-    row) are loaded before the wait for the previous kernel: no kernel of the step's chain writes them (slots below `last` were
-    written by earlier steps, and `last` itself, the row's position, by a kernel before the chain).
-    Then q, the new key and value (this step's q/k/v product) are read. With ROPE they arrive
-    unrotated and are rotated at the row's position in registers, before they are used or cached:
-    scores are the two halves' dots (q1.k1 + q2.k2), so no rotated head is assembled. The program
-    whose split holds `last` writes the new key and value into the cache there."""
+    The cached slots [start, min(start + SPLIT, last)) are read from the cache; the row's newest slot
+    `last` (which this step writes) is not read back: the split holding it starts its softmax from the
+    new key's score and value, taken from registers, and writes them into the cache there. With PRELOAD
+    (a chained key: PDL), the split's first tile of cached slots (and the RoPE tables' row) is loaded
+    before the wait for the previous kernel: no kernel of the step's chain writes them (slots below
+    `last` were written by earlier steps). Then q, the new key and value (this step's q/k/v product) are
+    read. With ROPE they arrive unrotated and are rotated at the row's position in registers, before
+    they are used or cached: scores are the two halves' dots (q1.k1 + q2.k2), so no rotated head is
+    assembled."""
     HALF: tl.constexpr = D // 2 if ROPE else D
     d = tl.arange(0, D)
     dk = tl.arange(0, HALF)
-    end = tl.minimum(start + SPLIT, last + 1)
+    cend = tl.minimum(start + SPLIT, last)  # the split's cached slots: [start, cend)
+    own = (last >= start) & (last < start + SPLIT)  # the split holds the newest slot
     first = start  # the first tile the loop below reads
     if PRELOAD:  # the first tile in registers across the wait (else the loop's pipeline reads it)
         n = start + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        ka, kb, v = _cached_tile(K, V, kv, n, nmask, last, HALF, D, ROPE)
+        nmask = n < cend
+        ka, kb, v = _cached_tile(K, V, kv, n, nmask, HALF, D, ROPE)
         first = start + BLOCK_N
     if ROPE:
         c1, c2, s1, s2 = _rope_halves(Q, COS, SIN, last.to(tl.int64) * D, dk, HALF)
@@ -186,33 +181,33 @@ def _split_body(
         k2 = tl.load(krow + HALF + dk).to(tl.float32)
         ka_new = (k1 * c1 - k2 * s1).to(K.dtype.element_ty)  # (HALF,)
         kb_new = (k2 * c2 + k1 * s2).to(K.dtype.element_ty)
+        s_new = tl.sum(qa.to(tl.float32) * ka_new.to(tl.float32)[None, :], axis=1)
+        s_new += tl.sum(qb.to(tl.float32) * kb_new.to(tl.float32)[None, :], axis=1)
     else:
         qa = tl.load(qrow, mask=gmask[:, None], other=0.0)
         qb = qa
         ka_new = tl.load(krow + dk).to(K.dtype.element_ty)
         kb_new = ka_new
-    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, D), tl.float32)
+        s_new = tl.sum(qa.to(tl.float32) * ka_new.to(tl.float32)[None, :], axis=1)
+    # the newest key first: the owning split's softmax starts from its score (weight 1, its value)
+    m_i = tl.where(own, s_new * sm_scale, float("-inf"))  # (BLOCK_G,)
+    l_i = tl.where(own, 1.0, 0.0) + tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.where(own, vn.to(V.dtype.element_ty).to(tl.float32)[None, :], 0.0) + tl.zeros(
+        (BLOCK_G, D), tl.float32
+    )
     if PRELOAD:
-        m_i, l_i, acc = _attend_tile(
-            qa, qb, ka, kb, v, ka_new, kb_new, vn, n, nmask, last, m_i, l_i, acc, sm_scale, ROPE
-        )
-    for n0 in range(first, end, BLOCK_N):
+        m_i, l_i, acc = _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE)
+    for n0 in range(first, cend, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        ka, kb, v = _cached_tile(K, V, kv, n, nmask, last, HALF, D, ROPE)
-        m_i, l_i, acc = _attend_tile(
-            qa, qb, ka, kb, v, ka_new, kb_new, vn, n, nmask, last, m_i, l_i, acc, sm_scale, ROPE
-        )
-    own = (dk * 0 + last >= start) & (dk * 0 + last < start + SPLIT)
+        nmask = n < cend
+        ka, kb, v = _cached_tile(K, V, kv, n, nmask, HALF, D, ROPE)
+        m_i, l_i, acc = _attend(qa, qb, ka, kb, v, nmask, m_i, l_i, acc, sm_scale, ROPE)
     slot = (kv + last).to(tl.int64) * D
-    tl.store(K + slot + dk, ka_new, mask=own)
+    tl.store(K + slot + dk, ka_new, mask=(dk * 0 + own) != 0)
     if ROPE:
-        tl.store(K + slot + HALF + dk, kb_new, mask=own)
-    vown = (d * 0 + last >= start) & (d * 0 + last < start + SPLIT)
-    tl.store(V + slot + d, vn.to(V.dtype.element_ty), mask=vown)
-    _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D)
+        tl.store(K + slot + HALF + dk, kb_new, mask=(dk * 0 + own) != 0)
+    tl.store(V + slot + d, vn.to(V.dtype.element_ty), mask=(d * 0 + own) != 0)
+    return m_i, l_i, acc
 
 
 @jit(do_not_specialize=["M", "NSPLIT", "sqn", "skn", "svn"])
@@ -256,20 +251,28 @@ def decode_attn_split_kernel(
     g = tl.arange(0, BLOCK_G)
     gmask = g < G
     heads = h * G + g  # (BLOCK_G,) query heads of this kv head
-    part = (b * HQ + heads) * NSPLIT + s  # (BLOCK_G,) rows of OP / LSE
     kv = (b * HKV + h) * M  # first slot of this (row, kv head)
-    _split_body(
-        Q, K, V, KN, VN, COS, SIN, OP, LSE, b, h, heads, gmask, part, kv, last, start,
+    m_i, l_i, acc = _split_body(
+        Q, K, V, KN, VN, COS, SIN, b, h, heads, gmask, kv, last, start,
         sqn, skn, svn, sm_scale, D, BLOCK_G, BLOCK_N, SPLIT, ROPE, PDL, PRELOAD,
     )  # fmt: skip
-    # The last split of (row, kv head) to arrive (an acquire-release count, set back to zero by it)
-    # combines its G heads' parts: the combine kernel's sum, with no launch of its own.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(CNT + b * HKV + h, 1, sem="acq_rel", scope="gpu")
-    if arrived == NSPLIT - 1:
+    if NSPLIT == 1:  # one split holds the whole cache (a wide step's): the output directly, no parts
+        d = tl.arange(0, D)
+        o = acc / l_i[:, None]  # the split holds the newest slot: l_i >= 1
+        tl.store(
+            O + (b * HQ + heads)[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=gmask[:, None]
+        )
+    else:
+        part = (b * HQ + heads) * NSPLIT + s  # (BLOCK_G,) rows of OP / LSE
+        _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D)
+        # The last split of (row, kv head) to arrive (an acquire-release count, set back to zero by
+        # it) combines its G heads' parts: the combine kernel's sum, with no launch of its own.
         tl.debug_barrier()
-        _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, D, BLOCK_G)
-        tl.atomic_xchg(CNT + b * HKV + h, 0, sem="relaxed", scope="gpu")
+        arrived = tl.atomic_add(CNT + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == NSPLIT - 1:
+            tl.debug_barrier()
+            _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, D, BLOCK_G)
+            tl.atomic_xchg(CNT + b * HKV + h, 0, sem="relaxed", scope="gpu")
 
 
 @jit
