@@ -182,3 +182,38 @@ def test_export_merge_on_a_full_disk_is_one_line(small_fs, tmp_path, capsys):
         f"{tmp_path / 'run' / 'adapter'} are intact"
     )
     assert os.listdir(mnt) == []
+
+
+def test_a_run_is_refused_before_loading_when_its_checkpoint_and_export_do_not_fit(
+    small_fs, tmp_path, capsys
+):
+    mnt = small_fs(512)  # the tiny pair's one checkpoint and export are planned at ~1.6 MiB
+    cfg = base_config(mnt / "run")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    rc, _, err = run_cli(capsys, "run", str(tmp_path / "run.yaml"), "--quiet")
+    line = one_error_line(err)
+    assert rc == 2 and line.startswith(f"output.dir '{mnt / 'run'}': the run writes up to ")
+    assert "(1 checkpoint(s) of " in line and "KiB free; free space" in line
+    assert os.listdir(mnt) == []  # refused before anything was written there
+
+
+def test_a_resumed_runs_own_checkpoints_count_as_free_space(small_fs, tmp_path):
+    from kdistill.config import load_config
+    from kdistill.models.spec import load_spec
+    from kdistill.train.preflight import check_disk, disk_plan
+
+    mnt = small_fs(4096)
+    run = mnt / "run"
+    (run / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(base_config(run), sort_keys=False))
+    cfg = load_config(tmp_path / "run.yaml").validate()
+    spec = load_spec(assets().student_config)
+    need = disk_plan(cfg, spec)["total"]
+    _fill(mnt, keep=need + 64 * 1024)
+    old = run / "checkpoints" / "step-0000002" / "optimizer.safetensors"
+    with open(old, "wb") as f:
+        f.write(b"\0" * (need * 3 // 4))  # an earlier checkpoint the run will rotate out: counted as free
+    check_disk(cfg, spec, run)
+    old.rename(mnt / "elsewhere")  # the same free space, its bytes no longer the run's: refused
+    with pytest.raises(UserError, match=r"^output.dir '.*': the run writes up to "):
+        check_disk(cfg, spec, run)

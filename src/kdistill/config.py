@@ -13,7 +13,7 @@ A run config is YAML with these sections (every field has a default except the m
                sample_temperature, max_new_tokens, samples_per_prompt, rollout_batch}
     optim:    {lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, eps, grad_clip}
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
-    output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow]}
+    output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow], check_disk}
     runtime:  {device, dtype, precision: auto|fp8, kernels, strict_kernels, arch, kernel_pack, on_nonfinite,
                max_nonfinite, auto_fit, gpu_memory_gib, teacher_placement, activation_checkpointing,
                student_reshard, student_unit_blocks, grad_reduce, profile_steps,
@@ -318,6 +318,8 @@ class OutputConfig:
     dir: str = "runs/kdistill"
     keep_checkpoints: int = 2
     report_to: list[str] = dataclasses.field(default_factory=list)  # tensorboard, wandb, mlflow
+    # refuse, before loading, a run whose checkpoints and export do not fit on output.dir's filesystem
+    check_disk: bool = True
 
     def validate(self) -> None:
         check_path_value("output.dir", self.dir)  # empty or blank would mean the working directory

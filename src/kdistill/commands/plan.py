@@ -24,6 +24,7 @@ from kdistill.errors import UserError
 from kdistill.memory import GIB, choose_layout, estimate_memory, gpus_needed
 from kdistill.models.lora import check_lora
 from kdistill.models.spec import ModelSpec, load_spec
+from kdistill.train.preflight import disk_plan
 
 DEFAULT_GPU_GIB = 80.0
 
@@ -49,6 +50,7 @@ def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, nproc: int
     s_fwd = student.matmul_flops_per_token(seq)
     tokens_per_step = cfg.schedule.batch_size * seq * cfg.schedule.grad_accum
     mem = estimate_memory(teacher, student, cfg, batch=per, layout=layout, extra_teachers=extras)
+    disk = disk_plan(cfg, student)  # what the run writes into output.dir at its largest
     return {
         "teacher": {"name": teacher.name, "arch": teacher.arch, "params": teacher.param_counts()},
         "student": {"name": student.name, "arch": student.arch, "params": student.param_counts()},
@@ -66,6 +68,7 @@ def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, nproc: int
         "layout": dataclasses.asdict(layout),
         "memory_bytes": mem,
         "memory_gib": {k: round(v / GIB, 3) for k, v in mem.items()},
+        "disk_bytes": disk,
         "gpus": {
             "gpu_gib": gpu_gib,
             "needed": needed[0] if needed else None,
@@ -127,6 +130,11 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"  {'total':28s}{plan['memory_gib']['total']:10.2f} GiB")
     lines.append("")
     lines.append(f"GPUs: {plan['gpus']['line']} (schedule.batch_size split over them)")
+    d = plan["disk_bytes"]
+    lines.append(
+        f"disk in output.dir: up to {d['total'] / GIB:.2f} GiB ({d['at_once']} checkpoint(s) of "
+        f"{d['checkpoint'] / GIB:.2f} GiB at once, the export {d['export'] / GIB:.2f} GiB)"
+    )
     return "\n".join(lines)
 
 

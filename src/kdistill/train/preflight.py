@@ -4,6 +4,7 @@
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)   # specs, tokenizer, vocab
     extras = check_teachers(cfg, tok, student_spec)                         # a mixture's other teachers
     cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet)   # refuse or auto-fit
+    check_disk(cfg, student_spec, run_dir)                                  # checkpoints and export fit
 
 Every check ends in a one-line UserError naming the field or file and what was expected.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.jsonio import short_repr
 from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_limits, fit_rollout_batch
+from kdistill.models.hf_io import EXTRA_FILES, TOKENIZER_FILES
 from kdistill.models.lora import check_lora
 from kdistill.models.spec import ModelSpec, load_spec
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
@@ -236,6 +239,73 @@ def check_memory(
         f"data.seq_len={fit['seq_len']} (at batch {cfg.schedule.batch_size}); "
         + (f"or kd.rollout_batch={slots}; " if slots is not None else "")
         + "or set runtime.auto_fit=true"
+    )
+
+
+CHECKPOINT_EXTRA = 1 << 20  # a checkpoint's state.json (RNG states, data position) and tensor headers
+EXPORT_EXTRA = 64 << 10  # an export's config.json, marker and tensor header
+
+
+def disk_plan(cfg: RunConfig, student: ModelSpec, export_files: int = 0) -> dict[str, int]:
+    """Bytes a run writes into output.dir at its largest, from the config alone: each checkpoint holds
+    the student's fp32 weights (a LoRA student's adapters only) and AdamW's two fp32 moments of what
+    trains; the run writes one every schedule.checkpoint_every steps and one at the end, keeps
+    output.keep_checkpoints of them, and writes the newest before the oldest is removed (so keep + 1
+    exist at once); the export (the fp32 student, or a LoRA student's adapters, and `export_files`
+    bytes of tokenizer files copied beside it) comes after the last checkpoint, beside the kept ones.
+    Each also has a fixed allowance for its small files and headers (an upper bound: tests check it
+    against a real run's files). Metrics, samples and the summary are small and not counted."""
+    lora = cfg.student.lora
+    total = student.param_counts()["total"]
+    trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else total
+    checkpoint = trainable * 4 + trainable * 8 + CHECKPOINT_EXTRA
+    export = trainable * 4 + export_files + EXPORT_EXTRA
+    every, steps, keep = cfg.schedule.checkpoint_every, cfg.schedule.steps, cfg.output.keep_checkpoints
+    written = (steps - 1) // every + 1 if every else 1
+    at_once = min(written, keep + 1)
+    need = max(at_once * checkpoint, min(written, keep) * checkpoint + export)
+    return {"checkpoint": checkpoint, "at_once": at_once, "export": export, "total": need}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB // 10 else f"{max(1, round(n / 1024))} KiB"
+
+
+def _held(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 when it is not there)."""
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def check_disk(cfg: RunConfig, student: ModelSpec, run_dir: Path) -> None:
+    """Refuse a run whose checkpoints and export cannot fit on output.dir's filesystem (`disk_plan`),
+    before any weight is loaded: a run that would die at its first checkpoint, or at its export after
+    all its steps, fails here instead. What the run directory already holds of checkpoints and an
+    export (a resumed run) counts as free: the run rotates and replaces it. output.check_disk=false
+    skips the check (a filesystem that reports no meaningful free space)."""
+    if not cfg.output.check_disk:
+        return
+    source = Path(cfg.student.path if cfg.kd.cross_tokenizer else cfg.teacher.path)  # the export's tokenizer
+    files = [source / name for name in (*TOKENIZER_FILES, *EXTRA_FILES)]
+    plan = disk_plan(cfg, student, sum(f.stat().st_size for f in files if f.is_file()))
+    where = Path(run_dir).absolute()
+    while not where.exists() and where != where.parent:  # the filesystem the run directory will be on
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:  # a filesystem that cannot say: nothing to check against
+        return
+    held = sum(_held(Path(run_dir) / name) for name in ("checkpoints", "student", "adapter"))
+    if plan["total"] <= free + held:
+        return
+    keep = cfg.output.keep_checkpoints
+    raise UserError(
+        f"output.dir '{cfg.output.dir}': the run writes up to {_gib(plan['total'])} there "
+        f"({plan['at_once']} checkpoint(s) of {_gib(plan['checkpoint'])} at once with "
+        f"output.keep_checkpoints={keep}, then the {_gib(plan['export'])} export), but its filesystem has "
+        f"{_gib(free + held)} free; free space, lower output.keep_checkpoints, choose another output.dir or "
+        "set output.check_disk=false"
     )
 
 
