@@ -173,6 +173,15 @@ def test_billion_laughs_is_refused_fast_with_small_memory():
     assert elapsed < 1.0 and peak < 20 * 2**20, (elapsed, peak)
 
 
+def test_a_huge_document_is_refused_at_the_limit_before_the_rest_is_read():
+    """Composing stops once a document has more than max_nodes values: a text cut short after that point
+    (sequences never closed) is refused for its size, before the parser reaches the end that would make
+    it a syntax error; within the limit the same text is the syntax error."""
+    msg = _err(parse_yaml, "[" + "1, " * 101 + "[[[ ", where="big.yaml", max_nodes=100)
+    assert msg == "big.yaml: line 1: more than 100 values (a run config or record holds far fewer)", msg
+    assert "not valid YAML" in _err(parse_yaml, "[" + "1, " * 90 + "[[[ ", where="x", max_nodes=100)
+
+
 @pytest.mark.parametrize(
     "text,expected",
     [

@@ -311,6 +311,21 @@ class _Loader(yaml.SafeLoader):
     max_depth = MAX_DEPTH
     where = "<yaml>"
 
+    composed = 0  # nodes composed so far (aliases not counted): a lower bound of the expanded size
+
+    def compose_node(self, parent: Any, index: Any) -> Any:  # type: ignore[override]
+        """Count each new node and stop at the limit: a huge document is refused as soon as it has more
+        than max_nodes values, not after all of it has been scanned and composed."""
+        if not self.check_event(yaml.AliasEvent):
+            self.composed += 1
+            if self.composed > self.max_nodes:
+                line = self.peek_event().start_mark.line + 1
+                raise UserError(
+                    f"{self.where}: line {line}: more than {self.max_nodes} values (a run config or record "
+                    "holds far fewer)"
+                )
+        return super().compose_node(parent, index)
+
     def compose_document(self) -> Any:  # type: ignore[override]
         node = super().compose_document()
         _check_graph(node, self.where, self.max_nodes, self.max_depth)
