@@ -50,6 +50,13 @@ def test_the_disk_plan_counts_the_checkpoints_at_once_and_the_export():
     assert (p["at_once"], p["total"]) == (3, max(3 * ckpt, 2 * ckpt + export))
     p = plan(steps=10, checkpoint_every=3, keep=5)  # never more than were written
     assert (p["at_once"], p["total"]) == (4, max(4 * ckpt, 4 * ckpt + export))
+    # kd.layer_map's projections (student width x teacher width each) are trained and checkpointed
+    teacher = load_spec(assets().teacher)
+    assert teacher.hidden_size != spec.hidden_size
+    mapped = load_config(None, base={"kd": {"layer_map": [[0, 0], [1, 1]], "hidden_weight": 0.5}})
+    p = disk_plan(mapped.validate(need_paths=False), spec, teacher=teacher)
+    assert p["checkpoint"] == ckpt + 2 * spec.hidden_size * teacher.hidden_size * 12
+    assert p["export"] == export  # the export leaves them out
     lora = load_config(None, base={"student": {"lora": {"rank": 2, "targets": ["q_proj"]}}})
     adapters = spec.lora_params(2, ["q_proj"])
     p = disk_plan(lora.validate(need_paths=False), spec, export_files=1000)
@@ -91,7 +98,9 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_loading(tmp_path, 
     )
     assert not run.exists()  # nothing half-written: the run directory it created is gone
     off = load_config(path, ["output.keep_checkpoints=1000000", "output.check_disk=false"]).validate()
-    check_disk(off, load_spec(assets().student_config), run)  # switched off: no refusal
+    check_disk(
+        off, load_spec(assets().teacher), load_spec(assets().student_config), run
+    )  # switched off: no refusal
 
 
 def test_kdistill_plan_shows_the_disk_plan(capsys):

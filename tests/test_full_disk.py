@@ -213,7 +213,7 @@ def test_a_resumed_runs_own_checkpoints_count_as_free_space(small_fs, tmp_path):
     old = run / "checkpoints" / "step-0000002" / "optimizer.safetensors"
     with open(old, "wb") as f:
         f.write(b"\0" * (need * 3 // 4))  # an earlier checkpoint the run will rotate out: counted as free
-    check_disk(cfg, spec, run)
+    check_disk(cfg, load_spec(assets().teacher), spec, run)
     old.rename(mnt / "elsewhere")  # the same free space, its bytes no longer the run's: refused
     with pytest.raises(UserError, match=r"^output.dir '.*': the run writes up to "):
-        check_disk(cfg, spec, run)
+        check_disk(cfg, load_spec(assets().teacher), spec, run)

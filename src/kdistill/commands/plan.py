@@ -50,7 +50,7 @@ def make_plan(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, nproc: int
     s_fwd = student.matmul_flops_per_token(seq)
     tokens_per_step = cfg.schedule.batch_size * seq * cfg.schedule.grad_accum
     mem = estimate_memory(teacher, student, cfg, batch=per, layout=layout, extra_teachers=extras)
-    disk = disk_plan(cfg, student)  # what the run writes into output.dir at its largest
+    disk = disk_plan(cfg, student, teacher=teacher)  # what the run writes into output.dir at its largest
     return {
         "teacher": {"name": teacher.name, "arch": teacher.arch, "params": teacher.param_counts()},
         "student": {"name": student.name, "arch": student.arch, "params": student.param_counts()},

@@ -4,7 +4,7 @@
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)   # specs, tokenizer, vocab
     extras = check_teachers(cfg, tok, student_spec)                         # a mixture's other teachers
     cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet)   # refuse or auto-fit
-    check_disk(cfg, student_spec, run_dir)                                  # checkpoints and export fit
+    check_disk(cfg, teacher_spec, student_spec, run_dir)                    # checkpoints and export fit
 
 Every check ends in a one-line UserError naming the field or file and what was expected.
 """
@@ -246,10 +246,13 @@ CHECKPOINT_EXTRA = 1 << 20  # a checkpoint's state.json (RNG states, data positi
 EXPORT_EXTRA = 64 << 10  # an export's config.json, marker and tensor header
 
 
-def disk_plan(cfg: RunConfig, student: ModelSpec, export_files: int = 0) -> dict[str, int]:
+def disk_plan(
+    cfg: RunConfig, student: ModelSpec, export_files: int = 0, teacher: ModelSpec | None = None
+) -> dict[str, int]:
     """Bytes a run writes into output.dir at its largest, from the config alone: each checkpoint holds
     the student's fp32 weights (a LoRA student's adapters only) and AdamW's two fp32 moments of what
-    trains; the run writes one every schedule.checkpoint_every steps and one at the end, keeps
+    trains (with kd.layer_map and the teacher's spec, its projections too: they are trained and
+    checkpointed, not exported); the run writes one every schedule.checkpoint_every steps and one at the end, keeps
     output.keep_checkpoints of them, and writes the newest before the oldest is removed (so keep + 1
     exist at once); the export (the fp32 student, or a LoRA student's adapters, and `export_files`
     bytes of tokenizer files copied beside it) comes after the last checkpoint, beside the kept ones.
@@ -258,7 +261,10 @@ def disk_plan(cfg: RunConfig, student: ModelSpec, export_files: int = 0) -> dict
     lora = cfg.student.lora
     total = student.param_counts()["total"]
     trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else total
-    checkpoint = trainable * 4 + trainable * 8 + CHECKPOINT_EXTRA
+    projections = 0
+    if teacher is not None and cfg.kd.layers_on and teacher.hidden_size != student.hidden_size:
+        projections = len(cfg.kd.layer_map) * student.hidden_size * teacher.hidden_size
+    checkpoint = (trainable + projections) * 12 + CHECKPOINT_EXTRA
     export = trainable * 4 + export_files + EXPORT_EXTRA
     every, steps, keep = cfg.schedule.checkpoint_every, cfg.schedule.steps, cfg.output.keep_checkpoints
     written = (steps - 1) // every + 1 if every else 1
@@ -278,7 +284,7 @@ def _held(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def check_disk(cfg: RunConfig, student: ModelSpec, run_dir: Path) -> None:
+def check_disk(cfg: RunConfig, teacher: ModelSpec, student: ModelSpec, run_dir: Path) -> None:
     """Refuse a run whose checkpoints and export cannot fit on output.dir's filesystem (`disk_plan`),
     before any weight is loaded: a run that would die at its first checkpoint, or at its export after
     all its steps, fails here instead. What the run directory already holds of checkpoints and an
@@ -288,7 +294,7 @@ def check_disk(cfg: RunConfig, student: ModelSpec, run_dir: Path) -> None:
         return
     source = Path(cfg.student.path if cfg.kd.cross_tokenizer else cfg.teacher.path)  # the export's tokenizer
     files = [source / name for name in (*TOKENIZER_FILES, *EXTRA_FILES)]
-    plan = disk_plan(cfg, student, sum(f.stat().st_size for f in files if f.is_file()))
+    plan = disk_plan(cfg, student, sum(f.stat().st_size for f in files if f.is_file()), teacher)
     where = Path(run_dir).absolute()
     while not where.exists() and where != where.parent:  # the filesystem the run directory will be on
         where = where.parent

@@ -179,7 +179,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     extras = check_teachers(cfg, tok, student_spec)  # teachers[1:] of a mixture: [(spec, trim rows)]
     extra_specs = [spec for spec, _ in extras]
     cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet, extra_specs)  # GPU or RAM
-    check_disk(cfg, student_spec, run_dir)  # its checkpoints and export fit on output.dir's filesystem
+    check_disk(cfg, teacher_spec, student_spec, run_dir)  # its checkpoints and export fit on output.dir
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
     data = load_data(cfg, tok)
