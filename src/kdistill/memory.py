@@ -143,15 +143,25 @@ class StepShape:
             chunk=min(cfg.kd.chunk_size, n),
             # A LoRA student: a frozen base (in lora.base_dtype, no gradient, no optimizer state, no cached
             # autocast copy: autocast caches casts of trainable leaves only) and fp32 adapters that train.
-            trainable=(
-                student.lora_params(lora.rank, lora.targets)
-                if lora.enabled
-                else student.param_counts()["total"]
-            ),
+            trainable=trainable_params(student, cfg),
             base_bytes=(2 if lora.base_dtype != "float32" else 4) if lora.enabled else 4,
             cached=bool(cfg.teacher.cache),
             documents=rows_carry_documents(cfg) if documents is None else documents,
         )
+
+
+def trainable_params(student: ModelSpec, cfg: RunConfig) -> int:
+    """Parameters of the student that train: all of them, or a LoRA student's adapters."""
+    lora = cfg.student.lora
+    return student.lora_params(lora.rank, lora.targets) if lora.enabled else student.param_counts()["total"]
+
+
+def projection_params(teacher: ModelSpec, student: ModelSpec, cfg: RunConfig) -> int:
+    """Parameters of kd.layer_map's projections (student width x teacher width per mapped pair; none
+    where the widths match or no layer map is on). They train and are checkpointed, never exported."""
+    if not cfg.kd.layers_on or student.hidden_size == teacher.hidden_size:
+        return 0
+    return len(cfg.kd.layer_map) * student.hidden_size * teacher.hidden_size
 
 
 def rows_carry_documents(cfg: RunConfig) -> bool:
@@ -411,9 +421,7 @@ def layer_map_memory(s: StepShape) -> tuple[int, int]:
     forward's collected layer outputs and, with kd.attention_weight, attention maps)."""
     student, teacher, kd = s.student, s.teacher, s.cfg.kd
     pairs = len(kd.layer_map)
-    proj = (
-        pairs * student.hidden_size * teacher.hidden_size if student.hidden_size != teacher.hidden_size else 0
-    )
+    proj = projection_params(teacher, student, s.cfg)
     states = s.n * pairs * (student.hidden_size + teacher.hidden_size) * 4  # fp32 copies compared
     # (B, H, T, T) fp32 scores, log-probs and the head-averaged map, student (kept for backward) and teacher
     maps = s.rows * s.cfg.data.seq_len**2 * (student.num_heads + teacher.num_heads) * 4 * 3 * pairs

@@ -22,7 +22,16 @@ from kdistill.config import RunConfig
 from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.jsonio import short_repr
-from kdistill.memory import GIB, Layout, choose_layout, estimate_memory, fit_limits, fit_rollout_batch
+from kdistill.memory import (
+    GIB,
+    Layout,
+    choose_layout,
+    estimate_memory,
+    fit_limits,
+    fit_rollout_batch,
+    projection_params,
+    trainable_params,
+)
 from kdistill.models.hf_io import EXTRA_FILES, TOKENIZER_FILES
 from kdistill.models.lora import check_lora
 from kdistill.models.spec import ModelSpec, load_spec
@@ -258,12 +267,8 @@ def disk_plan(
     bytes of tokenizer files copied beside it) comes after the last checkpoint, beside the kept ones.
     Each also has a fixed allowance for its small files and headers (an upper bound: tests check it
     against a real run's files). Metrics, samples and the summary are small and not counted."""
-    lora = cfg.student.lora
-    total = student.param_counts()["total"]
-    trainable = student.lora_params(lora.rank, lora.targets) if lora.enabled else total
-    projections = 0
-    if teacher is not None and cfg.kd.layers_on and teacher.hidden_size != student.hidden_size:
-        projections = len(cfg.kd.layer_map) * student.hidden_size * teacher.hidden_size
+    trainable = trainable_params(student, cfg)
+    projections = projection_params(teacher, student, cfg) if teacher is not None else 0
     checkpoint = (trainable + projections) * 12 + CHECKPOINT_EXTRA
     export = trainable * 4 + export_files + EXPORT_EXTRA
     every, steps, keep = cfg.schedule.checkpoint_every, cfg.schedule.steps, cfg.output.keep_checkpoints
