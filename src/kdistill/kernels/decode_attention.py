@@ -644,16 +644,21 @@ def wide(rows: int) -> bool:
     return rows > WIDE_ROWS
 
 
+ONE_TILE_HEAD = 64  # heads at most this wide read a split of 128 keys as one tile
+
+
 def tiles(
     head_dim: int, q_heads: int, kv_heads: int, max_len: int = 256, wide: bool = False
 ) -> dict[str, int]:
-    """The G query heads of a kv head padded to >= 16 rows (the dot's smallest tile), 64 keys a tile,
-    `split_len(max_len, wide)` keys a split."""
-    del head_dim
+    """The G query heads of a kv head padded to >= 16 rows (the dot's smallest tile), 64 keys a tile
+    (a split of 128 keys one tile of 128 where the head is at most ONE_TILE_HEAD wide: measured faster
+    for a 64-wide head, slower for a 128-wide one, whose tile's registers double), `split_len(max_len,
+    wide)` keys a split."""
+    split = split_len(max_len, wide)
     return {
         "BLOCK_G": max(16, next_pow2(q_heads // kv_heads)),
-        "BLOCK_N": 64,
-        "SPLIT": split_len(max_len, wide),
+        "BLOCK_N": 128 if split == 128 and head_dim <= ONE_TILE_HEAD else 64,
+        "SPLIT": split,
     }
 
 
