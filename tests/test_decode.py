@@ -258,15 +258,16 @@ def test_a_plan_for_the_longest_cache_serves_engines_with_shorter_ones(tmp_path)
 
 
 @pytest.mark.parametrize(
-    "arch,prompts,chained", [("sm_90", 3, True), ("sm_80", 3, False), ("sm_90", 17, False)]
+    "arch,prompts,chained",
+    [("sm_90", 3, True), ("sm_90", 17, True), ("sm_80", 3, False), ("sm_90", 33, False)],
 )
 def test_only_a_small_buckets_step_launches_its_norms_and_attention_chained(tmp_path, arch, prompts, chained):
     """Programmatic dependent launch for the step's norms and attention where the arch has it and the
-    bucket's products are the matrix-vector kernels (at most 16 rows); the prefill's norms never."""
+    bucket's products are the matrix-vector kernels (at most 32 rows); the prefill's norms never."""
     model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
     rows = [sample_ids(model.spec.vocab_size, 1, 5, seed=i)[0].tolist() for i in range(prompts)]
     with runtime.using(mode="reference", arch=arch), runtime.recording() as rec:
-        DecodeEngine(model, batch_size=32, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(rows)
+        DecodeEngine(model, batch_size=64, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(rows)
     pdl = {k["PDL"] for k in rec.keys() if k.op in ("decode_attn_split", "rmsnorm_fwd")}
     assert pdl == ({False, True} if chained else {False})  # the prefill's norms: False
     assert all(k["PDL"] == (arch == "sm_90") for k in rec.keys() if k.op == "decode_gemv")
@@ -296,11 +297,91 @@ def test_a_wide_steps_attention_reads_longer_splits_and_its_plan_holds_them(tmp_
     assert splits[decode_attention.WIDE_ROWS] == {decode_attention.split_len(16)}
 
 
+def test_a_bucket_of_17_to_32_rows_runs_the_32_row_tile_and_its_plan_holds_it(tmp_path):
+    """The matrix-vector kernel serves buckets of up to 32 rows: 17 to 32 in a tile of 32 rows (the
+    weights still streamed once), chained like a 16-row bucket's step. The plan of an engine of more
+    than 16 rows holds both tiles' keys; an engine of at most 16 rows plans and launches only 16."""
+    from kdistill.kernels import decode_gemv
+
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(20)]
+    tiles = {}
+    for batch in (32, 16):
+        with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+            DecodeEngine(model, batch_size=batch, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(
+                rows
+            )
+        triton = {k for k in rec.keys() if not k.is_library}
+        plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=batch, prompt_len=3, max_len=16)
+        assert triton <= plan, (batch, triton - plan)
+        tiles[batch] = {k["BLOCK_M"] for k in triton if k.op == "decode_gemv"}
+        planned = {k["BLOCK_M"] for k in plan if k.op == "decode_gemv"}
+        assert planned == ({16, 32} if batch > 16 else {16}), planned
+    assert tiles == {32: {32}, 16: {16}}  # 20 prompts: one bucket of 32 rows, or 16 rows refilled
+    assert decode_gemv.block_m(17) == 32 and decode_gemv.block_m(16) == 16
+
+
+def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchained(tmp_path):
+    """The 32-row tile serves narrow products only (a side of at most decode_gemv.NARROW): a model wider
+    than that decodes a bucket of 17 to 32 rows with the library GEMM, its norms and attention
+    unchained, and plans no 32-row tile; its 16-row buckets still run the kernel chained."""
+    from kdistill.kernels import decode_gemv
+
+    width = decode_gemv.NARROW + 64
+    model = load_model(
+        make_tiny_model(
+            tmp_path,
+            family="qwen2",
+            hidden_size=width,
+            intermediate_size=width + 64,
+            num_attention_heads=width // 64,
+            num_key_value_heads=1,
+            head_dim=64,
+            num_hidden_layers=1,
+        )
+    ).eval()
+    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(20)]
+    for batch, tile in ((32, None), (16, 16)):
+        with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+            DecodeEngine(model, batch_size=batch, max_len=8, sampling=Sampling(max_new_tokens=2)).generate(
+                rows
+            )
+        triton = {k for k in rec.keys() if not k.is_library}
+        plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=batch, prompt_len=3, max_len=8)
+        assert triton <= plan, (batch, triton - plan)
+        assert {k["BLOCK_M"] for k in plan if k.op == "decode_gemv"} == {16}
+        launched = {k["BLOCK_M"] for k in triton if k.op == "decode_gemv"}
+        assert launched == (set() if tile is None else {tile})
+        steps = {k["PDL"] for k in triton if k.op == "decode_attn_split"}
+        assert steps == ({False} if tile is None else {True})
+    assert decode_gemv.step_rows(width) == 16 and decode_gemv.step_rows(896) == 32
+
+
+def test_the_32_row_tile_is_planned_for_narrow_presets_with_its_own_swiglu_prefetch():
+    """Planned from the configs alone: an engine of 32 rows for Qwen2.5-0.5B (896 wide) holds the
+    32-row tile of every block product (gate/up's first-inputs prefetch PRE_K_32), for 1.5B (1,536
+    wide) none."""
+    from kdistill.kernels import decode_gemv
+    from kdistill.models.presets import PRESETS
+    from kdistill.models.spec import spec_from_hf_config
+
+    for preset, narrow in (("qwen2.5-0.5b", True), ("qwen2.5-1.5b", False)):
+        spec = spec_from_hf_config(PRESETS[preset])
+        keys = plan_mod.generation_kernels(spec, "sm_90", "bf16", batch=32, prompt_len=8, max_len=64)
+        tile32 = {k for k in keys if k.op == "decode_gemv" and k["BLOCK_M"] == 32}
+        if not narrow:
+            assert tile32 == set(), preset
+            continue
+        assert {int(k["N"]) for k in tile32} >= {spec.hidden_size, spec.intermediate_size}
+        swiglu = [k for k in tile32 if k["EPI"] == decode_gemv.EPI_SWIGLU]
+        assert [k["PRE_K"] for k in swiglu] == [decode_gemv.PRE_K_32[decode_gemv.EPI_SWIGLU]]
+
+
 def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_them(tmp_path):
     """o_proj and down split over K in a small bucket's step (runtime.chained): their fp32 partials go to
     the residual add + norm after them (a key without the product's own combine, a norm key summing
-    that many parts); a larger bucket's step combines in the product. Both are in the plan, and the
-    engine's tokens are the reference forward's."""
+    that many parts); a bucket past 32 rows runs cuBLAS's products, its norms sum no partials. Both
+    are in the plan, and the engine's tokens are the reference forward's."""
     from kdistill.kernels import decode_gemv
 
     model = load_model(
@@ -320,7 +401,9 @@ def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_th
     assert {k["COMBINE"] for k in triton if k.op == "decode_gemv" and k["K"] == 1024} == {False}
     assert got == generate_ids(model, rows, Sampling(max_new_tokens=3))
     with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
-        DecodeEngine(model, batch_size=20, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(rows * 7)
+        DecodeEngine(model, batch_size=40, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(
+            rows * 14
+        )
     assert {k["PARTS"] for k in rec.keys() if k.op == "rmsnorm_fwd"} == {0}
 
 

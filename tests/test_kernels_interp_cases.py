@@ -554,8 +554,13 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
             key = make_key(key.op, key.arch, **{**dict(key.params), "SPLIT": split, "K_SPLIT": k_split})
             got = decode_gemv.run(decode_gemv.launch(key, x, w))[0]
         else:
-            with _kernel_mode():
+            from kdistill.kernels import runtime
+
+            with _kernel_mode(), runtime.recording() as rec:
                 got = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
+            tiles = [key["BLOCK_M"] for key in rec.keys() if key.op == "decode_gemv"]
+            # a bucket of at most 16 rows: a 16-row tile; 17 to 32: a 32-row tile; more: the library GEMM
+            assert tiles == ([decode_gemv.block_m(rows)] if rows <= decode_gemv.MAX_ROWS else []), tiles
     assert got.shape == (rows, n) and got.dtype == dtype
     _close("y", got, y, dtype)
 
@@ -779,8 +784,10 @@ CASES = {
     "decode_gemv_fp32_split_k_bias": (case_decode_gemv, dict(rows=5, n=20, k=1536, epilogue="bias")),
     # 2 splits of 1,536 inputs: 1,024 before the wait, then the loop
     "decode_gemv_fp32_split_k_loop": (case_decode_gemv, dict(rows=2, n=2000, k=3008, epilogue="none")),
-    # past 16 rows the step's products stay on the library GEMM and the SwiGLU kernel
+    # 17 to 32 rows: the 32-row tile (its split products too); past 32 the library GEMM and the SwiGLU kernel
     "decode_gemv_fp32_swiglu_20_rows": (case_decode_gemv, dict(rows=20, n=40, k=48, epilogue="swiglu")),
+    "decode_gemv_fp32_split_k_bias_32_rows": (case_decode_gemv, dict(rows=32, n=20, k=1536, epilogue="bias")),
+    "decode_gemv_fp32_swiglu_40_rows": (case_decode_gemv, dict(rows=40, n=40, k=48, epilogue="swiglu")),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
     "decode_attention_fp32_rope": (
         case_decode_attention,
@@ -805,6 +812,7 @@ CASES = {
     # a split product's partials summed by the residual add + norm after it (o_proj, down)
     "decode_linear_add_rmsnorm_fp32": (case_decode_linear_add_rmsnorm, {}),
     "decode_linear_add_rmsnorm_fp32_16_rows": (case_decode_linear_add_rmsnorm, dict(rows=16, n=40, k=2048)),
+    "decode_linear_add_rmsnorm_fp32_32_rows": (case_decode_linear_add_rmsnorm, dict(rows=27, n=40, k=2048)),
     # the SwiGLU epilogue applied by the last of a column block's K splits (the policy keeps it whole)
     "decode_gemv_fp32_swiglu_split": (
         case_decode_gemv,

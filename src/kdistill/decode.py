@@ -563,7 +563,7 @@ class DecodeEngine:
             return o[:, :, None]  # (B, Hq, 1, D)
 
         # a small bucket's products are matrix-vector kernels: the whole block chains (runtime.chained)
-        with dispatch.chained(st.batch <= decode_gemv.MAX_ROWS):
+        with dispatch.chained(st.batch <= decode_gemv.step_rows(self.spec.hidden_size)):
             if self.rope_in_attention:
                 h = forward_tokens(self.weights, st.tok[:, None], None, None, attend, step=True)[
                     :, 0

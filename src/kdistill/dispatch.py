@@ -559,19 +559,20 @@ def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gate_up: bool = False
 ) -> torch.Tensor:
     """A decode step's linear on x (B, K) -> (B, N): F.linear (+ bias), or with gate_up the stacked
-    gate/up product's SwiGLU (weight (2N, K)). At buckets of at most 16 rows the matrix-vector kernel
-    (kernels/decode_gemv.py); else cuBLAS and the SwiGLU kernel, as the prefill runs them."""
+    gate/up product's SwiGLU (weight (2N, K)). Where decode_gemv.serves (buckets of at most 16 rows, a
+    narrow product's up to 32) the matrix-vector kernel (kernels/decode_gemv.py: a tile of 16 or 32
+    rows); else cuBLAS and the SwiGLU kernel, as the prefill runs them."""
     rt = current()
     rows, k = x.shape
     plain = decode_gemv.EPI_BIAS if bias is not None else decode_gemv.EPI_NONE
     epi = decode_gemv.EPI_SWIGLU if gate_up else plain
-    if not decode_gemv.serves(rows, k, epi):
+    n = weight.shape[0] // 2 if gate_up else weight.shape[0]
+    if not decode_gemv.serves(rows, k, epi, n):
         y = torch.nn.functional.linear(x, weight, bias)
         return swiglu(*y.chunk(2, dim=-1)) if gate_up else y
-    n = weight.shape[0] // 2 if gate_up else weight.shape[0]
     x = x.contiguous()
     key = decode_gemv.gemv_key(
-        rt.arch, n=n, k=k, dtype=x.dtype, epilogue=epi, aligned=aligned(x, weight, bias)
+        rt.arch, n=n, k=k, dtype=x.dtype, epilogue=epi, rows=rows, aligned=aligned(x, weight, bias)
     )
     spec = lambda: decode_gemv.launch(key, x, weight, bias)  # noqa: E731
     if rt.use_kernel(key, x, weight):
@@ -595,7 +596,7 @@ def decode_linear_add_rmsnorm(
     rt = current()
     rows, k = x.shape
     n = weight.shape[0]
-    served = decode_gemv.serves(rows, k, decode_gemv.EPI_NONE)
+    served = decode_gemv.serves(rows, k, decode_gemv.EPI_NONE, n)
     split = decode_gemv.split(n, k) if served else 1
     if not rt.chained or split == 1 or residual.dtype != x.dtype or residual.numel() != rows * n:
         delta = decode_linear(x, weight).view(residual.shape)
@@ -603,7 +604,7 @@ def decode_linear_add_rmsnorm(
     x = x.contiguous()
     r2 = _rows(residual)
     gkey = decode_gemv.gemv_key(
-        rt.arch, n=n, k=k, dtype=x.dtype, combine=False, aligned=aligned(x, weight, None)
+        rt.arch, n=n, k=k, dtype=x.dtype, combine=False, rows=rows, aligned=aligned(x, weight, None)
     )
     nkey = norm_kernel.fwd_key(
         rt.arch,

@@ -1,13 +1,14 @@
-"""Triton linear of a decode step at a few rows (a batch bucket of at most 16), with the MLP's SwiGLU in
+"""Triton linear of a decode step at a few rows (a batch bucket of at most 32), with the MLP's SwiGLU in
 its epilogue: kernel, launcher, reference, key functions, registered KernelSpec.
 
     y = x W^T (+ bias)                        (EPI 0, 1)       x (M, K), W (N, K)  -> y (M, N)
     y = silu(x Wg^T) * (x Wu^T)               (EPI 2)          W = [Wg; Wu] (2N, K) -> y (M, N)
 
-At one to sixteen rows a decode step's linears are memory-bound matrix-vector products: what counts is
+At one to 32 rows a decode step's linears are memory-bound matrix-vector products: what counts is
 streaming W once with enough programs in flight, and each kernel's fixed latency. One program per
 BLOCK_N output columns (and per K split) holds all rows (BLOCK_M = 16, the dot's smallest tile: a batch
-of 1 computes 15 masked rows for free). On sm_90 and newer the kernels launch with programmatic dependent
+of 1 computes 15 masked rows for free; 32 for a bucket of 17 to 32 rows, so the weights still stream
+once). On sm_90 and newer the kernels launch with programmatic dependent
 launch (keys.pdl): a program loads the weights of its first PRE_K inputs, which no earlier kernel writes,
 then waits for the previous kernel, so the weights stream while that kernel finishes; then it reads its
 input rows and walks the rest of its K range in BLOCK_K steps, accumulating in fp32. Products with few
@@ -45,7 +46,17 @@ from kdistill.kernels.keys import (
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
-MAX_ROWS = 16  # the buckets this kernel serves (one row tile); larger ones stay on cuBLAS
+MAX_ROWS = 32  # the buckets this kernel serves (16 or 32 rows a tile); larger ones stay on cuBLAS
+ROW_TILES = (16, 32)  # BLOCK_M: a bucket of at most 16 rows takes 16 (the dot's smallest tile), else 32
+# A bucket of 17 to 32 rows: the products with a side of at most NARROW (measured on an H200,
+# benchmarks/decode_products.py: Qwen2.5-0.5B's, 896 wide, on par with cuBLAS or faster; 1.5B's, 1,536
+# wide, all slower).
+NARROW = 1024
+
+
+def block_m(rows: int) -> int:
+    """The row tile of a bucket of `rows` rows (at most MAX_ROWS)."""
+    return next(t for t in ROW_TILES if rows <= t)
 
 
 @jit(do_not_specialize=["M"])
@@ -230,12 +241,14 @@ def decode_gemv_reference(
 PROGRAMS = 256  # programs a product aims for at most (two resident per SM at the largest tiles)
 MIN_SPLIT_K = 512  # inputs per split at least
 PRE_K = {EPI_NONE: 1024, EPI_BIAS: 1024, EPI_SWIGLU: 512}  # at most, loaded before the wait
+# the 32-row tile's SwiGLU: 128 (measured, 0.5B's gate/up at 32 rows: 9.2 us a launch against 28.7 at 512)
+PRE_K_32 = {**PRE_K, EPI_SWIGLU: 128}
 MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,864 faster here, 8,960 not)
 
 
-def tiles(*, n: int, k: int, epilogue: int) -> dict[str, int]:
-    """16 rows (every bucket it serves); 32 columns a program with the SwiGLU epilogue (two weight tiles
-    each), else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split)
+def tiles(*, n: int, k: int, epilogue: int, rows: int = 1) -> dict[str, int]:
+    """16 rows for a bucket of at most 16, else 32 (block_m, with PRE_K_32); 32 columns a program with the SwiGLU
+    epilogue (two weight tiles each), else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split)
     into as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
     run alone after the others); the first PRE_K inputs' weights loaded before the wait for the
     previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
@@ -248,9 +261,10 @@ def tiles(*, n: int, k: int, epilogue: int) -> dict[str, int]:
         want = max(1, min(PROGRAMS // cdiv(n, block_n), k // MIN_SPLIT_K))
         k_split = cdiv(cdiv(k, want), 128) * 128
         split = cdiv(k, k_split)
-    pre_k = min(next_pow2(k_split), PRE_K[epilogue])
+    tile = block_m(rows)
+    pre_k = min(next_pow2(k_split), (PRE_K if tile == ROW_TILES[0] else PRE_K_32)[epilogue])
     return {
-        "BLOCK_M": MAX_ROWS,
+        "BLOCK_M": tile,
         "BLOCK_N": block_n,
         "BLOCK_K": 128,
         "PRE_K": pre_k,
@@ -268,11 +282,13 @@ def gemv_key(
     dtype: str,
     epilogue: int = EPI_NONE,
     combine: bool = True,
+    rows: int = 1,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """The kernel for an (n, k) weight in `dtype` (n: the output width; the stacked weight of the SwiGLU
     epilogue has 2n rows). combine False: a split plain product's output is its fp32 partials, summed
-    by the next kernel (a residual add + RMSNorm with PARTS = SPLIT). aligned: X, W, BIAS."""
+    by the next kernel (a residual add + RMSNorm with PARTS = SPLIT). rows: the bucket's (its row tile,
+    block_m). aligned: X, W, BIAS."""
     return make_key(
         GEMV.op,
         arch,
@@ -285,7 +301,7 @@ def gemv_key(
         PDL=pdl(arch),
         num_warps=4,
         num_stages=3,
-        **tiles(n=n, k=k, epilogue=epilogue),
+        **tiles(n=n, k=k, epilogue=epilogue, rows=rows),
     )
 
 
@@ -299,11 +315,19 @@ def split(n: int, k: int) -> int:
     return tiles(n=n, k=k, epilogue=EPI_NONE)["SPLIT"]
 
 
-def serves(rows: int, k: int, epilogue: int) -> bool:
-    """Where the engine's step uses this kernel instead of cuBLAS (measured, benchmarks/decode_products.py):
-    buckets of at most 16 rows; q/k/v with its bias, o_proj and gate/up with its SwiGLU at any width,
-    down up to MAX_PLAIN_K inputs."""
-    return rows <= MAX_ROWS and supported(k) and (epilogue == EPI_SWIGLU or k <= MAX_PLAIN_K)
+def serves(rows: int, k: int, epilogue: int, n: int) -> bool:
+    """Where the engine's step uses this kernel instead of cuBLAS for an (n, k) product (measured,
+    benchmarks/decode_products.py): buckets of at most 16 rows, and of 17 to MAX_ROWS where n or k is at
+    most NARROW; q/k/v with its bias, o_proj and gate/up with its SwiGLU at any width, down up to
+    MAX_PLAIN_K inputs."""
+    fits = rows <= ROW_TILES[0] or (rows <= MAX_ROWS and min(n, k) <= NARROW)
+    return fits and supported(k) and (epilogue == EPI_SWIGLU or k <= MAX_PLAIN_K)
+
+
+def step_rows(hidden: int) -> int:
+    """The largest bucket whose decode step runs on this kernel (and chains, runtime.chained) for a model
+    `hidden` wide: every block product has a side of `hidden` (serves)."""
+    return MAX_ROWS if hidden <= NARROW else ROW_TILES[0]
 
 
 # -- registered description ---------------------------------------------------------------------
@@ -327,12 +351,13 @@ def plan(
     intermediate: int,
     qkv_bias: bool,
     dtype: str,
+    rows: int = 1,
 ) -> set[KernelKey]:
     """Keys of the decode step's products this kernel serves: q/k/v (with its bias), o_proj, gate/up
-    with its SwiGLU, down (one key per product: every bucket of at most 16 rows launches the same
-    binary, and an engine of any batch size decodes a few prompts in such a bucket). o_proj and down
-    feed a residual add + RMSNorm: split, their partials go to it (combine False) in a small bucket's
-    step (runtime.chained), and are combined by the kernel elsewhere (T-token steps)."""
+    with its SwiGLU, down (one key per product and row tile: every bucket of at most 16 rows launches
+    the same binary, and an engine of any batch size decodes a few prompts in such a bucket; an engine
+    of more than 16 rows, `rows`, also has buckets of 17 to 32, the 32-row tile where serves says so). o_proj and down feed
+    a residual add + RMSNorm: split, their partials go to it (combine False) in the step (runtime.chained)."""
     del grad
     products = (
         (q_size + 2 * kv_size, hidden, EPI_BIAS if qkv_bias else EPI_NONE),
@@ -340,12 +365,16 @@ def plan(
         (intermediate, hidden, EPI_SWIGLU),
         (hidden, intermediate, EPI_NONE),
     )
-    keys = {
-        gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi) for n, k, epi in products if serves(1, k, epi)
-    }
-    for n, k, epi in products[1::2]:  # o_proj, down
-        if serves(1, k, epi) and split(n, k) > 1:
-            keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, combine=False))
+    keys = set()
+    for tile in ROW_TILES:
+        if tile > ROW_TILES[0] and rows <= ROW_TILES[0]:
+            continue
+        for n, k, epi in products:
+            if serves(tile, k, epi, n):
+                keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, rows=tile))
+        for n, k, epi in products[1::2]:  # o_proj, down
+            if serves(tile, k, epi, n) and split(n, k) > 1:
+                keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, combine=False, rows=tile))
     return keys
 
 

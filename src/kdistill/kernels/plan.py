@@ -388,6 +388,7 @@ def generation_kernels(
         intermediate=spec.intermediate_size,
         qkv_bias=spec.attention_bias,
         dtype=dt,
+        rows=batch,
     )
     out.add(
         library.sdpa_key(
@@ -420,7 +421,7 @@ def _step_norms(spec: ModelSpec, arch: str, dt: str) -> set[keys.KernelKey]:
     if spec.qk_norm:
         out |= norm(arch, grad=False, hidden=spec.head_dim, eps=eps, dtype=dt, w_dtype=dt, chained=True)
     for k in (spec.q_size, spec.intermediate_size):  # o_proj's and down's split partials, summed here
-        if decode_gemv.serves(1, k, decode_gemv.EPI_NONE) and decode_gemv.split(h, k) > 1:
+        if decode_gemv.serves(1, k, decode_gemv.EPI_NONE, h) and decode_gemv.split(h, k) > 1:
             parts = decode_gemv.split(h, k)
             out |= norm(
                 arch,
