@@ -136,7 +136,8 @@ def bench_model(preset: str, a, bw: float) -> dict:
     ragged_lens = [rng.randint(16, 512) for _ in range(a.ragged)]
     # One plan for every batch and both prompt buckets (fixed and ragged), then the seal.
     planned = max(max_len, 512 + a.new)  # the identity check and the ragged run take this cache length
-    info = prepare_kernels(model, max(batches), a.prompt, planned)
+    # the ragged run's engine too: a plan for fewer rows lacks its wide steps' kernels
+    info = prepare_kernels(model, max(batches + ([a.ragged_batch] if a.ragged else [])), a.prompt, planned)
     print(f"{preset}: {info.get('prewarm', info)}", flush=True)
     rows = []
     g = torch.Generator().manual_seed(1)
