@@ -259,15 +259,15 @@ def test_a_plan_for_the_longest_cache_serves_engines_with_shorter_ones(tmp_path)
 
 @pytest.mark.parametrize(
     "arch,prompts,chained",
-    [("sm_90", 3, True), ("sm_90", 17, True), ("sm_80", 3, False), ("sm_90", 33, False)],
+    [("sm_90", 3, True), ("sm_90", 17, True), ("sm_80", 3, False), ("sm_90", 65, False)],
 )
 def test_only_a_small_buckets_step_launches_its_norms_and_attention_chained(tmp_path, arch, prompts, chained):
     """Programmatic dependent launch for the step's norms and attention where the arch has it and the
-    bucket's products are the matrix-vector kernels (at most 32 rows); the prefill's norms never."""
+    bucket's products are the matrix-vector kernels (a narrow model's: at most 64 rows); the prefill's norms never."""
     model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
     rows = [sample_ids(model.spec.vocab_size, 1, 5, seed=i)[0].tolist() for i in range(prompts)]
     with runtime.using(mode="reference", arch=arch), runtime.recording() as rec:
-        DecodeEngine(model, batch_size=64, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(rows)
+        DecodeEngine(model, batch_size=72, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(rows)
     pdl = {k["PDL"] for k in rec.keys() if k.op in ("decode_attn_split", "rmsnorm_fwd")}
     assert pdl == ({False, True} if chained else {False})  # the prefill's norms: False
     assert all(k["PDL"] == (arch == "sm_90") for k in rec.keys() if k.op == "decode_gemv")
@@ -354,33 +354,36 @@ def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchain
         assert launched == (set() if tile is None else {tile})
         steps = {k["PDL"] for k in triton if k.op == "decode_attn_split"}
         assert steps == ({False} if tile is None else {True})
-    assert decode_gemv.step_rows(width) == 16 and decode_gemv.step_rows(896) == 32
+    assert decode_gemv.step_rows(width) == 16 and decode_gemv.step_rows(896) == decode_gemv.MAX_ROWS
 
 
-def test_the_32_row_tile_is_planned_for_narrow_presets_with_its_own_swiglu_prefetch():
-    """Planned from the configs alone: an engine of 32 rows for Qwen2.5-0.5B (896 wide) holds the
-    32-row tile of every block product (gate/up's first-inputs prefetch PRE_K_32), for 1.5B (1,536
-    wide) none."""
+def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swiglu_prefetch():
+    """Planned from the configs alone: an engine of 64 rows for Qwen2.5-0.5B (896 wide) holds the 32-
+    and 64-row tiles of its block products (gate/up's first-inputs prefetch PRE_K_TILE; down, 4,864
+    inputs, not at 64 rows), for 1.5B (1,536 wide) only the 16-row tile."""
     from kdistill.kernels import decode_gemv
     from kdistill.models.presets import PRESETS
     from kdistill.models.spec import spec_from_hf_config
 
     for preset, narrow in (("qwen2.5-0.5b", True), ("qwen2.5-1.5b", False)):
         spec = spec_from_hf_config(PRESETS[preset])
-        keys = plan_mod.generation_kernels(spec, "sm_90", "bf16", batch=32, prompt_len=8, max_len=64)
-        tile32 = {k for k in keys if k.op == "decode_gemv" and k["BLOCK_M"] == 32}
+        keys = plan_mod.generation_kernels(spec, "sm_90", "bf16", batch=64, prompt_len=8, max_len=64)
+        gemv = [k for k in keys if k.op == "decode_gemv"]
+        assert {k["BLOCK_M"] for k in gemv} == ({16, 32, 64} if narrow else {16}), preset
         if not narrow:
-            assert tile32 == set(), preset
             continue
-        assert {int(k["N"]) for k in tile32} >= {spec.hidden_size, spec.intermediate_size}
-        swiglu = [k for k in tile32 if k["EPI"] == decode_gemv.EPI_SWIGLU]
-        assert [k["PRE_K"] for k in swiglu] == [decode_gemv.PRE_K_32[decode_gemv.EPI_SWIGLU]]
+        for tile in (32, 64):
+            at = [k for k in gemv if k["BLOCK_M"] == tile]
+            swiglu = [k["PRE_K"] for k in at if k["EPI"] == decode_gemv.EPI_SWIGLU]
+            assert swiglu == [decode_gemv.PRE_K_TILE[tile][decode_gemv.EPI_SWIGLU]]
+            down = {k for k in at if int(k["K"]) == spec.intermediate_size}
+            assert bool(down) == (tile == 32), tile
 
 
 def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_them(tmp_path):
     """o_proj and down split over K in a small bucket's step (runtime.chained): their fp32 partials go to
     the residual add + norm after them (a key without the product's own combine, a norm key summing
-    that many parts); a bucket past 32 rows runs cuBLAS's products, its norms sum no partials. Both
+    that many parts); a bucket past 64 rows runs cuBLAS's products, its norms sum no partials. Both
     are in the plan, and the engine's tokens are the reference forward's."""
     from kdistill.kernels import decode_gemv
 
@@ -401,8 +404,8 @@ def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_th
     assert {k["COMBINE"] for k in triton if k.op == "decode_gemv" and k["K"] == 1024} == {False}
     assert got == generate_ids(model, rows, Sampling(max_new_tokens=3))
     with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
-        DecodeEngine(model, batch_size=40, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(
-            rows * 14
+        DecodeEngine(model, batch_size=72, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(
+            rows * 24
         )
     assert {k["PARTS"] for k in rec.keys() if k.op == "rmsnorm_fwd"} == {0}
 

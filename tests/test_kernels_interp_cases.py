@@ -559,8 +559,17 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
             with _kernel_mode(), runtime.recording() as rec:
                 got = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
             tiles = [key["BLOCK_M"] for key in rec.keys() if key.op == "decode_gemv"]
-            # a bucket of at most 16 rows: a 16-row tile; 17 to 32: a 32-row tile; more: the library GEMM
-            assert tiles == ([decode_gemv.block_m(rows)] if rows <= decode_gemv.MAX_ROWS else []), tiles
+            # the bucket's row tile where the kernel serves the product, else the library GEMM
+            code = {
+                "none": decode_gemv.EPI_NONE,
+                "bias": decode_gemv.EPI_BIAS,
+                "swiglu": decode_gemv.EPI_SWIGLU,
+            }
+            served = decode_gemv.serves(rows, k, code[epilogue], n)
+            assert served == (
+                rows <= 32 or (rows <= decode_gemv.MAX_ROWS and (epilogue == "swiglu" or k <= 1024))
+            )
+            assert tiles == ([decode_gemv.block_m(rows)] if served else []), tiles
     assert got.shape == (rows, n) and got.dtype == dtype
     _close("y", got, y, dtype)
 
@@ -784,10 +793,13 @@ CASES = {
     "decode_gemv_fp32_split_k_bias": (case_decode_gemv, dict(rows=5, n=20, k=1536, epilogue="bias")),
     # 2 splits of 1,536 inputs: 1,024 before the wait, then the loop
     "decode_gemv_fp32_split_k_loop": (case_decode_gemv, dict(rows=2, n=2000, k=3008, epilogue="none")),
-    # 17 to 32 rows: the 32-row tile (its split products too); past 32 the library GEMM and the SwiGLU kernel
+    # 17 to 64 rows (a narrow product): the 32- or 64-row tile (split products too); past 64 rows, or a
+    # plain product of more than NARROW inputs past 32, the library GEMM (and the SwiGLU kernel)
     "decode_gemv_fp32_swiglu_20_rows": (case_decode_gemv, dict(rows=20, n=40, k=48, epilogue="swiglu")),
     "decode_gemv_fp32_split_k_bias_32_rows": (case_decode_gemv, dict(rows=32, n=20, k=1536, epilogue="bias")),
     "decode_gemv_fp32_swiglu_40_rows": (case_decode_gemv, dict(rows=40, n=40, k=48, epilogue="swiglu")),
+    "decode_gemv_fp32_split_k_bias_40_rows": (case_decode_gemv, dict(rows=40, n=20, k=1536, epilogue="bias")),
+    "decode_gemv_fp32_swiglu_72_rows": (case_decode_gemv, dict(rows=72, n=40, k=48, epilogue="swiglu")),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
     "decode_attention_fp32_rope": (
         case_decode_attention,

@@ -144,7 +144,7 @@ def test_t_token_step_equals_one_token_steps_on_the_device():
         assert ((x.double() - y.double()).norm() / y.double().norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 23, 32])
+@pytest.mark.parametrize("rows", [1, 5, 16, 23, 32, 40, 64])
 @pytest.mark.parametrize(
     "n,k,epilogue",
     [
@@ -174,7 +174,7 @@ def test_decode_gemv_kernel_matches_reference(rows, n, k, epilogue):
     assert out.shape == (rows, n) and err < 1e-2, err
 
 
-@pytest.mark.parametrize("rows", [1, 16, 32])
+@pytest.mark.parametrize("rows", [1, 16, 32, 64])
 @pytest.mark.parametrize("n,k", [(896, 4864), (1536, 1536), (896, 896)])  # down, o_proj split, not split
 def test_split_partials_summed_by_the_norm_equal_the_products_own_combine(rows, n, k):
     g = torch.Generator(device="cuda").manual_seed(n + k + rows)

@@ -1,14 +1,14 @@
-"""Triton linear of a decode step at a few rows (a batch bucket of at most 32), with the MLP's SwiGLU in
+"""Triton linear of a decode step at a few rows (a batch bucket of at most 64), with the MLP's SwiGLU in
 its epilogue: kernel, launcher, reference, key functions, registered KernelSpec.
 
     y = x W^T (+ bias)                        (EPI 0, 1)       x (M, K), W (N, K)  -> y (M, N)
     y = silu(x Wg^T) * (x Wu^T)               (EPI 2)          W = [Wg; Wu] (2N, K) -> y (M, N)
 
-At one to 32 rows a decode step's linears are memory-bound matrix-vector products: what counts is
+At one to 64 rows a decode step's linears are memory-bound matrix-vector products: what counts is
 streaming W once with enough programs in flight, and each kernel's fixed latency. One program per
 BLOCK_N output columns (and per K split) holds all rows (BLOCK_M = 16, the dot's smallest tile: a batch
-of 1 computes 15 masked rows for free; 32 for a bucket of 17 to 32 rows, so the weights still stream
-once). On sm_90 and newer the kernels launch with programmatic dependent
+of 1 computes 15 masked rows for free; 32 or 64 for a larger bucket of a narrow model, so the weights
+still stream once). On sm_90 and newer the kernels launch with programmatic dependent
 launch (keys.pdl): a program loads the weights of its first PRE_K inputs, which no earlier kernel writes,
 then waits for the previous kernel, so the weights stream while that kernel finishes; then it reads its
 input rows and walks the rest of its K range in BLOCK_K steps, accumulating in fp32. Products with few
@@ -46,11 +46,11 @@ from kdistill.kernels.keys import (
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
-MAX_ROWS = 32  # the buckets this kernel serves (16 or 32 rows a tile); larger ones stay on cuBLAS
-ROW_TILES = (16, 32)  # BLOCK_M: a bucket of at most 16 rows takes 16 (the dot's smallest tile), else 32
-# A bucket of 17 to 32 rows: the products with a side of at most NARROW (measured on an H200,
+MAX_ROWS = 64  # the buckets this kernel serves (16, 32 or 64 rows a tile); larger ones stay on cuBLAS
+ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16: the dot's smallest)
+# A bucket of 17 to 64 rows: the products with a side of at most NARROW (measured on an H200,
 # benchmarks/decode_products.py: Qwen2.5-0.5B's, 896 wide, on par with cuBLAS or faster; 1.5B's, 1,536
-# wide, all slower).
+# wide, all slower), plain ones past 32 rows only up to NARROW inputs (0.5B's down at 64 rows slower).
 NARROW = 1024
 
 
@@ -241,13 +241,14 @@ def decode_gemv_reference(
 PROGRAMS = 256  # programs a product aims for at most (two resident per SM at the largest tiles)
 MIN_SPLIT_K = 512  # inputs per split at least
 PRE_K = {EPI_NONE: 1024, EPI_BIAS: 1024, EPI_SWIGLU: 512}  # at most, loaded before the wait
-# the 32-row tile's SwiGLU: 128 (measured, 0.5B's gate/up at 32 rows: 9.2 us a launch against 28.7 at 512)
-PRE_K_32 = {**PRE_K, EPI_SWIGLU: 128}
+# the larger tiles' SwiGLU prefetch (measured, 0.5B's gate/up: at 32 rows 128 inputs, 9.2 us a launch
+# against 28.7 at 512; at 64 rows 64 inputs, 8.7 us against 12.7 at 128)
+PRE_K_TILE = {16: PRE_K, 32: {**PRE_K, EPI_SWIGLU: 128}, 64: {**PRE_K, EPI_SWIGLU: 64}}
 MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,864 faster here, 8,960 not)
 
 
 def tiles(*, n: int, k: int, epilogue: int, rows: int = 1) -> dict[str, int]:
-    """16 rows for a bucket of at most 16, else 32 (block_m, with PRE_K_32); 32 columns a program with the SwiGLU
+    """The bucket's row tile (block_m, its prefetch PRE_K_TILE); 32 columns a program with the SwiGLU
     epilogue (two weight tiles each), else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split)
     into as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
     run alone after the others); the first PRE_K inputs' weights loaded before the wait for the
@@ -262,7 +263,7 @@ def tiles(*, n: int, k: int, epilogue: int, rows: int = 1) -> dict[str, int]:
         k_split = cdiv(cdiv(k, want), 128) * 128
         split = cdiv(k, k_split)
     tile = block_m(rows)
-    pre_k = min(next_pow2(k_split), (PRE_K if tile == ROW_TILES[0] else PRE_K_32)[epilogue])
+    pre_k = min(next_pow2(k_split), PRE_K_TILE[tile][epilogue])
     return {
         "BLOCK_M": tile,
         "BLOCK_N": block_n,
@@ -319,9 +320,10 @@ def serves(rows: int, k: int, epilogue: int, n: int) -> bool:
     """Where the engine's step uses this kernel instead of cuBLAS for an (n, k) product (measured,
     benchmarks/decode_products.py): buckets of at most 16 rows, and of 17 to MAX_ROWS where n or k is at
     most NARROW; q/k/v with its bias, o_proj and gate/up with its SwiGLU at any width, down up to
-    MAX_PLAIN_K inputs."""
+    MAX_PLAIN_K inputs (past 32 rows NARROW)."""
     fits = rows <= ROW_TILES[0] or (rows <= MAX_ROWS and min(n, k) <= NARROW)
-    return fits and supported(k) and (epilogue == EPI_SWIGLU or k <= MAX_PLAIN_K)
+    plain_k = MAX_PLAIN_K if rows <= ROW_TILES[1] else NARROW
+    return fits and supported(k) and (epilogue == EPI_SWIGLU or k <= plain_k)
 
 
 def step_rows(hidden: int) -> int:
@@ -356,7 +358,7 @@ def plan(
     """Keys of the decode step's products this kernel serves: q/k/v (with its bias), o_proj, gate/up
     with its SwiGLU, down (one key per product and row tile: every bucket of at most 16 rows launches
     the same binary, and an engine of any batch size decodes a few prompts in such a bucket; an engine
-    of more than 16 rows, `rows`, also has buckets of 17 to 32, the 32-row tile where serves says so). o_proj and down feed
+    of more rows, `rows`, also has the larger buckets' tiles where serves says so). o_proj and down feed
     a residual add + RMSNorm: split, their partials go to it (combine False) in the step (runtime.chained)."""
     del grad
     products = (
@@ -367,7 +369,7 @@ def plan(
     )
     keys = set()
     for tile in ROW_TILES:
-        if tile > ROW_TILES[0] and rows <= ROW_TILES[0]:
+        if tile > block_m(min(rows, MAX_ROWS)):  # no bucket of the engine takes it
             continue
         for n, k, epi in products:
             if serves(tile, k, epi, n):
