@@ -560,7 +560,7 @@ def decode_linear(
 ) -> torch.Tensor:
     """A decode step's linear on x (B, K) -> (B, N): F.linear (+ bias), or with gate_up the stacked
     gate/up product's SwiGLU (weight (2N, K)). Where decode_gemv.serves (buckets of at most 16 rows, a
-    narrow product's up to 32) the matrix-vector kernel (kernels/decode_gemv.py: a tile of 16 or 32
+    narrow product's up to 64) the matrix-vector kernel (kernels/decode_gemv.py: a tile of 16, 32 or 64
     rows); else cuBLAS and the SwiGLU kernel, as the prefill runs them."""
     rt = current()
     rows, k = x.shape
