@@ -274,6 +274,21 @@ def test_only_a_small_buckets_step_launches_its_norms_and_attention_chained(tmp_
     assert {k["PDL"] for k in rec.keys() if k.op == "decode_attn_split"} == {chained}
 
 
+def _engine_keys(model, prompts: list[list[int]], batch: int, max_len: int) -> tuple[set, set]:
+    """The Triton keys an engine of `batch` rows launches on sm_90 decoding `prompts` (2 new tokens each,
+    the reference in place of each kernel) and its plan's keys; the launched ones are in the plan."""
+    with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+        DecodeEngine(model, batch_size=batch, max_len=max_len, sampling=Sampling(max_new_tokens=2)).generate(
+            prompts
+        )
+    triton = {k for k in rec.keys() if not k.is_library}
+    plan = plan_mod.generation_kernels(
+        model.spec, "sm_90", "fp32", batch=batch, prompt_len=3, max_len=max_len
+    )
+    assert triton <= plan, (batch, triton - plan)
+    return triton, plan
+
+
 def test_a_wide_steps_attention_reads_longer_splits_and_its_plan_holds_them(tmp_path):
     """A step of more than WIDE_ROWS rows reads its cache in splits of at least WIDE_SPLIT keys (programs
     enough without short splits); the plan for an engine of that batch holds the key, and an engine of
@@ -285,46 +300,37 @@ def test_a_wide_steps_attention_reads_longer_splits_and_its_plan_holds_them(tmp_
     rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(wide)]
     splits = {}
     for batch in (wide, decode_attention.WIDE_ROWS):
-        with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
-            DecodeEngine(model, batch_size=batch, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(
-                rows
-            )
-        triton = {k for k in rec.keys() if not k.is_library}
-        plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=batch, prompt_len=3, max_len=16)
-        assert triton <= plan, (batch, triton - plan)
+        triton, _ = _engine_keys(model, rows, batch, 16)
         splits[batch] = {k["SPLIT"] for k in triton if k.op == "decode_attn_split"}
     assert splits[wide] == {decode_attention.WIDE_SPLIT}
     assert splits[decode_attention.WIDE_ROWS] == {decode_attention.split_len(16)}
 
 
-def test_a_bucket_of_17_to_32_rows_runs_the_32_row_tile_and_its_plan_holds_it(tmp_path):
-    """The matrix-vector kernel serves buckets of up to 32 rows: 17 to 32 in a tile of 32 rows (the
-    weights still streamed once), chained like a 16-row bucket's step. The plan of an engine of more
-    than 16 rows holds both tiles' keys; an engine of at most 16 rows plans and launches only 16."""
+def test_a_narrow_models_bucket_of_17_to_64_rows_runs_a_32_or_64_row_tile_and_its_plan_holds_it(tmp_path):
+    """The matrix-vector kernel serves a narrow model's buckets of up to 64 rows: 17 to 32 in a tile of
+    32 rows, 33 to 64 in one of 64 (the weights still streamed once), chained like a 16-row bucket's
+    step. An engine's plan holds the tiles of its buckets: of more than 32 rows all three, of 17 to 32
+    the 16- and 32-row ones, of at most 16 only 16."""
     from kdistill.kernels import decode_gemv
 
     model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
-    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(20)]
+    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(40)]
     tiles = {}
-    for batch in (32, 16):
-        with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
-            DecodeEngine(model, batch_size=batch, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(
-                rows
-            )
-        triton = {k for k in rec.keys() if not k.is_library}
-        plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=batch, prompt_len=3, max_len=16)
-        assert triton <= plan, (batch, triton - plan)
+    for batch in (64, 32, 16):
+        triton, plan = _engine_keys(model, rows, batch, 16)
         tiles[batch] = {k["BLOCK_M"] for k in triton if k.op == "decode_gemv"}
         planned = {k["BLOCK_M"] for k in plan if k.op == "decode_gemv"}
-        assert planned == ({16, 32} if batch > 16 else {16}), planned
-    assert tiles == {32: {32}, 16: {16}}  # 20 prompts: one bucket of 32 rows, or 16 rows refilled
-    assert decode_gemv.block_m(17) == 32 and decode_gemv.block_m(16) == 16
+        assert planned == {t for t in decode_gemv.ROW_TILES if t <= max(16, batch)}, planned
+        pdl = {k["PDL"] for k in triton if k.op == "decode_attn_split"}
+        assert pdl == {True}, (batch, pdl)  # every step chained
+    assert tiles == {64: {64}, 32: {32}, 16: {16}}  # 40 prompts: one bucket of 64 rows, or refilled
+    assert [decode_gemv.block_m(r) for r in (16, 17, 32, 33, 64)] == [16, 32, 32, 64, 64]
 
 
 def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchained(tmp_path):
-    """The 32-row tile serves narrow products only (a side of at most decode_gemv.NARROW): a model wider
+    """The larger tiles serve narrow products only (a side of at most decode_gemv.NARROW): a model wider
     than that decodes a bucket of 17 to 32 rows with the library GEMM, its norms and attention
-    unchained, and plans no 32-row tile; its 16-row buckets still run the kernel chained."""
+    unchained, and plans no larger tile; its 16-row buckets still run the kernel chained."""
     from kdistill.kernels import decode_gemv
 
     width = decode_gemv.NARROW + 64
@@ -342,13 +348,7 @@ def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchain
     ).eval()
     rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(20)]
     for batch, tile in ((32, None), (16, 16)):
-        with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
-            DecodeEngine(model, batch_size=batch, max_len=8, sampling=Sampling(max_new_tokens=2)).generate(
-                rows
-            )
-        triton = {k for k in rec.keys() if not k.is_library}
-        plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=batch, prompt_len=3, max_len=8)
-        assert triton <= plan, (batch, triton - plan)
+        triton, plan = _engine_keys(model, rows, batch, 8)
         assert {k["BLOCK_M"] for k in plan if k.op == "decode_gemv"} == {16}
         launched = {k["BLOCK_M"] for k in triton if k.op == "decode_gemv"}
         assert launched == (set() if tile is None else {tile})
