@@ -314,6 +314,26 @@ def test_cross_arch_build_tiny_pair_from_yaml(tmp_path, capsys, monkeypatch):
     } <= ops
 
 
+def test_the_64_row_decode_tile_builds_for_every_arch_with_its_prefetch(tmp_path, monkeypatch):
+    """The matrix-vector kernel's 64-row tile (a narrow model's buckets of 33 to 64 rows) builds without
+    a GPU for each arch: on archs with tensor memory its prefetch stays within what Triton's tcgen05 dot
+    takes (a key of 1,024 prefetched inputs fails there), elsewhere it keeps the measured policy's."""
+    from kdistill.kernels import decode_gemv
+    from kdistill.kernels.build import compile_key
+
+    monkeypatch.setenv("KDISTILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    for arch, tmem in (("sm_90", False), ("sm_100", True)):
+        assert decode_gemv.tensor_memory(arch) == tmem
+        key = decode_gemv.gemv_key(arch, n=896, k=896, dtype="bf16", epilogue=decode_gemv.EPI_NONE, rows=64)
+        assert key["BLOCK_M"] == 64
+        assert key["PRE_K"] == (decode_gemv.TMEM_MAX_PRE_K if tmem else 1024)
+        result = compile_key(key)
+        assert result.ok, result.error
+    small = decode_gemv.gemv_key("sm_100", n=896, k=896, dtype="bf16", rows=32)
+    assert small["PRE_K"] == 1024  # below 64 rows the dot is not tcgen05's: the policy's prefetch
+
+
 PRESET_PAIR = "qwen2.5-1.5b:qwen2.5-0.5b"
 PRESET_ARCHS = "sm_80,sm_89,sm_90,sm_100,sm_120"
 

@@ -35,6 +35,7 @@ from kdistill.errors import KernelError
 from kdistill.kernels._triton import cdiv, jit, pdl_release, pdl_wait, tl
 from kdistill.kernels.keys import (
     KernelKey,
+    arch_capability,
     dtype_name,
     launch_options,
     make_key,
@@ -244,6 +245,19 @@ PRE_K = {EPI_NONE: 1024, EPI_BIAS: 1024, EPI_SWIGLU: 512}  # at most, loaded bef
 # the larger tiles' SwiGLU prefetch (measured, 0.5B's gate/up: at 32 rows 128 inputs, 9.2 us a launch
 # against 28.7 at 512; at 64 rows 64 inputs, 8.7 us against 12.7 at 128)
 PRE_K_TILE = {16: PRE_K, 32: {**PRE_K, EPI_SWIGLU: 128}, 64: {**PRE_K, EPI_SWIGLU: 64}}
+# Archs with tensor memory (sm_100 to sm_110): a tile of 64 rows takes the tcgen05 dot, which Triton
+# builds with at most 512 prefetched inputs (more: "blockN must be less than or equal to 512")
+TMEM_MAX_PRE_K = 512
+
+
+def tensor_memory(arch: str) -> bool:
+    """Whether `arch` has tensor memory (its dots of 64 rows and more run as tcgen05 MMAs)."""
+    try:
+        return 100 <= arch_capability(arch) < 120
+    except ValueError:  # "cpu"
+        return False
+
+
 MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,864 faster here, 8,960 not)
 
 
@@ -290,6 +304,9 @@ def gemv_key(
     epilogue has 2n rows). combine False: a split plain product's output is its fp32 partials, summed
     by the next kernel (a residual add + RMSNorm with PARTS = SPLIT). rows: the bucket's (its row tile,
     block_m). aligned: X, W, BIAS."""
+    tile = tiles(n=n, k=k, epilogue=epilogue, rows=rows)
+    if tile["BLOCK_M"] >= 64 and tensor_memory(arch):
+        tile["PRE_K"] = min(tile["PRE_K"], TMEM_MAX_PRE_K)
     return make_key(
         GEMV.op,
         arch,
@@ -302,7 +319,7 @@ def gemv_key(
         PDL=pdl(arch),
         num_warps=4,
         num_stages=3,
-        **tiles(n=n, k=k, epilogue=epilogue, rows=rows),
+        **tile,
     )
 
 
