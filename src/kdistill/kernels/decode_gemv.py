@@ -261,10 +261,11 @@ def tensor_memory(arch: str) -> bool:
 MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,864 faster here, 8,960 not)
 
 
-def tiles(*, n: int, k: int, epilogue: int, rows: int = 1) -> dict[str, int]:
-    """The bucket's row tile (block_m, its prefetch PRE_K_TILE); 32 columns a program with the SwiGLU
-    epilogue (two weight tiles each), else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split)
-    into as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
+def tiles(*, n: int, k: int, epilogue: int, rows: int = 1, arch: str = "sm_90") -> dict[str, int]:
+    """The bucket's row tile (block_m, its prefetch PRE_K_TILE, at most TMEM_MAX_PRE_K at 64 rows on an
+    arch with tensor memory); 32 columns a program with the SwiGLU epilogue (two weight tiles each),
+    else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split) into
+    as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
     run alone after the others); the first PRE_K inputs' weights loaded before the wait for the
     previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
     twelve; round fifteen measured wider and longer tiles, and a split SwiGLU, inside the step: none
@@ -277,7 +278,10 @@ def tiles(*, n: int, k: int, epilogue: int, rows: int = 1) -> dict[str, int]:
         k_split = cdiv(cdiv(k, want), 128) * 128
         split = cdiv(k, k_split)
     tile = block_m(rows)
-    pre_k = min(next_pow2(k_split), PRE_K_TILE[tile][epilogue])
+    cap = PRE_K_TILE[tile][epilogue]
+    if tile >= 64 and tensor_memory(arch):
+        cap = min(cap, TMEM_MAX_PRE_K)
+    pre_k = min(next_pow2(k_split), cap)
     return {
         "BLOCK_M": tile,
         "BLOCK_N": block_n,
@@ -304,9 +308,6 @@ def gemv_key(
     epilogue has 2n rows). combine False: a split plain product's output is its fp32 partials, summed
     by the next kernel (a residual add + RMSNorm with PARTS = SPLIT). rows: the bucket's (its row tile,
     block_m). aligned: X, W, BIAS."""
-    tile = tiles(n=n, k=k, epilogue=epilogue, rows=rows)
-    if tile["BLOCK_M"] >= 64 and tensor_memory(arch):
-        tile["PRE_K"] = min(tile["PRE_K"], TMEM_MAX_PRE_K)
     return make_key(
         GEMV.op,
         arch,
@@ -319,7 +320,7 @@ def gemv_key(
         PDL=pdl(arch),
         num_warps=4,
         num_stages=3,
-        **tile,
+        **tiles(n=n, k=k, epilogue=epilogue, rows=rows, arch=arch),
     )
 
 
