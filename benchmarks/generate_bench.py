@@ -13,7 +13,8 @@ token) except in the ragged run. Providers:
   hf              transformers `generate` (dynamic cache, do_sample=False, min_new_tokens = new)
 
 Ragged run: --ragged N prompts of 16..512 tokens (uniform, seeded), up to --new new tokens, stopping
-at the model's EOS, at --ragged-batch rows with slot refill; tokens/s end to end (prefills included).
+at the model's EOS, at --ragged-batch rows with slot refill; tokens/s end to end (prefills included),
+the median of --ragged-reps runs (their spread and whether their tokens agree are reported).
 
 Floor: a decode step must read every weight once and each row's cached keys and values; those bytes
 over the copy bandwidth measured in the same run (a large device-to-device copy) give the step's
@@ -205,11 +206,16 @@ def bench_model(preset: str, a, bw: float) -> dict:
             stop_ids={eos},
         )
         eng.generate(prompts[: a.ragged_batch])  # capture
-        sync()
-        t = time.perf_counter()
-        out = eng.generate(prompts)
-        sync()
-        sec = time.perf_counter() - t
+        runs, outs, steps = [], [], []
+        for _ in range(max(1, a.ragged_reps)):  # one run's prefills and refills vary: the median of several
+            sync()
+            before = eng.steps
+            t = time.perf_counter()
+            outs.append(eng.generate(prompts))
+            sync()
+            runs.append(time.perf_counter() - t)
+            steps.append(eng.steps - before)
+        sec, out = statistics.median(runs), outs[0]
         new = sum(len(r) for r in out)
         ragged_row = {
             "model": preset,
@@ -221,7 +227,10 @@ def bench_model(preset: str, a, bw: float) -> dict:
             "stopped_at_eos": sum(1 for r in out if r and r[-1] == eos) / a.ragged,
             "seconds": sec,
             "new_tokens_per_s": new / sec,
-            "steps": eng.steps,
+            "runs_seconds": runs,
+            "spread": (max(runs) - min(runs)) / sec,  # (slowest - fastest) / median
+            "identical_across_runs": all(o == out for o in outs),
+            "steps": steps[0],
         }
         print(json.dumps(ragged_row), flush=True)
         del eng
@@ -282,6 +291,7 @@ def main() -> None:
     )
     ap.add_argument("--ragged", type=int, default=1000)
     ap.add_argument("--ragged-batch", type=int, default=128)
+    ap.add_argument("--ragged-reps", type=int, default=3, help="ragged runs timed (their median is reported)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="2-layer stand-ins of the presets (a CPU smoke run)")
@@ -323,7 +333,8 @@ def print_table(result: dict) -> None:
         if rg:
             print(
                 f"{preset:14s} ragged {rg['prompts']} prompts at batch {rg['batch']}: "
-                f"{rg['new_tokens_per_s']:,.0f} new tokens/s end to end, mean {rg['mean_new']:.1f} new"
+                f"{rg['new_tokens_per_s']:,.0f} new tokens/s end to end (median of {len(rg['runs_seconds'])},"
+                f" spread {100 * rg['spread']:.1f}%), mean {rg['mean_new']:.1f} new"
             )
         print(
             f"{preset:14s} identical graph vs eager: {m['identical_graph_vs_eager']}  "

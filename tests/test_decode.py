@@ -289,6 +289,26 @@ def _engine_keys(model, prompts: list[list[int]], batch: int, max_len: int) -> t
     return triton, plan
 
 
+@pytest.mark.parametrize("batch,prompts", [(4, 3), (72, 70)])
+def test_the_steps_embedding_lookup_is_inside_its_first_norm_and_planned(tmp_path, batch, prompts):
+    """A decode step looks its tokens' embeddings up inside the first block's norm (the norm key's
+    GATHER: one launch, chained as the step is); the prefill keeps its own lookup and plain norm. The
+    plan holds the gathering norm chained, and unchained too for an engine with buckets of more rows
+    than chain (a narrow model: 64)."""
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(prompts)]
+    triton, plan = _engine_keys(model, rows, batch, 16)
+    gathers = {k for k in triton if k.op == "rmsnorm_fwd" and k["GATHER"]}
+    assert {k["PDL"] for k in gathers} == {prompts <= 64}  # the bucket of 4 rows chains, of 72 not
+    assert all(not k["HAS_RESIDUAL"] and k["H"] == 64 for k in gathers)
+    planned = {k["PDL"] for k in plan if k.op == "rmsnorm_fwd" and k["GATHER"]}
+    assert planned == ({True} if batch <= 64 else {True, False})
+    # the prefill's first norm: a plain one, unchained
+    assert any(
+        k.op == "rmsnorm_fwd" and not k["GATHER"] and not k["PDL"] and not k["HAS_RESIDUAL"] for k in triton
+    )
+
+
 def test_a_wide_steps_attention_reads_longer_splits_and_its_plan_holds_them(tmp_path):
     """A step of more than WIDE_ROWS rows reads its cache in splits of at least WIDE_SPLIT keys (programs
     enough without short splits); the plan for an engine of that batch holds the key, and an engine of

@@ -94,7 +94,16 @@ def test_source_spec_marks_aligned_pointers_and_unspecialized_ints():
     r = rms_kernel.FWD.source(
         rms_kernel.fwd_key("sm_90", hidden=64, eps=1e-6, dtype="fp32", w_dtype="fp32", residual=False)
     )
-    assert r["signature"]["n_rows"] == "i32" and (6,) not in r["attrs"]
+    at = list(r["signature"]).index
+    assert r["signature"]["n_rows"] == "i32" and (at("n_rows"),) not in r["attrs"]
+    # a pointer left out of alignment specialization (the gather's ids): typed by the key, never divisible
+    assert r["signature"]["IDS"] == "*fp32" and (at("IDS"),) not in r["attrs"]
+    g = rms_kernel.FWD.source(
+        rms_kernel.fwd_key(
+            "sm_90", hidden=64, eps=1e-6, dtype="bf16", w_dtype="bf16", residual=False, gather=True
+        )
+    )
+    assert g["signature"]["IDS"] == "*i64" and g["constexprs"]["GATHER"] is True
 
 
 # -- dispatcher and fallback --------------------------------------------------------------------------

@@ -607,6 +607,36 @@ def case_decode_linear_add_rmsnorm(device="cpu", dtype=torch.float32, rows=3, n=
     _close("y", y[:, 0], ref_y, dtype)
 
 
+def case_embed_rmsnorm(
+    device="cpu", dtype=torch.float32, vocab=50, hidden=40, ids=(7, 0, 7, 49, 3), chained=True
+):
+    """A decode step's embedding lookup inside its first norm (one launch, the GATHER key): the rows it
+    keeps are the table's rows bit for bit, and its output is the plain norm kernel's on those rows
+    (the same arithmetic), within rounding of the float64 reference; repeated ids and the table's
+    first and last rows included."""
+    from kdistill import dispatch
+    from kdistill.kernels import runtime
+    from kdistill.kernels.keys import pdl
+    from kdistill.ops.rmsnorm import rmsnorm_reference
+
+    g = torch.Generator().manual_seed(vocab + hidden)
+    table = torch.randn((vocab, hidden), generator=g).to(device, dtype)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(device, dtype)
+    tok = torch.tensor(ids, dtype=torch.int64, device=device)
+    with _kernel_mode(), runtime.chained(chained), runtime.recording() as rec:
+        y, kept = dispatch.embed_rmsnorm(tok, table, w, 1e-6)
+    keys = [k for k in rec.keys() if k.op == "rmsnorm_fwd"]
+    assert [(k["GATHER"], k["HAS_RESIDUAL"]) for k in keys] == [(True, False)], keys
+    assert all(k["PDL"] == (chained and pdl(k.arch)) for k in keys)
+    assert y.shape == kept.shape == (len(ids), hidden) and y.dtype == kept.dtype == dtype
+    assert torch.equal(kept, table[tok])
+    with _kernel_mode(), runtime.chained(chained):
+        plain = dispatch.rmsnorm(table[tok], w, 1e-6)
+    assert torch.equal(y, plain)
+    ref = rmsnorm_reference(table[tok].double(), w.double(), 1e-6)
+    _close("y", y, ref, dtype)
+
+
 def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16, temperature=0.0):
     """The decode engine's tokens with the kernels equal the reference ops' (slot refill, a stop token,
     a head size the decode-attention kernel takes; from 32 on, with RoPE inside it), greedy or sampled
@@ -821,6 +851,9 @@ CASES = {
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, m=200, rope=True, wide=True, positions=(0, 64, 130)),
     ),
+    # the step's embedding lookup inside its first norm, chained or not, a hidden size not a power of 2
+    "embed_rmsnorm_fp32": (case_embed_rmsnorm, {}),
+    "embed_rmsnorm_bf16_unchained": (case_embed_rmsnorm, dict(dtype=torch.bfloat16, chained=False)),
     # a split product's partials summed by the residual add + norm after it (o_proj, down)
     "decode_linear_add_rmsnorm_fp32": (case_decode_linear_add_rmsnorm, {}),
     "decode_linear_add_rmsnorm_fp32_16_rows": (case_decode_linear_add_rmsnorm, dict(rows=16, n=40, k=2048)),

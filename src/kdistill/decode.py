@@ -353,18 +353,23 @@ def forward_tokens(
     final-normed hidden states (B, T, H). attend(layer, q, k, v) with q (B, Hq, T, D) and k, v
     (B, Hkv, T, D) after RoPE returns attention's output (B, Hq, T, D) (and fills the cache). cos and
     sin None: q and k reach attend unrotated (views of the q/k/v output; the decode step's attention
-    kernel rotates them itself). step: a one-token decode step (T = 1): the block's products (q/k/v,
+    kernel rotates them itself). step: a one-token decode step (T = 1): the embedding lookup inside the
+    first block's norm (dispatch.embed_rmsnorm: one launch), the block's products (q/k/v,
     o_proj, gate/up with its SwiGLU, down) go through dispatch.decode_linear (a matrix-vector kernel at
     small buckets), o_proj and down with the residual add + norm after them
     (dispatch.decode_linear_add_rmsnorm: a split product's partials summed by the norm)."""
     s = w.spec
     b, t = ids.shape
     eps = s.rms_eps
-    delta = F.embedding(ids, w.embed)  # (B, T, H)
+    gathered = step and len(w.layers) > 0  # the step's lookup is in its first norm (embed_rmsnorm)
+    delta = None if gathered else F.embedding(ids, w.embed)  # (B, T, H)
     residual = None
     down = None  # step: the last block's down product (input, weight), left to the next add + norm
     for i, layer in enumerate(w.layers):
-        if residual is None:
+        if gathered and residual is None:
+            h, residual = dispatch.embed_rmsnorm(ids[:, 0], w.embed, layer.ln1, eps)
+            h, residual = h.view(b, 1, -1), residual.view(b, 1, -1)
+        elif residual is None:
             residual = delta
             h = dispatch.rmsnorm(delta, layer.ln1, eps)
         elif down is not None:

@@ -80,6 +80,7 @@ __all__ = [
     "decode_linear",
     "decode_linear_add_rmsnorm",
     "decode_sample",
+    "embed_rmsnorm",
     "kd_loss",
     "quantize_cols",
     "quantize_rows",
@@ -214,6 +215,42 @@ def add_rmsnorm(
 
 
 # -- RoPE ---------------------------------------------------------------------------------------------
+def embed_rmsnorm(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(table[ids]) * weight, table[ids]) for a decode step's token ids (B,) int64 and an
+    embedding table (V, H), no gradient: the lookup and the first block's norm in one launch
+    (kernels/rmsnorm.py, its GATHER), chained where the step is (runtime.chained); or F.embedding then
+    the norm's reference, the same values."""
+    rt = current()
+    ids = ids.contiguous()
+    key = norm_kernel.fwd_key(
+        rt.arch,
+        hidden=table.shape[-1],
+        eps=eps,
+        dtype=table.dtype,
+        w_dtype=weight.dtype,
+        residual=False,
+        chained=rt.chained,
+        gather=True,
+        aligned=aligned(table, table, weight),
+    )
+    spec = lambda: norm_kernel.fwd_launch(key, table, None, weight, eps, ids)  # noqa: E731
+    if (
+        ids.dtype == torch.int64
+        and ids.dim() == 1
+        and table.is_contiguous()
+        and rt.use_kernel(key, table, weight)
+    ):
+        try:
+            return rt.launch(key, lambda: norm_kernel.gather_forward(key, table, ids, weight, eps), spec)
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", spec)
+    delta = torch.nn.functional.embedding(ids, table)
+    return rmsnorm_reference(delta, weight, eps), delta
+
+
 def _heads(t: torch.Tensor) -> torch.Tensor:
     """What the kernel receives for q/k (or their grads): any strides with a contiguous last dim."""
     return t if t.stride(-1) == 1 else t.contiguous()

@@ -38,6 +38,8 @@ FULL = [
     ("decode_sample_bf16_greedy", dict(dtype=BF16, rows=6, vocab=151936)),
     ("decode_sample_fp32_sampled", dict(dtype=BF16, rows=6, vocab=151936, temperature=2.0)),
     ("decode_sample_fp32_sampled", dict(dtype=FP32, rows=6, vocab=128256, temperature=0.6)),
+    ("embed_rmsnorm_fp32", dict(vocab=151936, hidden=896, ids=tuple(range(0, 151936, 9497)) + (151935,))),
+    ("embed_rmsnorm_bf16_unchained", dict(vocab=151936, hidden=1536, ids=(5,) * 40 + (151935,))),
     ("bwd_failure_falls_back", {}),
     ("frozen_forward_skips_autograd", {}),
 ]

@@ -377,7 +377,7 @@ def generation_kernels(
     fwd = model_kernels(spec, arch, prec, dt, grad=False, batch=batch, seq=prompt_len, masked=True)
     out = {k for k in fwd if not k.is_library}
     out |= _decode_attention(spec, arch, dt, max_len, rows=batch)
-    out |= _step_norms(spec, arch, dt)
+    out |= _step_norms(spec, arch, dt, batch)
     out |= registry.by_name("decode_sample").plan(arch, grad=False, vocab=spec.vocab_size, dtype=dt)
     out |= registry.by_name("decode_gemv").plan(
         arch,
@@ -408,15 +408,19 @@ def generation_kernels(
     return out
 
 
-def _step_norms(spec: ModelSpec, arch: str, dt: str) -> set[keys.KernelKey]:
+def _step_norms(spec: ModelSpec, arch: str, dt: str, batch: int) -> set[keys.KernelKey]:
     """The norms of a small bucket's decode step (runtime.chained: their keys launch with programmatic
-    dependent launch): the first block's input norm, the add + norms after it (and the final one), the
-    add + norms that sum a split o_proj's or down's partials, and Qwen3's per-head q/k norms."""
+    dependent launch): the first block's input norm with the embedding lookup (gather), the add + norms
+    after it (and the final one), the add + norms that sum a split o_proj's or down's partials, and
+    Qwen3's per-head q/k norms; and the gathering norm unchained when the engine has buckets of more
+    rows than chain (batch > decode_gemv.step_rows)."""
     norm = registry.by_name("rmsnorm").plan
     eps, h = spec.rms_eps, spec.hidden_size
-    out = norm(arch, grad=False, hidden=h, eps=eps, dtype=dt, w_dtype=dt, chained=True)
-    if spec.num_layers == 0:
-        return out
+    if spec.num_layers == 0:  # no block: the step norms the embedding alone
+        return norm(arch, grad=False, hidden=h, eps=eps, dtype=dt, w_dtype=dt, chained=True)
+    out: set[keys.KernelKey] = set()
+    for chain in {True, batch <= decode_gemv.step_rows(h)}:
+        out |= norm(arch, grad=False, hidden=h, eps=eps, dtype=dt, w_dtype=dt, chained=chain, gather=True)
     out |= norm(arch, grad=False, hidden=h, eps=eps, dtype=dt, w_dtype=dt, r_dtype=dt, chained=True)
     if spec.qk_norm:
         out |= norm(arch, grad=False, hidden=spec.head_dim, eps=eps, dtype=dt, w_dtype=dt, chained=True)

@@ -46,9 +46,10 @@ MAX_BWD_PROGRAMS = 1024  # partial dw rows; not a specialization (a runtime grid
 INT32_MAX = 2**31 - 1
 
 
-@jit(do_not_specialize=["n_rows"])
+@jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["IDS"])
 def rmsnorm_fwd_kernel(
     X,
+    IDS,
     R,
     W,
     Y,
@@ -62,6 +63,7 @@ def rmsnorm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
     PARTS: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,7 +75,12 @@ def rmsnorm_fwd_kernel(
     pdl_release(PDL)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)  # a weight: before the wait
     pdl_wait(PDL)
-    if PARTS == 0:
+    if GATHER:  # x's rows are the table X's rows IDS[row] (an embedding), written to S as they are
+        src = tl.load(IDS + rows, mask=rmask, other=0).to(tl.int64)
+        xs = tl.load(X + src[:, None] * H + cols[None, :], mask=mask, other=0.0)
+        tl.store(S + offs, xs, mask=mask)
+        xf = xs.to(tl.float32)
+    elif PARTS == 0:
         xf = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     else:  # x is a split product's PARTS fp32 partials: summed in split order, rounded as its output
         xf = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
@@ -147,14 +154,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def fwd_launch(
-    key: KernelKey, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    key: KernelKey,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    ids: torch.Tensor | None = None,
 ):
     """(kernel, grid, args, kwargs, outputs) for the forward of `key`; problem constants come from the
     call (x, eps, residual), tiles and warps from the key. With the key's PARTS, x is a split
     product's fp32 partials (PARTS, rows, H), contiguous: their sum, rounded to the residual's dtype, is
-    what is added to the residual."""
+    what is added to the residual. With the key's GATHER, x is a table (V, H) and ids (rows,) int64 the
+    table rows to norm (an embedding lookup): the second output holds those rows as they are."""
     parts = int(key["PARTS"])
-    if parts:
+    gather = bool(key["GATHER"])
+    if gather:
+        if ids is None or residual is not None or x.dim() != 2 or not x.is_contiguous():
+            raise KernelError(f"rmsnorm: a gather takes a contiguous table and ids (table {tuple(x.shape)})")
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
+            raise KernelError(
+                f"rmsnorm: a gather's ids must be contiguous int64 (rows,), got {tuple(ids.shape)}"
+            )
+        x2, r2 = x, x
+        s_dtype = x.dtype
+    elif parts:
         if residual is None or x.dim() != 3 or x.shape[0] != parts or not x.is_contiguous():
             raise KernelError(f"rmsnorm: partials {tuple(x.shape)} do not fit the key ({parts} parts)")
         x2 = x
@@ -166,12 +189,16 @@ def fwd_launch(
         x2 = _rows(x)
         r2 = _rows(residual) if residual is not None else x2
         s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    n_rows, h = r2.shape if parts else x2.shape
+    if gather:
+        n_rows, h = ids.shape[0], x.shape[1]
+    else:
+        n_rows, h = r2.shape if parts else x2.shape
     y = torch.empty((n_rows, h), dtype=torch_dtype(key["y_dtype"]), device=x.device)
-    s = torch.empty((n_rows, h), dtype=s_dtype, device=x.device) if residual is not None else y  # S aliases Y
+    kept = residual is not None or gather  # S is an output of its own; else it aliases Y
+    s = torch.empty((n_rows, h), dtype=s_dtype, device=x.device) if kept else y
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     grid = (cdiv(n_rows, key["BLOCK_M"]),)
-    args = (x2, r2, weight, y, s, rstd, n_rows)
+    args = (x2, ids if gather else x2, r2, weight, y, s, rstd, n_rows)  # IDS: unread unless gathering
     kwargs = dict(
         H=h,
         BLOCK_H=key["BLOCK_H"],
@@ -180,6 +207,7 @@ def fwd_launch(
         HAS_RESIDUAL=residual is not None,
         PDL=pdl_constexpr(key),
         PARTS=parts,
+        GATHER=gather,
         **launch_options(key),
     )
     return rmsnorm_fwd_kernel, grid, args, kwargs, (y, s, rstd)
@@ -222,6 +250,13 @@ def forward_only(
     y, s, _ = _run(fwd_launch(key, x, residual, weight, eps))
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y if residual is None else (y, s.view(x.shape))
+
+
+def gather_forward(key: KernelKey, table: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rmsnorm(table[ids]) * weight, table[ids]) for ids (rows,) by a GATHER key: an embedding lookup
+    and the first norm in one launch (no gradient)."""
+    y, s, _ = _run(fwd_launch(key, table, None, weight, eps, ids))
+    return y, s
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -299,6 +334,7 @@ def fwd_key(
     y_dtype: str | None = None,
     chained: bool = False,
     parts: int = 0,
+    gather: bool = False,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """y = rmsnorm(x [+ residual]) * w. dtype: x's; r_dtype: the residual's (default x's; the sum s has
@@ -306,11 +342,15 @@ def fwd_key(
     it in the autocast dtype). chained: inside a small bucket's decode step (runtime.chained), launched
     with programmatic dependent launch where the arch has it. parts: x is the fp32 partials of a split
     product whose output would be in `dtype` (a decode step's o_proj or down, kernels/decode_gemv.py),
-    summed here; the residual then has that dtype. aligned: X, R, W (R is X when there is no residual)."""
+    summed here; the residual then has that dtype. gather: x's rows are rows of a table in `dtype`
+    picked by int64 ids (a decode step's embedding lookup, fwd_launch), kept as the second output.
+    aligned: X, R, W (R is X when there is no residual)."""
     dtype, w_dtype = dtype_name(dtype), dtype_name(w_dtype)
     r_dtype = dtype_name(r_dtype) if (residual and r_dtype is not None) else dtype
     if parts and (not residual or r_dtype != dtype):
         raise KernelError("rmsnorm: partials are summed only beside a residual of the product's dtype")
+    if gather and (residual or parts):
+        raise KernelError("rmsnorm: a gathered norm has no residual and no partials")
     s_dtype = promote(dtype, r_dtype)
     y_dtype = dtype_name(y_dtype) if y_dtype is not None else promote(s_dtype, w_dtype)
     return make_key(
@@ -323,11 +363,14 @@ def fwd_key(
         r_dtype=r_dtype,
         w_dtype=w_dtype,
         y_dtype=y_dtype,
-        s_dtype=s_dtype if residual else y_dtype,  # without residual S aliases Y (unused)
+        # without residual S aliases Y (unused), except a gather's: the table's rows
+        s_dtype=s_dtype if residual else (dtype if gather else y_dtype),
         align=FWD.align(aligned),
         PDL=bool(chained) and pdl(arch),
         PARTS=int(parts),
+        GATHER=bool(gather),
         **({"x_dtype": "fp32"} if parts else {}),  # X holds the product's fp32 partials
+        **({"ids_dtype": "i64"} if gather else {}),  # IDS: the table rows (else unread, typed as X)
         **tiles(hidden),
     )
 
@@ -372,6 +415,10 @@ def warm_fwd(key: KernelKey, device: Any) -> tuple:
     """A 2-row launch that specializes as `key` (dtypes, alignment, H, EPS, residual, partials)."""
     al, h = _align_flags(key), key["H"]
     parts = int(key["PARTS"])
+    if key["GATHER"]:
+        table, w = tensor((4, h), key["dtype"], device, al[0]), tensor((h,), key["w_dtype"], device, al[2])
+        ids = torch.zeros(2, dtype=torch.int64, device=device)
+        return fwd_launch(key, table, None, w, f64_value(key["EPS"]), ids)
     x = tensor((parts, 2, h), "fp32", device, al[0]) if parts else tensor((2, h), key["dtype"], device, al[0])
     r = tensor((2, h), key["r_dtype"], device, al[1]) if key["HAS_RESIDUAL"] else None
     w = tensor((h,), key["w_dtype"], device, al[2])
@@ -400,11 +447,12 @@ def plan(
     y_dtype: str | None = None,
     chained: bool = False,
     parts: int = 0,
+    gather: bool = False,
 ) -> set[KernelKey]:
     """Keys of one call rmsnorm(x) (r_dtype None) or add_rmsnorm(x, residual): the forward, and when
     grad the backward with and (if fused) without a gradient reaching the returned sum. y_dtype: the
     output's dtype when it is not the promotion (see fwd_key); chained: a small bucket's decode step;
-    parts: x as a split product's partials (fwd_key)."""
+    parts: x as a split product's partials; gather: x as a table's rows picked by ids (fwd_key)."""
     residual = r_dtype is not None
     keys = {
         fwd_key(
@@ -418,9 +466,10 @@ def plan(
             y_dtype=y_dtype,
             chained=chained,
             parts=parts,
+            gather=gather,
         )
     }
-    if grad:
+    if grad and not gather:
         s_dtype = promote(dtype, r_dtype) if residual else dtype_name(dtype)
         for has_dres in (False, True) if residual else (False,):
             keys.add(
@@ -438,6 +487,7 @@ FWD = Kernel(
     launch=warm_fwd,
     pointers={
         "X": ("x_dtype", "dtype"),
+        "IDS": ("ids_dtype", "x_dtype", "dtype"),
         "R": "r_dtype",
         "W": "w_dtype",
         "Y": "y_dtype",

@@ -30,6 +30,7 @@ from kdistill.kernels._triton import AVAILABLE
 from kdistill.kernels.keys import KernelKey, arch_capability, constexpr_value, dtype_name
 
 DIVISIBLE = [["tt.divisibility", 16]]
+_LITERAL_TYPES = ("fp32", "i64", "i32", "u1", "fp8e4nv")  # pointer types named as they are, not dtypes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,14 @@ def jit_names(jit_fn: Any) -> tuple[list[str], set[str], set[str], set[str]]:
     def as_names(items: Sequence) -> set[str]:
         return {names[i] if isinstance(i, int) else str(i) for i in items or ()}
 
-    dns = as_names(getattr(jit_fn, "do_not_specialize", ()))
-    dnsoa = as_names(getattr(jit_fn, "do_not_specialize_on_alignment", ()))
+    # under TRITON_INTERPRET=1 the jit is an InterpretedFunction, which keeps the decorator's lists in
+    # its kwargs
+    given = getattr(jit_fn, "kwargs", None) or {}
+
+    def listed(attr: str) -> set[str]:
+        return as_names(getattr(jit_fn, attr, None) or given.get(attr) or ())
+
+    dns, dnsoa = listed("do_not_specialize"), listed("do_not_specialize_on_alignment")
     return names, constexpr, dns, dnsoa
 
 
@@ -115,10 +122,11 @@ class Kernel:
     def _dtype(self, key: KernelKey, name: str) -> str:
         ref = self.pointers[name]
         for param in (ref,) if isinstance(ref, str) else ref:
-            if param in ("fp32", "i64", "i32", "u1", "fp8e4nv"):
+            if param in _LITERAL_TYPES:
                 return param
-            if key.get(param) is not None:
-                return dtype_name(key[param])
+            if key.get(param) is not None:  # a dtype, or a literal type the key names (an int pointer)
+                value = str(key[param])
+                return value if value in _LITERAL_TYPES else dtype_name(value)
         raise KeyError(f"kernel key {key} has no dtype for pointer {name}")
 
     def source(self, key: KernelKey) -> dict[str, Any]:
