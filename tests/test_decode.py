@@ -380,7 +380,8 @@ def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchain
 def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swiglu_prefetch():
     """Planned from the configs alone: an engine of 64 rows for Qwen2.5-0.5B (896 wide) holds the 32-
     and 64-row tiles of its block products (gate/up's first-inputs prefetch PRE_K_TILE; down, 4,864
-    inputs, not at 64 rows), for 1.5B (1,536 wide) only the 16-row tile."""
+    inputs, not at 64 rows), for 1.5B (1,536 wide) only the 16-row tile, whose gate/up prefetches fewer
+    inputs than the 0.5B's (PRE_K_WIDE_SWIGLU: more than NARROW inputs)."""
     from kdistill.kernels import decode_gemv
     from kdistill.models.presets import PRESETS
     from kdistill.models.spec import spec_from_hf_config
@@ -390,6 +391,8 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
         keys = plan_mod.generation_kernels(spec, "sm_90", "bf16", batch=64, prompt_len=8, max_len=64)
         gemv = [k for k in keys if k.op == "decode_gemv"]
         assert {k["BLOCK_M"] for k in gemv} == ({16, 32, 64} if narrow else {16}), preset
+        at16 = [k["PRE_K"] for k in gemv if k["BLOCK_M"] == 16 and k["EPI"] == decode_gemv.EPI_SWIGLU]
+        assert at16 == [512 if narrow else decode_gemv.PRE_K_WIDE_SWIGLU], preset
         if not narrow:
             continue
         for tile in (32, 64):

@@ -245,6 +245,10 @@ PRE_K = {EPI_NONE: 1024, EPI_BIAS: 1024, EPI_SWIGLU: 512}  # at most, loaded bef
 # the larger tiles' SwiGLU prefetch (measured, 0.5B's gate/up: at 32 rows 128 inputs, 9.2 us a launch
 # against 28.7 at 512; at 64 rows 64 inputs, 8.7 us against 12.7 at 128)
 PRE_K_TILE = {16: PRE_K, 32: {**PRE_K, EPI_SWIGLU: 128}, 64: {**PRE_K, EPI_SWIGLU: 64}}
+# the 16-row tile's SwiGLU over more than NARROW inputs (measured inside the step on an H200: Qwen2.5-1.5B,
+# 1,536 inputs, batch 4 1.481 -> 1.417 ms a step with 256 against 512, 1.448 with 128; the 0.5B's 896
+# inputs keep 512: 0.758 -> 0.829 ms with 256)
+PRE_K_WIDE_SWIGLU = 256
 # Archs with tensor memory (sm_100 to sm_110): a tile of 64 rows takes the tcgen05 dot, which Triton
 # builds with at most 512 prefetched inputs (more: "blockN must be less than or equal to 512")
 TMEM_MAX_PRE_K = 512
@@ -263,7 +267,7 @@ MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,
 
 def tiles(*, n: int, k: int, epilogue: int, rows: int = 1, arch: str = "sm_90") -> dict[str, int]:
     """The bucket's row tile (block_m, its prefetch PRE_K_TILE, at most TMEM_MAX_PRE_K at 64 rows on an
-    arch with tensor memory); 32 columns a program with the SwiGLU epilogue (two weight tiles each),
+    arch with tensor memory, at most PRE_K_WIDE_SWIGLU for a SwiGLU over more than NARROW inputs); 32 columns a program with the SwiGLU epilogue (two weight tiles each),
     else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split) into
     as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
     run alone after the others); the first PRE_K inputs' weights loaded before the wait for the
@@ -279,6 +283,8 @@ def tiles(*, n: int, k: int, epilogue: int, rows: int = 1, arch: str = "sm_90") 
         split = cdiv(k, k_split)
     tile = block_m(rows)
     cap = PRE_K_TILE[tile][epilogue]
+    if epilogue == EPI_SWIGLU and k > NARROW:
+        cap = min(cap, PRE_K_WIDE_SWIGLU)
     if tile >= 64 and tensor_memory(arch):
         cap = min(cap, TMEM_MAX_PRE_K)
     pre_k = min(next_pow2(k_split), cap)
