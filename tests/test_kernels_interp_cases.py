@@ -559,6 +559,10 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
             with _kernel_mode(), runtime.recording() as rec:
                 got = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
             tiles = [key["BLOCK_M"] for key in rec.keys() if key.op == "decode_gemv"]
+            if epilogue == "swiglu" and k > decode_gemv.NARROW and rows <= 16:  # the wide SwiGLU's prefetch
+                assert [key["PRE_K"] for key in rec.keys() if key.op == "decode_gemv"] == [
+                    decode_gemv.PRE_K_WIDE_SWIGLU
+                ]
             # the bucket's row tile where the kernel serves the product, else the library GEMM
             code = {
                 "none": decode_gemv.EPI_NONE,
@@ -858,6 +862,8 @@ CASES = {
     "decode_linear_add_rmsnorm_fp32": (case_decode_linear_add_rmsnorm, {}),
     "decode_linear_add_rmsnorm_fp32_16_rows": (case_decode_linear_add_rmsnorm, dict(rows=16, n=40, k=2048)),
     "decode_linear_add_rmsnorm_fp32_32_rows": (case_decode_linear_add_rmsnorm, dict(rows=27, n=40, k=2048)),
+    # a SwiGLU over more than NARROW inputs: fewer inputs loaded before the wait, the rest in the loop
+    "decode_gemv_fp32_swiglu_wide": (case_decode_gemv, dict(rows=5, n=40, k=1104, epilogue="swiglu")),
     # the SwiGLU epilogue applied by the last of a column block's K splits (the policy keeps it whole)
     "decode_gemv_fp32_swiglu_split": (
         case_decode_gemv,
