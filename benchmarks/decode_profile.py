@@ -111,7 +111,9 @@ def main() -> None:
         "--gemv-tiles",
         default=None,
         help="tile experiment: PROGRAMS,PRE_K_PLAIN,PRE_K_SWIGLU[,MAX_PLAIN_K] overriding kernels/decode_gemv.py's "
-        "policy (the plan, prewarm and launches all take it); MAX_PLAIN_K: plain products of more inputs on cuBLAS",
+        "policy for the 16-row tile (the plan, prewarm and launches all take it): the inputs loaded before the wait "
+        "(PRE_K_SWIGLU at every width, PRE_K_WIDE_SWIGLU too); MAX_PLAIN_K: plain products of more inputs on cuBLAS "
+        "(raise it to put a wide down product on the kernel)",
     )
     ap.add_argument(
         "--no-pdl",
@@ -129,10 +131,10 @@ def main() -> None:
 
         programs, pre_plain, pre_swiglu, *max_k = (int(v) for v in a.gemv_tiles.split(","))
         decode_gemv.PROGRAMS = programs
-        decode_gemv.PRE_K.update({0: pre_plain, 1: pre_plain, 2: pre_swiglu})
+        decode_gemv.PRE_K.update({0: pre_plain, 1: pre_plain, 2: pre_swiglu})  # the 16-row tile's
+        decode_gemv.PRE_K_WIDE_SWIGLU = pre_swiglu
         if max_k:
-            served = decode_gemv.serves
-            decode_gemv.serves = lambda rows, k, epi: served(rows, k, epi) and (epi == 2 or k <= max_k[0])
+            decode_gemv.MAX_PLAIN_K = max_k[0]
     dev = torch.device("cuda")
     bw = copy_bandwidth()
     result = {
