@@ -1,10 +1,11 @@
-"""Registers and shared memory of a decode step's matrix-vector kernels, and how many of their programs
-an SM holds at once: no GPU needed.
+"""Registers and shared memory of a decode step's matrix-vector and attention kernels, and how many of
+their programs an SM holds at once: no GPU needed.
 
     PYTHONPATH=src python3 benchmarks/kernel_resources.py --models qwen2.5-0.5b,qwen2.5-1.5b --rows 16 \
         --pre-k 512,256,128 --json benchmarks/results/kernel_resources.json
 
-Each `decode_gemv` key of the model's generation plan (an engine of --rows rows, --arch) is cross-built as
+Each `decode_gemv` key of the model's generation plan (an engine of --rows rows, --arch), and its step's
+attention split kernel (its programs counted over --filled of --max-len slots), is cross-built as
 `kdistill kernels build` builds it, and its binary's registers read with the `cuobjdump -res-usage` that
 Triton ships; --pre-k adds each key built with those prefetch depths instead of the policy's (PRE_K:
 the inputs whose weights a program loads before waiting for the previous kernel). Per key: its product
@@ -57,6 +58,42 @@ def registers(cubin: bytes) -> int:
     return int(found[-1])
 
 
+def attention_row(preset: str, key, batch: int, filled: int, sms: int) -> dict:
+    """The one-token attention's split kernel for `batch` rows over `filled` slots: a program per row,
+    kv head and split of key["SPLIT"] keys."""
+    from kdistill.kernels.pack import jit_compile
+
+    compiled = jit_compile(key)
+    regs, warps, shared = (
+        registers(compiled.asm["cubin"]),
+        int(key["num_warps"]),
+        int(compiled.metadata.shared),
+    )
+    programs = batch * int(key["HKV"]) * -(-filled // int(key["SPLIT"]))
+    held = per_sm(regs, shared, warps)
+    row = {
+        "kernel": "decode_attn_split",
+        "model": preset,
+        "rows": batch,
+        "filled": filled,
+        "SPLIT": int(key["SPLIT"]),
+        "BLOCK_N": int(key["BLOCK_N"]),
+        "PDL": bool(key["PDL"]),
+        "programs": programs,
+        "registers": regs,
+        "shared_bytes": shared,
+        "warps": warps,
+        "per_sm": held,
+        "waves": round(programs / max(1, held * sms), 2),
+    }
+    print(
+        f"{preset:13s} attention, {batch} rows over {filled} slots, splits of {row['SPLIT']}: {programs:4d} "
+        f"programs, {regs:3d} registers, {shared // 1024:3d} KB shared: {held} an SM, {row['waves']:.2f} waves",
+        flush=True,
+    )
+    return row
+
+
 def main() -> None:
     from kdistill.kernels import decode_gemv
     from kdistill.kernels.keys import make_key
@@ -74,6 +111,13 @@ def main() -> None:
     ap.add_argument(
         "--pre-k", default="", help="prefetch depths to build each key with too, e.g. 512,256,128"
     )
+    ap.add_argument(
+        "--max-len",
+        type=int,
+        default=256,
+        help="the engine's cache slots; the attention's programs are counted over --filled of them",
+    )
+    ap.add_argument("--filled", type=int, default=0, help="slots filled (default: all of --max-len)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     setup_cache_dir()
@@ -85,7 +129,11 @@ def main() -> None:
     rows = []
     for preset in a.models.split(","):
         spec = spec_from_hf_config(PRESETS[preset])
-        plan = generation_kernels(spec, a.arch, "bf16", batch=a.rows, prompt_len=8, max_len=64)
+        plan = generation_kernels(spec, a.arch, "bf16", batch=a.rows, prompt_len=8, max_len=a.max_len)
+        filled = a.filled or a.max_len
+        chained = a.rows <= decode_gemv.step_rows(spec.hidden_size)
+        for key in sorted((k for k in plan if k.op == "decode_attn_split" and k["PDL"] == chained), key=str):
+            rows.append(attention_row(preset, key, a.rows, filled, a.sms))
         gemv = sorted((k for k in plan if k.op == "decode_gemv"), key=str)
         for base in gemv:
             depths = [int(base["PRE_K"])] + [
@@ -117,7 +165,7 @@ def main() -> None:
                     "per_sm": held,
                     "waves": round(programs / max(1, held * a.sms), 2),
                 }
-                rows.append(row)
+                rows.append({"kernel": "decode_gemv", **row})
                 print(
                     f"{preset:13s} {row['N']:6d} x {row['K']:5d} {row['epilogue']:6s} rows {row['BLOCK_M']:2d} "
                     f"split {row['SPLIT']} PRE_K {depth:4d}{' (policy)' if row['policy'] else '         '} "
