@@ -21,6 +21,7 @@ import argparse
 import json
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,19 +59,36 @@ def registers(cubin: bytes) -> int:
     return int(found[-1])
 
 
-def attention_row(preset: str, key, batch: int, filled: int, sms: int) -> dict:
-    """The one-token attention's split kernel for `batch` rows over `filled` slots: a program per row,
-    kv head and split of key["SPLIT"] keys."""
+def resources(key, programs: int, sms: int) -> dict:
+    """`key` cross-built: its registers a thread, shared memory and warps a program, the programs an SM
+    holds and the waves `programs` of them take over `sms` SMs."""
     from kdistill.kernels.pack import jit_compile
 
     compiled = jit_compile(key)
-    regs, warps, shared = (
-        registers(compiled.asm["cubin"]),
-        int(key["num_warps"]),
-        int(compiled.metadata.shared),
-    )
-    programs = batch * int(key["HKV"]) * -(-filled // int(key["SPLIT"]))
+    regs, warps = registers(compiled.asm["cubin"]), int(key["num_warps"])
+    shared = int(compiled.metadata.shared)
     held = per_sm(regs, shared, warps)
+    return {
+        "programs": programs,
+        "registers": regs,
+        "shared_bytes": shared,
+        "warps": warps,
+        "per_sm": held,
+        "waves": round(programs / max(1, held * sms), 2),
+    }
+
+
+def summary(r: dict) -> str:
+    return (
+        f"{r['programs']:4d} programs, {r['registers']:3d} registers, {r['shared_bytes'] // 1024:3d} KB shared: "
+        f"{r['per_sm']} an SM, {r['waves']:.2f} waves"
+    )
+
+
+def attention_row(preset: str, key, batch: int, filled: int, sms: int) -> dict:
+    """The one-token attention's split kernel for `batch` rows over `filled` slots: a program per row,
+    kv head and split of key["SPLIT"] keys."""
+    programs = batch * int(key["HKV"]) * -(-filled // int(key["SPLIT"]))
     row = {
         "kernel": "decode_attn_split",
         "model": preset,
@@ -79,17 +97,10 @@ def attention_row(preset: str, key, batch: int, filled: int, sms: int) -> dict:
         "SPLIT": int(key["SPLIT"]),
         "BLOCK_N": int(key["BLOCK_N"]),
         "PDL": bool(key["PDL"]),
-        "programs": programs,
-        "registers": regs,
-        "shared_bytes": shared,
-        "warps": warps,
-        "per_sm": held,
-        "waves": round(programs / max(1, held * sms), 2),
+        **resources(key, programs, sms),
     }
     print(
-        f"{preset:13s} attention, {batch} rows over {filled} slots, splits of {row['SPLIT']}: {programs:4d} "
-        f"programs, {regs:3d} registers, {shared // 1024:3d} KB shared: {held} an SM, {row['waves']:.2f} waves",
-        flush=True,
+        f"{preset:13s} attention, {batch} rows over {filled} slots, splits of {row['SPLIT']}: {summary(row)}"
     )
     return row
 
@@ -97,7 +108,6 @@ def attention_row(preset: str, key, batch: int, filled: int, sms: int) -> dict:
 def main() -> None:
     from kdistill.kernels import decode_gemv
     from kdistill.kernels.keys import make_key
-    from kdistill.kernels.pack import jit_compile
     from kdistill.kernels.plan import generation_kernels
     from kdistill.kernels.seal import setup_cache_dir
     from kdistill.models.presets import PRESETS
@@ -141,13 +151,9 @@ def main() -> None:
             ]
             for depth in depths:
                 key = make_key(base.op, base.arch, **{**dict(base.params), "PRE_K": depth})
-                compiled = jit_compile(key)
-                regs = registers(compiled.asm["cubin"])
-                warps = int(key["num_warps"])
-                shared = int(compiled.metadata.shared)
                 programs = -(-int(key["N"]) // int(key["BLOCK_N"])) * int(key["SPLIT"])
-                held = per_sm(regs, shared, warps)
                 row = {
+                    "kernel": "decode_gemv",
                     "model": preset,
                     "N": int(key["N"]),
                     "K": int(key["K"]),
@@ -158,19 +164,13 @@ def main() -> None:
                     "COMBINE": bool(key.get("COMBINE", True)),  # False: the norm after it sums the partials
                     "PRE_K": depth,
                     "policy": depth == base["PRE_K"],
-                    "programs": programs,
-                    "registers": regs,
-                    "shared_bytes": shared,
-                    "warps": warps,
-                    "per_sm": held,
-                    "waves": round(programs / max(1, held * a.sms), 2),
+                    **resources(key, programs, a.sms),
                 }
-                rows.append({"kernel": "decode_gemv", **row})
+                rows.append(row)
                 print(
                     f"{preset:13s} {row['N']:6d} x {row['K']:5d} {row['epilogue']:6s} rows {row['BLOCK_M']:2d} "
                     f"split {row['SPLIT']} PRE_K {depth:4d}{' (policy)' if row['policy'] else '         '} "
-                    f"{programs:4d} programs, {regs:3d} registers, {shared // 1024:3d} KB shared: "
-                    f"{held} an SM, {row['waves']:.2f} waves",
+                    f"{summary(row)}",
                     flush=True,
                 )
     if a.json:
@@ -178,16 +178,10 @@ def main() -> None:
 
         import triton
 
-        out = {"command": " ".join(["python3", "benchmarks/kernel_resources.py", *_argv()]), "arch": a.arch,
+        out = {"command": " ".join(["python3", "benchmarks/kernel_resources.py", *sys.argv[1:]]), "arch": a.arch,
                "sms": a.sms, "triton": triton.__version__,
                "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"), "rows": rows}  # fmt: skip
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
-
-
-def _argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
 
 
 if __name__ == "__main__":

@@ -177,6 +177,7 @@ def fwd_launch(
             )
         x2, r2 = x, x
         s_dtype = x.dtype
+        n_rows, h = ids.shape[0], x.shape[1]
     elif parts:
         if residual is None or x.dim() != 3 or x.shape[0] != parts or not x.is_contiguous():
             raise KernelError(f"rmsnorm: partials {tuple(x.shape)} do not fit the key ({parts} parts)")
@@ -185,14 +186,12 @@ def fwd_launch(
         if r2.shape != x.shape[1:]:
             raise KernelError(f"rmsnorm: partials {tuple(x.shape)} against a residual {tuple(r2.shape)}")
         s_dtype = residual.dtype
+        n_rows, h = r2.shape
     else:
         x2 = _rows(x)
         r2 = _rows(residual) if residual is not None else x2
         s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    if gather:
-        n_rows, h = ids.shape[0], x.shape[1]
-    else:
-        n_rows, h = r2.shape if parts else x2.shape
+        n_rows, h = x2.shape
     y = torch.empty((n_rows, h), dtype=torch_dtype(key["y_dtype"]), device=x.device)
     kept = residual is not None or gather  # S is an output of its own; else it aliases Y
     s = torch.empty((n_rows, h), dtype=s_dtype, device=x.device) if kept else y
