@@ -291,6 +291,7 @@ def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int
         "peak_memory_gib": summary.get("peak_memory_gib"),
         "planned_memory_gib": summary.get("planned_memory_gib"),
         "jit_after_prewarm": summary.get("jit_after_prewarm"),
+        "cuda_graphs": summary.get("cuda_graphs"),  # the update's captures, replays and eager steps
         "steps_timed": len(timed),
         **({"profile": profiles(run_dir, world)} if shape.profile else {}),
     }

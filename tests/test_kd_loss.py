@@ -458,3 +458,44 @@ def test_every_divergence_matches_its_formula_in_fp64(divergence):
     close(r.loss.detach(), want.detach(), 1e-10, f"{divergence} loss")
     close(gh, wh, 1e-9, f"{divergence} d/d student hidden")
     close(gw, ww, 1e-9, f"{divergence} d/d student lm_head")
+
+
+# A fixed row count (a captured generated step's head): the labelled rows, then row 0 again with its
+# label ignored; the sums divided by the count on the device. Same values as the counted form.
+@pytest.mark.parametrize(
+    "rows", [37, 41, 60]
+)  # above the count (37 labelled of 41), the whole batch, beyond it
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_a_fixed_row_count_gives_the_counted_loss_and_gradients(rows, divergence):
+    kw = dict(alpha=0.7, temperature=2.0, divergence=divergence, chunk_size=CHUNK)
+    counted = make_inputs(torch.float64)
+    fixed = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in counted)
+    r = kd_loss(*counted, **kw)
+    f = kd_loss(*fixed, rows=rows, **kw)
+    assert r.tokens == 37 and f.tokens == rows  # the head's rows, not the count
+    r.loss.backward()
+    (f.loss * 1.0).backward()
+    close(f.loss.detach(), r.loss.detach(), 1e-12, "loss")
+    close(f.ce, r.ce, 1e-12, "ce")
+    close(f.kd, r.kd, 1e-12, "kd")
+    close(fixed[0].grad, counted[0].grad, 1e-12, "grad hidden")
+    close(fixed[1].grad, counted[1].grad, 1e-12, "grad weight")
+
+
+def test_a_fixed_row_count_needs_no_host_count_and_is_zero_on_no_labels(monkeypatch):
+    import kdistill.ops.kd_loss as ops
+
+    def no_count(*a, **k):
+        raise AssertionError("the fixed-row head counted the labels on the host")
+
+    monkeypatch.setattr(ops, "label_count", no_count)
+    sh, sw, th, tw, labels = make_inputs(torch.float32)
+    labels[:] = IGNORE
+    r = kd_loss(
+        sh, sw, th, tw, labels, alpha=1.0, temperature=1.0, divergence="jsd", chunk_size=CHUNK, rows=8
+    )
+    assert r.loss.item() == 0.0 and float(r.kd) == 0.0 and math.isfinite(float(r.ce))
+    r.loss.backward()
+    assert float(sh.grad.abs().max()) == 0.0 and float(sw.grad.abs().max()) == 0.0
+    with pytest.raises(ValueError, match="rows"):
+        kd_loss(sh, sw, th, tw, labels, alpha=1.0, temperature=1.0, divergence="jsd", n_tokens=3, rows=8)

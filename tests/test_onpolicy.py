@@ -213,9 +213,14 @@ def test_memory_plan_has_a_generation_phase():
     t, s = make_spec(hidden=64, vocab=5000), make_spec(hidden=32, vocab=5000)
     cfg = _cfg()
     cfg.schedule.batch_size, cfg.schedule.grad_accum = 64, 4
-    off = estimate_memory(t, s, dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, on_policy=0.0)))
-    on = estimate_memory(t, s, cfg)
+    eager = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, cuda_graphs="off"))
+    off = estimate_memory(t, s, dataclasses.replace(eager, kd=dataclasses.replace(cfg.kd, on_policy=0.0)))
+    on = estimate_memory(t, s, eager)
     assert on["total"] > off["total"] and "generation_kv_cache_and_logits" in on
+    # a run that captures its update writes beside the captured step's pool: both are counted
+    captured = estimate_memory(t, s, cfg)
+    assert captured["generation_beside_graph_pool"] >= on["generation_kv_cache_and_logits"]
+    assert captured["total"] > on["total"]
 
 
 def test_memory_plan_counts_the_gathered_writers_under_torchrun():
@@ -542,3 +547,99 @@ def test_kernel_plan_covers_the_generated_steps_decoding():
     assert engine <= cpu and not engine <= plan
     off = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, on_policy=0.0))
     assert required_kernels(t, s, off, "sm_90") < plan
+
+
+def test_a_capturing_runs_generated_step_trains_as_the_counted_step(monkeypatch):
+    """A run that captures its generated steps (runtime.cuda_graphs) computes them with the KD head at a
+    fixed row count, the most completion tokens a micro-batch holds, on its eager steps too: the same
+    losses, tokens and updated weights as the counted step, up to rounding (the replay is on a GPU)."""
+    from kdistill import dispatch
+    from kdistill.train import step as step_mod
+    from kdistill.train.graph import StepGraph
+
+    cfg = _cfg("jsd")
+    cpu = torch.device("cpu")
+    teacher, student = _pair()
+    other = copy.deepcopy(student)
+    ctx = StepContext(
+        cfg, student, teacher, torch.optim.AdamW(student.parameters()), cpu, contextlib.nullcontext(), None
+    )
+    means, tokens, stats, _ = generated_accumulate(ctx, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy")
+    counted = torch.cat(step_mod._update(ctx, means) + [means[:, 0]])
+
+    seen = []
+    real = dispatch.kd_loss
+
+    def recording(*a, **k):
+        seen.append((k.get("rows"), k.get("n_tokens")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(dispatch, "kd_loss", recording)
+    graph = StepGraph(cpu)
+    op = OnPolicy(cfg, PROMPTS, {0}, 0, cpu)
+    ctx2 = StepContext(
+        cfg,
+        other,
+        teacher,
+        torch.optim.AdamW(other.parameters()),
+        cpu,
+        contextlib.nullcontext(),
+        None,
+        graph=graph,
+    )
+    packed, tokens2, stats2 = step_mod._generated_graphed(ctx2, graph, op, 0, "on_policy")
+    rows = cfg.schedule.batch_size * cfg.kd.max_new_tokens
+    assert seen == [(rows, None)] * cfg.schedule.grad_accum  # no host count reaches the head
+    assert graph.counts == {"captures": 0, "replays": 0, "eager_steps": 1}  # the first step is eager
+    assert tokens2 == tokens and stats2.completion_tokens == stats.completion_tokens
+    assert torch.allclose(packed, counted, rtol=1e-5, atol=1e-7)
+    for (name, a), b in zip(student.named_parameters(), other.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
+
+
+def test_a_capturing_runs_step_of_short_completions_counts_its_rows_on_the_host(monkeypatch):
+    """Completions filling less than MIN_FILL of the fixed head's rows: the step runs eagerly with the
+    head at the host's count (no ignored rows computed), exactly the counted step."""
+    from kdistill import dispatch
+    from kdistill.train import step as step_mod
+    from kdistill.train.graph import StepGraph
+
+    cfg = _cfg("jsd")
+    cpu = torch.device("cpu")
+    teacher, student = _pair()
+    other = copy.deepcopy(student)
+    ctx = StepContext(
+        cfg, student, teacher, torch.optim.AdamW(student.parameters()), cpu, contextlib.nullcontext(), None
+    )
+    means, tokens, _, _ = generated_accumulate(ctx, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy")
+    counted = torch.cat(step_mod._update(ctx, means) + [means[:, 0]])
+
+    seen = []
+    real = dispatch.kd_loss
+
+    def recording(*a, **k):
+        seen.append((k.get("rows"), k.get("n_tokens")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(dispatch, "kd_loss", recording)
+    monkeypatch.setattr(step_mod, "MIN_FILL", 1.01)  # no step fills more than its head
+    graph = StepGraph(cpu)
+    ctx2 = StepContext(
+        cfg,
+        other,
+        teacher,
+        torch.optim.AdamW(other.parameters()),
+        cpu,
+        contextlib.nullcontext(),
+        None,
+        graph=graph,
+    )
+    packed, tokens2, _ = step_mod._generated_graphed(
+        ctx2, graph, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy"
+    )
+    assert [rows for rows, _ in seen] == [None] * cfg.schedule.grad_accum
+    assert sum(n for _, n in seen) == tokens == tokens2
+    assert graph.counts["eager_steps"] == 1 and not graph.capture_now(graph.last_sig)
+    assert torch.equal(packed, counted)
+    for a, b in zip(student.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a, b)

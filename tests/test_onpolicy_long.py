@@ -126,10 +126,14 @@ def test_the_plan_counts_the_document_bias_only_where_rows_carry_documents(tmp_p
     assert estimate_memory(t, s, text, documents=True)["document_mask"] == bias  # the caller may say
     # every step generated (plain causal rows): only the held-out evals have a bias, a phase of their own
     every = dataclasses.replace(chats, kd=dataclasses.replace(chats.kd, on_policy=1.0))
-    plan = estimate_memory(t, s, every)
+    eager = dataclasses.replace(every, runtime=dataclasses.replace(every.runtime, cuda_graphs="off"))
+    plan = estimate_memory(t, s, eager)
     assert "document_mask" not in plan and plan["heldout_eval_with_document_mask"] > bias
-    no_docs = estimate_memory(t, s, every, documents=False)
+    no_docs = estimate_memory(t, s, eager, documents=False)
     assert "heldout_eval_with_document_mask" not in no_docs and plan["total"] - no_docs["total"] >= bias // 2
+    # the update captured as a CUDA graph: the eval runs beside its pool, with its bias
+    captured = estimate_memory(t, s, every)
+    assert "document_mask" not in captured and captured["eval_beside_graph_pool"] > bias
 
 
 def test_the_generation_phase_at_8192_new_tokens_is_the_engines_kv_cache_at_rollout_batch_rows(tmp_path):

@@ -84,3 +84,32 @@ def test_memory_plan_counts_the_eval_beside_the_graph_pool():
     assert "eval_beside_graph_pool" in on and "eval_beside_graph_pool" not in off
     assert on["total"] - off["total"] == on["eval_beside_graph_pool"] > 0
     assert "eval_beside_graph_pool" not in estimate_memory(t, s, _cfg(), device="cpu")
+
+
+def test_generated_steps_are_captured_when_every_step_is_one_with_one_teacher():
+    def gen(**kd) -> RunConfig:
+        cfg = _cfg()
+        return dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, **kd))
+
+    assert wanted(gen(on_policy=1.0), CUDA, 1) and wanted(gen(seq_kd=1.0), CUDA, 1)
+    assert not wanted(gen(on_policy=1.0), CUDA, 2)
+    for cfg, why in [
+        (gen(on_policy=0.5), "alternate between generated and data rows"),
+        (gen(on_policy=1.0, on_policy_loss="sampled_reverse_kl"), "sampled_reverse_kl"),
+    ]:
+        assert not wanted(cfg, CUDA, 1)  # auto: eager
+        on = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, cuda_graphs="on"))
+        with pytest.raises(UserError, match=why):
+            wanted(on, CUDA, 1)
+    t, s = load_spec("qwen2.5-7b"), load_spec("qwen2.5-1.5b")
+    on = estimate_memory(t, s, gen(on_policy=1.0))
+    off = estimate_memory(
+        t,
+        s,
+        dataclasses.replace(
+            gen(on_policy=1.0), runtime=dataclasses.replace(_cfg().runtime, cuda_graphs="off")
+        ),
+    )
+    # writing and scoring run beside the captured update's pool: the plan adds them to the step's peak
+    assert on["generation_beside_graph_pool"] > 0 and "generation_beside_graph_pool" not in off
+    assert on["total"] > off["total"]

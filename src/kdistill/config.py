@@ -381,8 +381,9 @@ class RuntimeConfig:
     profile_steps: int = 0
     # The training step captured as one CUDA graph and replayed (kdistill.train.graph): the host no
     # longer queues every kernel of every step. auto: on a CUDA device in one process with live teachers
-    # (not with a teacher cache, cross-tokenizer teacher, layer map, LoRA or on-policy steps); on: the
-    # same, refused in one line where it cannot be done; off: every step eager.
+    # (not with a teacher cache, cross-tokenizer teacher or layer map; generated steps when every step is
+    # generated, scored by one teacher with the divergence loss); on: the same, refused in one line where
+    # it cannot be done; off: every step eager.
     cuda_graphs: str = "auto"  # auto | on | off
 
     def validate(self) -> None:

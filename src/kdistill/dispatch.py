@@ -804,6 +804,7 @@ def kd_loss(
     teacher_mixture: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None,
     n_tokens: int | None = None,
     logits_dtype: str = "float32",
+    rows: int | None = None,
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads (see
     kdistill.ops.kd_loss), each chunk on the KD head kernel or its reference. With teacher_logprobs
@@ -812,7 +813,8 @@ def kd_loss(
     with teacher_mixture [(t_hidden_i, t_weight_i, weight_i), ...] (several teachers: each chunk's
     teacher logits are T log of their mixture in probability space). n_tokens: the labels' count
     from their host copy (kdistill.ops.kd_loss.label_count), so that nothing here waits for the GPU.
-    logits_dtype: "float32" or "compute" (kd.logits_dtype: the chunk logits in the operands' dtype)."""
+    logits_dtype: "float32" or "compute" (kd.logits_dtype: the chunk logits in the operands' dtype).
+    rows: the head's fixed row count instead of n_tokens (a captured generated step; see kd_ops.kd_loss)."""
     return kd_ops.kd_loss(
         s_hidden,
         s_weight,
@@ -830,4 +832,5 @@ def kd_loss(
         teacher_mixture=teacher_mixture,
         n_tokens=n_tokens,
         logits_dtype=logits_dtype,
+        rows=rows,
     )

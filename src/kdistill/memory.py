@@ -246,7 +246,10 @@ def estimate_memory(
         evaluation = heldout_eval_memory(s)
     elif s.documents:  # the student's bias of a data step, kept from its forward to its backward
         forward_peak["document_mask"] = document_mask_bytes(s.rows, cfg.data.seq_len, s.act_bytes)
-    optimizer_phase = s.trainable * 4 * 2 // w  # gradients plus AdamW's foreach temporaries
+    # the gradients, plus the multi-tensor AdamW's temporaries on a CPU; one GPU's fused AdamW has none
+    # (the 7B -> 1.5B on-policy row's measured peak is the resident terms plus the gradients, NOTES.md
+    # round twenty); under FSDP2 the term keeps its second copy (its layouts were measured with it)
+    optimizer_phase = s.trainable * 4 * (1 if s.gpu and w == 1 else 2) // w
     terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())
     if optimizer_phase > live_forward and optimizer_phase >= max(generation, evaluation):
@@ -264,6 +267,13 @@ def estimate_memory(
         terms = {**fixed, "sample_engine": samples}
     if graphed:
         terms["eval_beside_graph_pool"] = max(eval_beside_graph_pool(s), student_samples)
+        if cfg.kd.generates:  # the captured update's pool stays through the next writing and scoring
+            if optimizer_phase > live_forward:
+                step_peak = {"gradients_and_optimizer_temporaries": optimizer_phase}
+            else:
+                step_peak = dict(forward_peak)
+            terms = {**fixed, **step_peak, "eval_beside_graph_pool": terms["eval_beside_graph_pool"]}
+            terms["generation_beside_graph_pool"] = generation_beside_graph_pool(s, generation)
     terms["total"] = sum(terms.values())
     return terms
 
@@ -491,6 +501,17 @@ def eval_beside_graph_pool(s: StepShape) -> int:
     )
 
 
+def generation_beside_graph_pool(s: StepShape, generation: int) -> int:
+    """runtime.cuda_graphs with generated steps: writing (`generation`, the engine's transients) and the
+    teacher's scoring run beside the captured update's pool, and the captured step keeps its own copy of
+    every micro-batch's scored hidden states. Scoring holds every micro-batch's hidden states and one
+    block's transient activations of the teacher."""
+    teacher, n, m = s.teacher, s.n, s.cfg.schedule.grad_accum
+    targets = m * n * teacher.hidden_size * s.act_bytes
+    scoring = targets + n * (2 * teacher.hidden_size + 3 * teacher.intermediate_size) * s.act_bytes
+    return max(generation, scoring) + targets
+
+
 def heldout_eval_memory(s: StepShape) -> int:
     """A held-out eval of packed conversations when every training step is generated (no data step has
     a document bias): the forward's document bias beside the final hidden states of both models, one
@@ -536,8 +557,13 @@ def capture_blocker(cfg: RunConfig, device_type: str, world: int) -> str | None:
         return "the teacher has another tokenizer (kd.cross_tokenizer)"
     if cfg.kd.layers_on:
         return "a layer map adds terms (kd.layer_map)"
-    if cfg.kd.generates:
-        return "steps train on generated text of varying length (kd.on_policy / kd.seq_kd)"
+    if cfg.kd.generates:  # generated steps: their update is captured (the teacher scores eagerly)
+        if not every_step_generated(cfg):
+            return "steps alternate between generated and data rows (kd.on_policy and kd.seq_kd below 1)"
+        if cfg.kd.on_policy > 0 and cfg.kd.on_policy_loss != "divergence":
+            return f"kd.on_policy_loss is {cfg.kd.on_policy_loss} (captured: divergence only)"
+        if len(cfg.teachers) > 1:
+            return "several teachers (teachers:) score the generated rows"
     return None
 
 

@@ -88,3 +88,55 @@ def test_a_nonfinite_replayed_step_is_skipped_on_the_device(tmp_path, capsys, mo
     _, o6, s6 = ckpt["step-0000006"]
     for k in o4:  # AdamW's moments and step counts did not move on the skipped replays
         assert torch.equal(o4[k], o6[k]), k
+
+
+def _on_policy_run(tmp_path: Path, capsys, name: str, graphs: str) -> tuple[list[dict], dict, dict]:
+    from tests.test_chat_train import write_chat_files
+
+    data, template = write_chat_files(tmp_path / f"{name}-data", n=60)
+    cfg = base_config(tmp_path / name, steps=8, batch_size=4, grad_accum=2)
+    cfg["data"] = {
+        "train": [str(data)],
+        "heldout_fraction": 0.2,
+        "seq_len": 48,
+        "chat_template": str(template),
+    }
+    # near-uniform sampling over the tiny vocabulary: some rows stop early, so token counts differ
+    cfg["kd"].update(on_policy=1.0, max_new_tokens=32, divergence="jsd", sample_temperature=2.0)
+    cfg["schedule"]["sample_prompts"] = 0
+    cfg["optim"]["grad_clip"] = 0.5
+    cfg["runtime"] = {"device": "cuda", "kernels": "triton", "strict_kernels": True, "cuda_graphs": graphs}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    run = tmp_path / name
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    final = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))[-1]
+    weights, _, _ = load_checkpoint(final)
+    return rows, read_summary(run), weights
+
+
+def test_captured_on_policy_updates_equal_eager_ones_bit_for_bit(tmp_path, capsys, monkeypatch):
+    """Every step on-policy, completions of varying length: the update is captured once and replayed at
+    every count of completion tokens, equal bit for bit to the same run's eager steps (capture held off),
+    and within rounding of a run that never captures (the KD head counts its rows on the host there)."""
+    from kdistill.train import graph as graph_mod
+
+    graph, s_graph, w_graph = _on_policy_run(tmp_path, capsys, "graph", "on")
+    counts = s_graph["cuda_graphs"]
+    assert counts == {"captures": 1, "replays": 6, "eager_steps": 2}, counts
+    assert len({r["completion_tokens"] for r in graph}) > 1  # the replays saw several token counts
+    monkeypatch.setattr(graph_mod, "WARM_STEPS", 10**6)
+    held, s_held, w_held = _on_policy_run(tmp_path, capsys, "held", "on")
+    assert s_held["cuda_graphs"]["captures"] == 0 and s_held["cuda_graphs"]["eager_steps"] == 8
+    for key in ("loss", "kd", "grad_norm", "completion_tokens"):
+        assert [r[key] for r in graph] == [r[key] for r in held], key
+    for k in w_held:
+        assert torch.equal(w_held[k], w_graph[k]), k
+    monkeypatch.undo()
+    eager, s_eager, _ = _on_policy_run(tmp_path, capsys, "eager", "off")
+    assert s_eager["cuda_graphs"] == "off"
+    assert s_graph["jit_after_prewarm"] == 0 and s_held["jit_after_prewarm"] == 0
+    first = [r["loss"] for r in eager][:1], [r["loss"] for r in graph][:1]  # same samples at step 1
+    assert first[0][0] == pytest.approx(first[1][0], rel=1e-3)

@@ -636,6 +636,7 @@ def kd_loss(
     teacher_mixture: list[tuple[torch.Tensor, torch.Tensor, float]] | None = None,
     n_tokens: int | None = None,
     logits_dtype: str = "float32",
+    rows: int | None = None,
 ) -> KDLossResult:
     """(1 - alpha) CE + alpha T^2 D(teacher_T || student_T), chunked through the lm_heads.
 
@@ -688,7 +689,13 @@ def kd_loss(
     compute = logits_dtype == "compute"
     vocab = student_weight.shape[0]
     valid = labels != ignore_index
-    if n_tokens is None or labels.device.type == "cpu":
+    count = None  # rows: the labels' count, on the device
+    if rows is not None:
+        if n_tokens is not None or rows < 1:
+            raise ValueError("kd_loss: rows (>= 1) is given instead of n_tokens, not with it")
+        count = valid.sum()
+        n_tokens = rows
+    elif n_tokens is None or labels.device.type == "cpu":
         n_tokens = label_count(labels, vocab, ignore_index)  # on a GPU: one host sync
     th = tw = None
     parts: list = []
@@ -702,11 +709,17 @@ def kd_loss(
     if 0 < n_tokens < labels.shape[0]:
         # Rows with no target (masked prompts, padding) are skipped, not computed and zeroed: gather
         # the scored rows once; autograd scatters their gradient back into the (N, H) input.
-        rows = _nonzero(valid, n_tokens)  # (n_tokens,)
-        student_hidden, labels = student_hidden.index_select(0, rows), labels.index_select(0, rows)
+        if count is None:
+            take = _nonzero(valid, n_tokens)  # (n_tokens,)
+            labels = labels.index_select(0, take)
+        else:  # the labelled rows, then row 0 again with its label ignored up to `rows`
+            take = torch.nonzero_static(valid, size=n_tokens, fill_value=0).squeeze(1)
+            kept = torch.arange(n_tokens, device=labels.device) < count
+            labels = torch.where(kept, labels.index_select(0, take), ignore_index)
+        student_hidden = student_hidden.index_select(0, take)
         if th is not None:
-            th = th.index_select(0, rows)
-        parts = [(h.index_select(0, rows), w, wt) for h, w, wt in parts]
+            th = th.index_select(0, take)
+        parts = [(h.index_select(0, take), w, wt) for h, w, wt in parts]
     if tw is not None and th.dtype != tw.dtype:
         th = th.to(tw.dtype)
     parts = [(h if h.dtype == w.dtype else h.to(w.dtype), w, wt) for h, w, wt in parts]
@@ -741,4 +754,7 @@ def kd_loss(
             target_fn,
             compute,
         )
+    if count is not None:  # the sums were divided by `rows`: by the count instead (0 labels: loss 0)
+        scale = n_tokens / count.clamp(min=1).to(loss.dtype)
+        loss, ce, kd = loss * scale, ce * scale, kd * scale
     return KDLossResult(loss, ce.detach(), kd.detach(), int(n_tokens))

@@ -22,10 +22,23 @@ decides on the device: the non-finite test feeds AdamW's `found_inf`, which skip
 kernel, and clipping scales the gradients by a device scalar.
 
 `auto` (runtime.cuda_graphs) captures on a CUDA device, in one process, with live teachers and no layer
-map, teacher cache, cross-tokenizer teacher or generated (on-policy) batches; LoRA adapters are captured
-too (their dropout draws from the CUDA generator, which a replay advances as the eager step would); `on` asks
-for it and is refused in one line where it cannot be done; `off` never captures. The replayed step's
-losses equal the eager step's bit for bit (tests/gpu: twenty steps).
+map, teacher cache or cross-tokenizer teacher; LoRA adapters are captured too (their dropout draws from
+the CUDA generator, which a replay advances as the eager step would); `on` asks for it and is refused in
+one line where it cannot be done; `off` never captures. The replayed step's losses equal the eager step's
+bit for bit (tests/gpu: twenty steps).
+
+Generated steps (kd.on_policy / kd.seq_kd, when every step is one, scored by one teacher with the
+divergence loss): the completions are written and the teacher scores them eagerly, as before; what is
+captured is the update, from the rows (input ids, labels) and the teacher's final hidden states, copied
+into the graph's buffers, to AdamW. Completions differ in length from step to step, so its KD head
+computes a fixed number of rows, the most completion tokens a micro-batch can hold (OnPolicy.head_rows),
+the rows past the labels' count ignored and the sums divided by the count on the device
+(kdistill.ops.kd_loss's `rows`): one signature for every step of the run. A step whose completion tokens
+fill less than half of those rows (rows stopped early, as reasoning-length runs have them) runs eagerly
+with its labels counted on the host instead: the ignored rows' GEMMs would cost more than the graph
+saves. A run that captures its
+generated steps computes them in that form on its eager steps too, so a replay equals an eager step bit
+for bit; against a run that does not capture, the losses agree up to rounding.
 """
 
 from __future__ import annotations
@@ -59,9 +72,11 @@ def wanted(cfg: RunConfig, device: torch.device, world: int) -> bool:
     return False
 
 
-def signature(host: list[tuple[tuple[torch.Tensor, ...], int | None]]) -> tuple:
-    """What a captured step depends on: each micro-batch's tensor shapes and scored-token count."""
-    return tuple((tuple(tuple(t.shape) for t in tensors), n) for tensors, n in host)
+def signature(host: list[tuple[tuple[torch.Tensor, ...], int | None]], kind: str = "data") -> tuple:
+    """What a captured step depends on: its kind (a data step, or a generated one: on_policy, seq_kd),
+    each micro-batch's tensor shapes and scored-token count (a generated step's: the KD head's fixed
+    row count, whatever its completions' lengths)."""
+    return (kind, *((tuple(tuple(t.shape) for t in tensors), n) for tensors, n in host))
 
 
 class StepGraph:
@@ -107,11 +122,13 @@ class StepGraph:
         opt: torch.optim.Optimizer,
         model: torch.nn.Module,
         body: Callable[[list[tuple[torch.Tensor, ...]]], torch.Tensor],
+        sig: tuple | None = None,
     ) -> torch.Tensor:
         """Capture `body(inputs) -> parts` (the step's device work on the static input buffers) and
         replay it once for this step. The gradients are freed first, so the captured backward writes
-        them into the graph's memory, where they then stay."""
-        sig = signature(host)
+        them into the graph's memory, where they then stay. sig: the step's signature (default: a data
+        step's, from `host`)."""
+        sig = signature(host) if sig is None else sig
         self.inputs = [
             tuple(torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in tensors)
             for tensors, _ in host

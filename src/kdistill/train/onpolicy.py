@@ -222,6 +222,11 @@ class OnPolicy:
         )
         return [(ids[i : i + b], labels[i : i + b]) for i in range(0, len(prompts), b)], out
 
+    def head_rows(self, rows: int) -> int:
+        """The most completion tokens a micro-batch of `rows` generated rows can hold: the KD head's row
+        count when the update is captured as a CUDA graph (kdistill.train.graph)."""
+        return rows * min(self.cfg.kd.max_new_tokens, self.cfg.data.seq_len)
+
     def record(self, row: dict[str, Any], seconds: float) -> None:
         """Add a generated step's metrics row (with its update_s and, on-policy, sample_kl) to the totals."""
         t = self.totals
@@ -340,14 +345,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def generated_accumulate(
-    ctx: Any, op: OnPolicy, step: int, kind: str, stop_requested: Callable[[], bool] = lambda: False
-) -> tuple[torch.Tensor, int | torch.Tensor, GeneratedStats, torch.Tensor | None]:
-    """A generated step's micro-batches (see the module docstring), forward and backward: (their loss,
-    ce, kd means (M, 3) on the device, float64, token-weighted over the processes under torchrun; the
-    completion tokens trained on, over all processes as a device scalar under torchrun; the step's stats,
-    of every process's samples; under torchrun the number of processes whose `stop_requested()` was
-    true, a device scalar, else None), as train/step.py's `_accumulate` returns them for data steps."""
+@dataclasses.dataclass
+class Scored:
+    """A generated step's micro-batches on the device with the teacher's targets, before the update.
+    counts: this process's completion tokens of each micro-batch; totals: over every process (the
+    same in one process); cfg and objective: the step's (kd.alpha = 1 and kd.on_policy_loss on
+    on-policy steps)."""
+
+    batches: list[MicroBatch]
+    targets: list[Any]
+    counts: list[int]
+    totals: list[int]
+    stats: GeneratedStats
+    cfg: RunConfig
+    objective: str
+
+
+def generate_and_score(ctx: Any, op: OnPolicy, step: int, kind: str) -> Scored:
+    """A generated step's first two phases (see the module docstring): the completions written, the
+    rows built and scored by the teacher; under torchrun the token counts summed over processes."""
     cfg = ctx.cfg
     multi = op.rows is not None
     writer = ctx.student if kind == "on_policy" else ctx.teacher
@@ -375,10 +391,37 @@ def generated_accumulate(
     t2 = time.perf_counter()
     # every process's token counts (the losses' weights) and samples, only now: a process that finished
     # writing first has scored its rows (a whole teacher) while the others were still writing
+    totals = list(counts)
     if multi:
         summed = dist.all_reduce_sum([float(c) for c in counts + samples])
         totals, samples = [int(c) for c in summed[: len(counts)]], [int(c) for c in summed[len(counts) :]]
     waited = time.perf_counter() - t2
+    stats = GeneratedStats(
+        kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2], waited if multi else 0.0
+    )
+    return Scored(batches, scored, counts, totals, stats, step_cfg, objective)
+
+
+def generated_accumulate(
+    ctx: Any, op: OnPolicy, step: int, kind: str, stop_requested: Callable[[], bool] = lambda: False
+) -> tuple[torch.Tensor, int | torch.Tensor, GeneratedStats, torch.Tensor | None]:
+    """A generated step's micro-batches (see the module docstring), forward and backward: (their loss,
+    ce, kd means (M, 3) on the device, float64, token-weighted over the processes under torchrun; the
+    completion tokens trained on, over all processes as a device scalar under torchrun; the step's stats,
+    of every process's samples; under torchrun the number of processes whose `stop_requested()` was
+    true, a device scalar, else None), as train/step.py's `_accumulate` returns them for data steps."""
+    return scored_update(ctx, op, generate_and_score(ctx, op, step, kind), step, stop_requested)
+
+
+def scored_update(
+    ctx: Any, op: OnPolicy, sc: Scored, step: int, stop_requested: Callable[[], bool] = lambda: False
+) -> tuple[torch.Tensor, int | torch.Tensor, GeneratedStats, torch.Tensor | None]:
+    """A scored generated step's forward and backward, its KD head counting the labels on the host
+    (`generated_accumulate`'s third phase; returns what it returns)."""
+    cfg = ctx.cfg
+    multi = op.rows is not None
+    batches, scored, counts, totals = sc.batches, sc.targets, sc.counts, sc.totals
+    step_cfg, objective, stats = sc.cfg, sc.objective, sc.stats
     rows, tokens = [], 0
     acc = cfg.schedule.grad_accum
     for i, (b, targets) in enumerate(zip(batches, scored)):
@@ -396,9 +439,6 @@ def generated_accumulate(
         rows.append(values)
         tokens += int(r.tokens)
         faults.at(f"{step + 1}.{i + 1}")
-    stats = GeneratedStats(
-        kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2], waited if multi else 0.0
-    )
     stacked = torch.stack(rows)  # (M, 3), or (M, 4) with the token counts under torchrun
     if not multi:
         return stacked, tokens, stats, None

@@ -32,10 +32,11 @@ from kdistill.ops.kd_loss import check_token_ids, label_count
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.graph import StepGraph, signature
-from kdistill.train.onpolicy import OnPolicy, generated_accumulate
+from kdistill.train.onpolicy import OnPolicy, generate_and_score, generated_accumulate, scored_update
 from kdistill.train.optim import lr_at
 from kdistill.train.targets import (
     MicroBatch,
+    Targets,
     TargetSource,
     batch_loss,
     extra_terms,
@@ -261,6 +262,10 @@ def train_step(
     stops = None
     if kind == "data" and ctx.graph is not None:
         packed, tokens, degenerate = _graphed(ctx, ctx.graph, batcher, step, counters)
+    elif ctx.graph is not None:  # a generated step of a run that captures them (kdistill.train.graph)
+        assert ctx.onpolicy is not None
+        packed, tokens, stats = _generated_graphed(ctx, ctx.graph, ctx.onpolicy, step, kind)
+        degenerate, generated = False, stats.row()
     else:
         if ctx.graph is None or not ctx.graph.restore_grads():
             opt.zero_grad(set_to_none=True)
@@ -388,6 +393,70 @@ def _graphed(
     for micro in range(acc):
         faults.at(f"{step + 1}.{micro + 1}")
     return packed, tokens, degenerate
+
+
+# a generated step is captured or replayed when its completion tokens fill at least this share of the
+# KD head's fixed rows (OnPolicy.head_rows): below, the ignored rows' GEMMs would cost more than the
+# host time the graph saves (NOTES.md round twenty: ~50 ms a step on the 7B -> 1.5B row)
+MIN_FILL = 0.5
+
+
+def _generated_graphed(
+    ctx: StepContext, graph: StepGraph, op: OnPolicy, step: int, kind: str
+) -> tuple[torch.Tensor, int, Any]:
+    """A generated step of a run that captures them (kdistill.train.graph): written and scored eagerly,
+    then its update replayed, captured, or (another signature: the other kind of generated step) run
+    eagerly in the same form; a step whose completions fill less than MIN_FILL of the head's rows runs
+    eagerly with the labels counted on the host. Returns (the read-back values as the eager step packs them, the completion
+    tokens, the step's GeneratedStats)."""
+    sc = generate_and_score(ctx, op, step, kind)
+    acc = ctx.cfg.schedule.grad_accum
+    weight = sc.targets[0].weight
+    host: list[tuple[tuple[torch.Tensor, ...], int | None]] = []
+    for b, t in zip(sc.batches, sc.targets, strict=True):
+        hidden = () if t.hidden is None else (t.hidden,)
+        host.append(((b.input_ids, b.labels, *hidden), op.head_rows(b.labels.shape[0])))
+    sig = signature(host, kind)
+    head = sum(n for _, n in host if n is not None)
+    if any(c > n for c, (_, n) in zip(sc.counts, host, strict=True) if n is not None):
+        raise RuntimeError(f"generated rows hold {sc.counts} completion tokens, more than the head's {head}")
+    if sum(sc.counts) < MIN_FILL * head:
+        # short completions (reasoning-length runs whose rows stopped early): the fixed head would
+        # compute mostly ignored rows; this step counts its rows on the host and runs eagerly
+        graph.note_eager(("counted", kind))
+        if not graph.restore_grads():
+            ctx.opt.zero_grad(set_to_none=True)
+        means, tokens, stats, _ = scored_update(ctx, op, sc, step)
+        return torch.cat(_update(ctx, means) + [means[:, 0]]), int(tokens), stats
+
+    def body(inputs: list[tuple[torch.Tensor, ...]], nan: bool = False) -> torch.Tensor:
+        rows = []
+        for tensors, (_, n) in zip(inputs, host, strict=True):
+            ids, labels, *hidden = tensors
+            targets = Targets(hidden=hidden[0], weight=weight) if hidden else Targets()
+            micro = MicroBatch(ids, labels, rows=n)
+            r = batch_loss(ctx.student, micro, ctx.source, sc.cfg, ctx.amp, None, sc.objective, targets)  # type: ignore[arg-type]
+            (r.loss / acc).backward()
+            rows.append(torch.stack([r.loss.detach(), r.ce, r.kd]).double())
+        if nan:
+            rows[0][0] = float("nan")
+        means = torch.stack(rows)  # (M, 3)
+        return torch.cat(_update(ctx, means) + [means[:, 0]])
+
+    nan = faults.nan_step(step + 1)  # a test's NaN loss is a host decision: that step runs eagerly
+    faults.poison(step + 1, ctx.student)
+    if graph.ready(sig) and not nan:
+        packed = graph.replay(host)
+    elif graph.capture_now(sig) and not nan:
+        packed = graph.capture(host, ctx.opt, ctx.student, body, sig)
+    else:
+        graph.note_eager(sig)
+        if not graph.restore_grads():
+            ctx.opt.zero_grad(set_to_none=True)
+        packed = body([tensors for tensors, _ in host], nan)
+    for micro in range(acc):
+        faults.at(f"{step + 1}.{micro + 1}")
+    return packed, sum(sc.counts), sc.stats
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

@@ -60,7 +60,8 @@ class MicroBatch:
     """One micro-batch on the device. input_ids, labels (B, T); position_ids, doc_ids (B, T) for packed
     conversations (None for raw text); n_tokens: the labels' count from their host copy (the loss then
     never waits for the GPU; None: counted on the device); cached: a teacher cache's rows of the batch
-    (B, T, X), fetched by CachedTargets.fetch before the forward is queued."""
+    (B, T, X), fetched by CachedTargets.fetch before the forward is queued; rows: instead of n_tokens, the
+    KD head's fixed row count (a generated step captured as a CUDA graph: the count stays on the device)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -68,6 +69,7 @@ class MicroBatch:
     doc_ids: torch.Tensor | None = None
     n_tokens: int | None = None
     cached: torch.Tensor | None = None
+    rows: int | None = None
 
     @property
     def docs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -355,6 +357,10 @@ def batch_loss(
     if t_hidden is not None:
         with amp:
             t_hidden, t_weight = head_operands(t_hidden, t_weight)  # type: ignore[arg-type]
+    if batch.rows is not None and (
+        objective != "divergence" or targets.sparse is not None or extras is not None
+    ):
+        raise ValueError("batch_loss: a fixed row count is for the dense divergence head alone")
     if objective == "sampled_reverse_kl":
         return sampled_reverse_kl(
             s_hidden, s_weight, t_hidden, t_weight, labels, temperature=kd.temperature,
@@ -367,7 +373,8 @@ def batch_loss(
         )
     r = dispatch.kd_loss(
         s_hidden, s_weight, t_hidden, t_weight, labels, teacher_logprobs=targets.logprobs,
-        teacher_mixture=targets.mixture, n_tokens=batch.n_tokens, logits_dtype=kd.logits_dtype, **common,
+        teacher_mixture=targets.mixture, n_tokens=batch.n_tokens, logits_dtype=kd.logits_dtype,
+        rows=batch.rows, **common,
     )  # fmt: skip
     if extras is not None:
         extra = extras.loss(student, s_states, s_qk, targets.states, targets.qk, batch.labels, batch.doc_ids)
