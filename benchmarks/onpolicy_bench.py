@@ -69,7 +69,7 @@ class Shape:
     prompt: int = 128
     new: int = 128
     steps: int = 6
-    warmup: int = 2
+    warmup: int = 3
     temperature: float = 0.9
     teacher: str = "qwen2.5-1.5b"
     student: str = "qwen2.5-0.5b"
@@ -342,7 +342,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Shape
     p.add_argument("--new", type=int, default=None, help="new tokens per completion")
     p.add_argument("--nproc", default="1", help="kdistill's world sizes, comma-separated (torchrun above 1)")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps first (default 3: on a GPU kdistill captures its update at the third step; "
+        "2 with --profile-steps)",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument(
         "--profile-steps",
@@ -378,6 +384,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Shape
     for item in args.set:
         if "=" not in item or "." not in item.partition("=")[0]:
             p.error(f"--set {item}: expected SECTION.FIELD=VALUE")
+    if args.warmup is None:
+        args.warmup = 2 if args.profile_steps else 3
     if args.profile_steps and args.warmup != 2:
         p.error("--profile-steps: a run profiles the steps after its own 2 warm-up steps; use --warmup 2")
     shape = Shape(
