@@ -549,10 +549,11 @@ def test_kernel_plan_covers_the_generated_steps_decoding():
     assert required_kernels(t, s, off, "sm_90") < plan
 
 
-def test_a_capturing_runs_generated_step_trains_as_the_counted_step(monkeypatch):
-    """A run that captures its generated steps (runtime.cuda_graphs) computes them with the KD head at a
-    fixed row count, the most completion tokens a micro-batch holds, on its eager steps too: the same
-    losses, tokens and updated weights as the counted step, up to rounding (the replay is on a GPU)."""
+def _counted_and_capturing(monkeypatch, min_fill: float | None = None):
+    """One on-policy step of a run that does not capture (the counted step: its values, tokens, stats)
+    and the same step of a run that captures its generated steps, on a copy of the student from the
+    same seeds (its values, tokens, stats, graph): what reached the KD head ((rows, n_tokens) per call)
+    and both students. min_fill: the capturing run's MIN_FILL."""
     from kdistill import dispatch
     from kdistill.train import step as step_mod
     from kdistill.train.graph import StepGraph
@@ -561,12 +562,14 @@ def test_a_capturing_runs_generated_step_trains_as_the_counted_step(monkeypatch)
     cpu = torch.device("cpu")
     teacher, student = _pair()
     other = copy.deepcopy(student)
-    ctx = StepContext(
-        cfg, student, teacher, torch.optim.AdamW(student.parameters()), cpu, contextlib.nullcontext(), None
-    )
-    means, tokens, stats, _ = generated_accumulate(ctx, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy")
-    counted = torch.cat(step_mod._update(ctx, means) + [means[:, 0]])
 
+    def ctx(model, graph=None):
+        opt = torch.optim.AdamW(model.parameters())
+        return StepContext(cfg, model, teacher, opt, cpu, contextlib.nullcontext(), None, graph=graph)
+
+    plain = ctx(student)
+    means, tokens, stats, _ = generated_accumulate(plain, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy")
+    counted = (torch.cat(step_mod._update(plain, means) + [means[:, 0]]), tokens, stats)
     seen = []
     real = dispatch.kd_loss
 
@@ -575,19 +578,22 @@ def test_a_capturing_runs_generated_step_trains_as_the_counted_step(monkeypatch)
         return real(*a, **k)
 
     monkeypatch.setattr(dispatch, "kd_loss", recording)
+    if min_fill is not None:
+        monkeypatch.setattr(step_mod, "MIN_FILL", min_fill)
     graph = StepGraph(cpu)
-    op = OnPolicy(cfg, PROMPTS, {0}, 0, cpu)
-    ctx2 = StepContext(
-        cfg,
-        other,
-        teacher,
-        torch.optim.AdamW(other.parameters()),
-        cpu,
-        contextlib.nullcontext(),
-        None,
-        graph=graph,
+    capturing = step_mod._generated_graphed(
+        ctx(other, graph), graph, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy"
     )
-    packed, tokens2, stats2 = step_mod._generated_graphed(ctx2, graph, op, 0, "on_policy")
+    return cfg, counted, (*capturing, graph), seen, student, other
+
+
+def test_a_capturing_runs_generated_step_trains_as_the_counted_step(monkeypatch):
+    """A run that captures its generated steps (runtime.cuda_graphs) computes them with the KD head at a
+    fixed row count, the most completion tokens a micro-batch holds, on its eager steps too: the same
+    losses, tokens and updated weights as the counted step, up to rounding (the replay is on a GPU)."""
+    cfg, (counted, tokens, stats), (packed, tokens2, stats2, graph), seen, student, other = (
+        _counted_and_capturing(monkeypatch)
+    )
     rows = cfg.schedule.batch_size * cfg.kd.max_new_tokens
     assert seen == [(rows, None)] * cfg.schedule.grad_accum  # no host count reaches the head
     assert graph.counts == {"captures": 0, "replays": 0, "eager_steps": 1}  # the first step is eager
@@ -600,42 +606,9 @@ def test_a_capturing_runs_generated_step_trains_as_the_counted_step(monkeypatch)
 def test_a_capturing_runs_step_of_short_completions_counts_its_rows_on_the_host(monkeypatch):
     """Completions filling less than MIN_FILL of the fixed head's rows: the step runs eagerly with the
     head at the host's count (no ignored rows computed), exactly the counted step."""
-    from kdistill import dispatch
-    from kdistill.train import step as step_mod
-    from kdistill.train.graph import StepGraph
-
-    cfg = _cfg("jsd")
-    cpu = torch.device("cpu")
-    teacher, student = _pair()
-    other = copy.deepcopy(student)
-    ctx = StepContext(
-        cfg, student, teacher, torch.optim.AdamW(student.parameters()), cpu, contextlib.nullcontext(), None
-    )
-    means, tokens, _, _ = generated_accumulate(ctx, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy")
-    counted = torch.cat(step_mod._update(ctx, means) + [means[:, 0]])
-
-    seen = []
-    real = dispatch.kd_loss
-
-    def recording(*a, **k):
-        seen.append((k.get("rows"), k.get("n_tokens")))
-        return real(*a, **k)
-
-    monkeypatch.setattr(dispatch, "kd_loss", recording)
-    monkeypatch.setattr(step_mod, "MIN_FILL", 1.01)  # no step fills more than its head
-    graph = StepGraph(cpu)
-    ctx2 = StepContext(
-        cfg,
-        other,
-        teacher,
-        torch.optim.AdamW(other.parameters()),
-        cpu,
-        contextlib.nullcontext(),
-        None,
-        graph=graph,
-    )
-    packed, tokens2, _ = step_mod._generated_graphed(
-        ctx2, graph, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy"
+    cfg, (counted, tokens, _), (packed, tokens2, _, graph), seen, student, other = _counted_and_capturing(
+        monkeypatch,
+        min_fill=1.01,  # no step fills more than its head
     )
     assert [rows for rows, _ in seen] == [None] * cfg.schedule.grad_accum
     assert sum(n for _, n in seen) == tokens == tokens2

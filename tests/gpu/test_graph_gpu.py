@@ -23,6 +23,22 @@ pytestmark = [
 ]
 
 
+def _strict_run(tmp_path: Path, capsys, name: str, cfg: dict, graphs: str) -> tuple[list[dict], dict, dict]:
+    """Run `cfg` with strict kernels and runtime.cuda_graphs=graphs, clipping on (inside the captured
+    step): its metrics rows, summary and final weights."""
+    cfg["runtime"] = {"device": "cuda", "kernels": "triton", "strict_kernels": True, "cuda_graphs": graphs}
+    cfg["optim"]["grad_clip"] = 0.5  # clipping happens inside the captured step
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    run = tmp_path / name
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    final = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))[-1]
+    weights, _, _ = load_checkpoint(final)
+    return rows, read_summary(run), weights
+
+
 def _run(
     tmp_path: Path, capsys, name: str, graphs: str, lora: bool = False, **schedule
 ) -> tuple[list[dict], dict, dict]:
@@ -38,17 +54,7 @@ def _run(
                 "targets": ["q_proj", "v_proj", "gate_proj", "down_proj"],
             },
         }
-    cfg["runtime"] = {"device": "cuda", "kernels": "triton", "strict_kernels": True, "cuda_graphs": graphs}
-    cfg["optim"]["grad_clip"] = 0.5  # clipping happens inside the captured step
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
-    assert rc == 0, err
-    run = tmp_path / name
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    final = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))[-1]
-    weights, _, _ = load_checkpoint(final)
-    return rows, read_summary(run), weights
+    return _strict_run(tmp_path, capsys, name, cfg, graphs)
 
 
 @pytest.mark.parametrize("grad_accum,steps,lora", [(1, 20, False), (2, 10, False), (1, 12, True)])
@@ -104,17 +110,7 @@ def _on_policy_run(tmp_path: Path, capsys, name: str, graphs: str) -> tuple[list
     # near-uniform sampling over the tiny vocabulary: some rows stop early, so token counts differ
     cfg["kd"].update(on_policy=1.0, max_new_tokens=32, divergence="jsd", sample_temperature=2.0)
     cfg["schedule"]["sample_prompts"] = 0
-    cfg["optim"]["grad_clip"] = 0.5
-    cfg["runtime"] = {"device": "cuda", "kernels": "triton", "strict_kernels": True, "cuda_graphs": graphs}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
-    assert rc == 0, err
-    run = tmp_path / name
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    final = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))[-1]
-    weights, _, _ = load_checkpoint(final)
-    return rows, read_summary(run), weights
+    return _strict_run(tmp_path, capsys, name, cfg, graphs)
 
 
 def test_captured_on_policy_updates_equal_eager_ones_bit_for_bit(tmp_path, capsys, monkeypatch):
