@@ -17,6 +17,7 @@ from kdistill.fileio import inject_write_faults
 from kdistill.rundir import (
     LOCK_NAME,
     MARKER_NAME,
+    DirectoryInUse,
     RunLock,
     check_path_value,
     creating_run_dir,
@@ -229,3 +230,81 @@ def test_creating_run_dir_fault_leaves_nothing(tmp_path):
             with creating_run_dir(tmp_path / "a"):
                 pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_refused_by_the_lock_removes_nothing_of_the_run_holding_it(tmp_path):
+    """Two runs started together on one directory: the one refused by the lock leaves the other's files,
+    whether it found the directory made (and listed it before the other wrote there) or made it itself a
+    moment before the other took the lock."""
+    found = tmp_path / "found"
+    with creating_run_dir(found):  # the first run made it
+        pass
+    holder = RunLock(found).acquire()
+    try:
+        with pytest.raises(DirectoryInUse, match="is already locked"), creating_run_dir(found):
+            (found / "metrics.jsonl").write_text("{}\n")  # the holder writes after this run listed it
+            RunLock(found).acquire()
+        assert (found / "metrics.jsonl").exists() and has_marker(found)
+    finally:
+        holder.release()
+    made = tmp_path / "parent" / "made"
+    with pytest.raises(DirectoryInUse), creating_run_dir(made):  # this run makes the directory...
+        other = RunLock(made).acquire()  # ...and the other takes the lock first
+        (made / "metrics.jsonl").write_text("{}\n")
+        RunLock(made).acquire()
+    assert (made / "metrics.jsonl").exists() and has_marker(made)
+    other.release()
+    # any other failure still removes what this run made
+    gone = tmp_path / "gone" / "run"
+    with pytest.raises(UserError), creating_run_dir(gone):
+        raise UserError("a check before the first step")
+    assert not (tmp_path / "gone").exists()
+
+
+def test_a_directory_made_by_another_process_between_the_check_and_mkdir_is_not_ours(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    real = Path.mkdir
+
+    def racing(self, *a, **k):
+        if self == run.absolute() and not self.exists():
+            real(self)  # the other process makes it first
+            (self / "theirs.txt").write_text("x")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", racing)
+    with pytest.raises(UserError), creating_run_dir(run):
+        raise UserError("a check before the first step")
+    monkeypatch.undo()
+    assert (run / "theirs.txt").exists()  # only what this run added is gone
+
+
+def test_a_directory_whose_marker_another_run_is_writing_is_one_of_ours(tmp_path):
+    """The other run made the directory and is between its marker's temp file and the rename: this run
+    waits for the marker instead of calling the directory foreign; a temp left by a killed writer is
+    kdistill's too."""
+    import threading
+
+    from kdistill.rundir import read_marker
+
+    run = tmp_path / "run"
+    run.mkdir()
+    body = json.dumps({"kdistill_run": "theirs", "created": "now", "pid": 1}) + "\n"
+    tmp = run / f".{MARKER_NAME}.abcd1234.tmp"
+    tmp.write_text(body)
+    renamer = threading.Timer(0.05, os.replace, (tmp, run / MARKER_NAME))
+    renamer.start()
+    with creating_run_dir(run) as made:
+        pass
+    renamer.join()
+    assert made.run_id == "theirs" == read_marker(run)
+    left = tmp_path / "left"
+    left.mkdir()
+    (left / f".{MARKER_NAME}.zyxw9876.tmp").write_text(body)
+    with creating_run_dir(left) as made:  # after the wait: a killed writer's temp
+        pass
+    assert has_marker(left) and made.run_id != "theirs"
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="not a kdistill run directory"):
+        with creating_run_dir(tmp_path / "foreign"):
+            pass

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -159,6 +160,10 @@ def safe_remove_run_dir(path: Path | str, *, keep: tuple[str, ...] = (), name: s
 # Creation that completes or removes what it made
 
 
+class DirectoryInUse(UserError):
+    """Another kdistill run holds the directory's lock (or took it while this one tried)."""
+
+
 @dataclass
 class MadeRunDir:
     path: Path
@@ -174,7 +179,9 @@ def creating_run_dir(path: Path | str, *, name: str = "output.dir") -> Iterator[
     directories it created, or, in a directory that existed already, the entries that were not there.
 
     An existing directory is accepted only when it is empty or already one of ours (carries a marker);
-    anything else is an error and nothing is touched.
+    anything else is an error and nothing is touched. A DirectoryInUse from the block (another run holds
+    the directory's lock) removes nothing: the directory and whatever appeared in it are that run's,
+    even where this process made the directory or its marker a moment before the other took the lock.
     """
     p = check_path_value(name, path)
     if p.exists() and not p.is_dir():
@@ -182,11 +189,16 @@ def creating_run_dir(path: Path | str, *, name: str = "output.dir") -> Iterator[
     created: list[Path] = []
     before: set[str] | None = None
     if p.is_dir():
-        try:
-            before = {e.name for e in p.iterdir()}
-        except OSError as e:
-            raise UserError(f"{name} '{p}' is not readable ({e.strerror})") from None
-        if before and MARKER_NAME not in before:
+        before = _entries(p, name)
+        # another kdistill run may have made it a moment ago and be writing its marker (a temp file, then
+        # a rename): wait for the rename rather than call the directory foreign
+        deadline = time.monotonic() + 1.0
+        while before and MARKER_NAME not in before and all(map(_marker_temp, before)):
+            if time.monotonic() > deadline:
+                break  # a marker's temp file left by a killed kdistill: the directory is one of ours
+            time.sleep(0.01)
+            before = _entries(p, name)
+        if before and MARKER_NAME not in before and not all(map(_marker_temp, before)):
             raise UserError(f"{name} '{p}' exists and is not empty, and is not a kdistill run directory")
     made = MadeRunDir(path=p, run_id="", created=created, before=before)
     try:
@@ -197,14 +209,35 @@ def creating_run_dir(path: Path | str, *, name: str = "output.dir") -> Iterator[
             q = q.parent
         for d in reversed(missing):
             fault_point(d)
-            d.mkdir()
+            try:
+                d.mkdir()
+            except FileExistsError:  # another process made it since: not ours to remove
+                if not d.is_dir():
+                    raise
+                if d == p.absolute() and made.before is None:
+                    made.before = _entries(d, name)
+                continue
             created.append(d)
         fsync_dir(q)
         made.run_id = read_marker(p) or write_marker(p)
         yield made
+    except DirectoryInUse:
+        raise
     except BaseException:
         _undo(made)
         raise
+
+
+def _marker_temp(entry: str) -> bool:
+    """The name of the temp file `write_marker` renames into the marker (fileio.atomic_write_bytes)."""
+    return re.fullmatch(rf"\.{re.escape(MARKER_NAME)}\.[a-z0-9_]{{8}}\.tmp", entry) is not None
+
+
+def _entries(p: Path, name: str) -> set[str]:
+    try:
+        return {e.name for e in p.iterdir()}
+    except OSError as e:
+        raise UserError(f"{name} '{p}' is not readable ({e.strerror})") from None
 
 
 def _undo(made: MadeRunDir) -> None:
@@ -332,13 +365,13 @@ class RunLock:
                 and pid == os.getpid()
                 and info.get("token") != self.token
             ):
-                raise UserError(f"{self.name} '{self.dir}' is already locked by this process")
+                raise DirectoryInUse(f"{self.name} '{self.dir}' is already locked by this process")
             who = f"pid {pid}" + (f" on host {host}" if isinstance(host, str) else "")
-            raise UserError(
+            raise DirectoryInUse(
                 f"{self.name} '{self.dir}' is in use by another kdistill run ({who}); wait for it to end "
                 f"or choose another directory (if that run is gone, remove {self.path})"
             )
-        raise UserError(f"{self.name} '{self.dir}': could not take the lock {self.path} (contended)")
+        raise DirectoryInUse(f"{self.name} '{self.dir}': could not take the lock {self.path} (contended)")
 
     def _take_over(self, info: dict[str, Any] | None) -> None:
         """Remove a stale lock, unless someone replaced it meanwhile (re-read under a rename)."""
