@@ -250,10 +250,14 @@ def estimate_memory(
     # (the 7B -> 1.5B on-policy row's measured peak is the resident terms plus the gradients, NOTES.md
     # round twenty); under FSDP2 the term keeps its second copy (its layouts were measured with it)
     optimizer_phase = s.trainable * 4 * (1 if s.gpu and w == 1 else 2) // w
-    terms = {**fixed, **forward_peak}
     live_forward = sum(forward_peak.values())
+    # the training step's own peak: the end of its forward, or its optimizer phase when larger
+    step_peak = dict(forward_peak)
+    if optimizer_phase > live_forward:
+        step_peak = {"gradients_and_optimizer_temporaries": optimizer_phase}
+    terms = {**fixed, **forward_peak}
     if optimizer_phase > live_forward and optimizer_phase >= max(generation, evaluation):
-        terms = {**fixed, "gradients_and_optimizer_temporaries": optimizer_phase}
+        terms = {**fixed, **step_peak}
     elif generation > live_forward and generation >= evaluation:
         terms = {**fixed, "generation_kv_cache_and_logits": generation}
     elif evaluation > live_forward:
@@ -268,10 +272,6 @@ def estimate_memory(
     if graphed:
         terms["eval_beside_graph_pool"] = max(eval_beside_graph_pool(s), student_samples)
         if cfg.kd.generates:  # the captured update's pool stays through the next writing and scoring
-            if optimizer_phase > live_forward:
-                step_peak = {"gradients_and_optimizer_temporaries": optimizer_phase}
-            else:
-                step_peak = dict(forward_peak)
             terms = {**fixed, **step_peak, "eval_beside_graph_pool": terms["eval_beside_graph_pool"]}
             terms["generation_beside_graph_pool"] = generation_beside_graph_pool(s, generation)
     terms["total"] = sum(terms.values())

@@ -36,9 +36,9 @@ the rows past the labels' count ignored and the sums divided by the count on the
 (kdistill.ops.kd_loss's `rows`): one signature for every step of the run. A step whose completion tokens
 fill less than half of those rows (rows stopped early, as reasoning-length runs have them) runs eagerly
 with its labels counted on the host instead: the ignored rows' GEMMs would cost more than the graph
-saves. A run that captures its
-generated steps computes them in that form on its eager steps too, so a replay equals an eager step bit
-for bit; against a run that does not capture, the losses agree up to rounding.
+saves. A run that captures its generated steps computes them in that form on its eager steps too, so a
+replay equals an eager step bit for bit; against a run that does not capture, the losses agree up to
+rounding.
 """
 
 from __future__ import annotations

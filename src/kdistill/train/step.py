@@ -336,6 +336,19 @@ def _update(ctx: StepContext, means: torch.Tensor) -> list[torch.Tensor]:
     return [means.sum(0), norm.double().reshape(1), torch.stack([loss_ok, ok]).double()]
 
 
+def _packed(ctx: StepContext, means: torch.Tensor) -> torch.Tensor:
+    """A one-process step's update and its read-back values, as train_step reads them: `_update`'s
+    parts, then each micro-batch's loss. means (M, 3)."""
+    return torch.cat(_update(ctx, means) + [means[:, 0]])
+
+
+def _fresh_grads(ctx: StepContext, graph: StepGraph) -> None:
+    """Before an eager step of a run that captures: the graph's gradients zeroed in place (after capture),
+    else freed."""
+    if not graph.restore_grads():
+        ctx.opt.zero_grad(set_to_none=True)
+
+
 def _micro(ctx: StepContext, micro_batch: MicroBatch) -> torch.Tensor:
     """One micro-batch's forward and backward (of loss / grad_accum) in one process, as `_accumulate`
     runs it: its (loss, ce, kd), float64 on the device."""
@@ -369,8 +382,7 @@ def _graphed(
 
     def body(inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         rows = [_micro(ctx, MicroBatch(*t, n_tokens=n)) for t, (_, n) in zip(inputs, host, strict=True)]
-        means = torch.stack(rows)  # (M, 3)
-        return torch.cat(_update(ctx, means) + [means[:, 0]])
+        return _packed(ctx, torch.stack(rows))  # (M, 3) means
 
     nan = faults.nan_step(step + 1)  # a test's NaN loss is a host decision: that step runs eagerly
     faults.poison(step + 1, ctx.student)  # in place: the graph reads the poisoned weight
@@ -380,14 +392,12 @@ def _graphed(
         packed = graph.capture(host, ctx.opt, ctx.student, body)
     else:
         graph.note_eager(sig)
-        if not graph.restore_grads():
-            ctx.opt.zero_grad(set_to_none=True)
+        _fresh_grads(ctx, graph)
         inputs = [tuple(t.to(ctx.device, non_blocking=True) for t in tensors) for tensors, _ in host]
         if nan:
             rows = [_micro(ctx, MicroBatch(*t, n_tokens=n)) for t, (_, n) in zip(inputs, host, strict=True)]
             rows[0][0] = float("nan")
-            means = torch.stack(rows)
-            packed = torch.cat(_update(ctx, means) + [means[:, 0]])
+            packed = _packed(ctx, torch.stack(rows))
         else:
             packed = body(inputs)
     for micro in range(acc):
@@ -407,27 +417,26 @@ def _generated_graphed(
     """A generated step of a run that captures them (kdistill.train.graph): written and scored eagerly,
     then its update replayed, captured, or (another signature: the other kind of generated step) run
     eagerly in the same form; a step whose completions fill less than MIN_FILL of the head's rows runs
-    eagerly with the labels counted on the host. Returns (the read-back values as the eager step packs them, the completion
-    tokens, the step's GeneratedStats)."""
+    eagerly with the labels counted on the host. Returns (the read-back values as the eager step packs
+    them, the completion tokens, the step's GeneratedStats)."""
     sc = generate_and_score(ctx, op, step, kind)
     acc = ctx.cfg.schedule.grad_accum
     weight = sc.targets[0].weight
-    host: list[tuple[tuple[torch.Tensor, ...], int | None]] = []
-    for b, t in zip(sc.batches, sc.targets, strict=True):
-        hidden = () if t.hidden is None else (t.hidden,)
-        host.append(((b.input_ids, b.labels, *hidden), op.head_rows(b.labels.shape[0])))
-    sig = signature(host, kind)
-    head = sum(n for _, n in host if n is not None)
-    if any(c > n for c, (_, n) in zip(sc.counts, host, strict=True) if n is not None):
-        raise RuntimeError(f"generated rows hold {sc.counts} completion tokens, more than the head's {head}")
-    if sum(sc.counts) < MIN_FILL * head:
+    heads = [op.head_rows(b.labels.shape[0]) for b in sc.batches]
+    if any(c > n for c, n in zip(sc.counts, heads, strict=True)):
+        raise RuntimeError(f"generated rows hold {sc.counts} completion tokens, more than the heads' {heads}")
+    if sum(sc.counts) < MIN_FILL * sum(heads):
         # short completions (reasoning-length runs whose rows stopped early): the fixed head would
         # compute mostly ignored rows; this step counts its rows on the host and runs eagerly
         graph.note_eager(("counted", kind))
-        if not graph.restore_grads():
-            ctx.opt.zero_grad(set_to_none=True)
+        _fresh_grads(ctx, graph)
         means, tokens, stats, _ = scored_update(ctx, op, sc, step)
-        return torch.cat(_update(ctx, means) + [means[:, 0]]), int(tokens), stats
+        return _packed(ctx, means), int(tokens), stats
+    host: list[tuple[tuple[torch.Tensor, ...], int | None]] = []
+    for b, t, n in zip(sc.batches, sc.targets, heads, strict=True):
+        hidden = () if t.hidden is None else (t.hidden,)
+        host.append(((b.input_ids, b.labels, *hidden), n))
+    sig = signature(host, kind)
 
     def body(inputs: list[tuple[torch.Tensor, ...]], nan: bool = False) -> torch.Tensor:
         rows = []
@@ -440,8 +449,7 @@ def _generated_graphed(
             rows.append(torch.stack([r.loss.detach(), r.ce, r.kd]).double())
         if nan:
             rows[0][0] = float("nan")
-        means = torch.stack(rows)  # (M, 3)
-        return torch.cat(_update(ctx, means) + [means[:, 0]])
+        return _packed(ctx, torch.stack(rows))  # (M, 3) means
 
     nan = faults.nan_step(step + 1)  # a test's NaN loss is a host decision: that step runs eagerly
     faults.poison(step + 1, ctx.student)
@@ -451,8 +459,7 @@ def _generated_graphed(
         packed = graph.capture(host, ctx.opt, ctx.student, body, sig)
     else:
         graph.note_eager(sig)
-        if not graph.restore_grads():
-            ctx.opt.zero_grad(set_to_none=True)
+        _fresh_grads(ctx, graph)
         packed = body([tensors for tensors, _ in host], nan)
     for micro in range(acc):
         faults.at(f"{step + 1}.{micro + 1}")
