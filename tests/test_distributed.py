@@ -197,7 +197,7 @@ def more(runs):
 def _first_batch(tmp: Path, cfg: Path, other: dict[str, Path]) -> tuple:
     """Every launch at once."""
     dirs = {k: tmp / k for k in ("two", "one", "killed", "signalled", "odd")}
-    for name in ("clip", "adamw", "gathers"):  # tests/fsdp_checks.py: the three helpers in one launch
+    for name in ("clip", "adamw", "gathers", "replicate"):  # tests/fsdp_checks.py: the helpers in one launch
         dirs[name] = tmp / "checks" / f"{name}.json"
     dirs["mix"], dirs["cross"] = tmp / "mix", tmp / "cross"
     procs = {
@@ -471,6 +471,7 @@ def test_replicated_teacher_checkpointed_blocks_and_kept_student_match(runs, mor
         "checkpointing": True,
         "student_kept": True,
         "swiglu_kept": False,
+        "student_replicated": False,
     }
     assert read_summary(runs[2]["two"])["layout"]["teacher_sharded"]  # auto on the CPU: sharded
     assert not read_summary(runs[2]["two"])["layout"]["checkpointing"]
@@ -500,6 +501,17 @@ def test_sharded_gradients_are_clipped_like_clip_grad_norm(runs):
     sharded, plain = result["norm"]
     assert plain > 1e-2 and sharded == pytest.approx(plain, rel=1e-5)
     assert result["max_abs_diff"] < 1e-8
+
+
+def test_replicated_gradients_are_averaged_as_fsdp_reduces_them(runs):
+    """A whole student on every process (runtime.student_placement=replicate): each process's gradients
+    of its rows, averaged by one all-reduce of a flat buffer, equal FSDP2's reduce-scattered gradients
+    and one process's over every row; in an fp32 buffer to float rounding, in bf16 to bf16's."""
+    r = _helper_result(runs, "replicate")
+    assert r["fp32_buffer_dtype"] == "torch.float32" and r["bf16_buffer_dtype"] == "torch.bfloat16"
+    assert r["fp32_moved"] > 1e-3 and r["bf16_moved"] > 1e-3  # the average changed each process's own
+    assert r["fp32_vs_fsdp"] < 1e-7 and r["fp32_vs_one"] < 1e-6 * r["scale"]
+    assert r["bf16_vs_fsdp"] < 2**-7 * r["scale"] and r["bf16_vs_one"] < 2**-7 * r["scale"]
 
 
 def test_two_teachers_and_cross_tokenizer_runs_under_torchrun(runs):

@@ -259,3 +259,72 @@ def test_a_lora_student_plans_no_inputs_for_its_frozen_linears():
     assert kept["student_activations"] == qkv["student_activations"]
     with_dropout = acts(["q_proj", "k_proj", "v_proj"], dropout=0.1, activation_checkpointing="swiglu")
     assert qkv["student_activations"] - with_dropout["student_activations"] == n * layers * 2 * h
+
+
+def _onpolicy(cfg: RunConfig, on_policy: float = 1.0) -> RunConfig:
+    cfg.kd = dataclasses.replace(cfg.kd, on_policy=on_policy, max_new_tokens=256)
+    return cfg
+
+
+def test_a_replicated_student_is_planned_as_one_process_plus_its_gradient_buffer():
+    t, s = load_spec("qwen2.5-7b"), load_spec("qwen2.5-1.5b")
+    trainable = s.param_counts()["total"]
+    for reduce, width in (("fp32", 4), ("compute", 2)):
+        cfg = _onpolicy(_cfg(batch=8, seq=512, grad_reduce=reduce))
+        one = estimate_memory(t, s, cfg, batch=4)
+        rep = estimate_memory(t, s, cfg, batch=4, layout=Layout(world=2, student_replicated=True))
+        assert rep["gradient_average_buffer"] == trainable * width
+        assert rep["total"] == one["total"] + trainable * width
+        # every step generated: the update is captured under torchrun too, its pool planned beside writing
+        assert "generation_beside_graph_pool" in rep
+    # data steps are not captured under torchrun (one process captures them): no graph pool planned
+    data = _cfg(batch=8, seq=512)
+    rep = estimate_memory(t, s, data, batch=4, layout=Layout(world=2, student_replicated=True))
+    assert "eval_beside_graph_pool" in estimate_memory(t, s, data, batch=4)
+    assert "eval_beside_graph_pool" not in rep and "gradient_average_buffer" in rep
+
+
+def test_capture_under_torchrun_needs_a_replicated_student_and_generated_steps():
+    from kdistill.memory import capture_blocker
+
+    cfg = _onpolicy(_cfg())
+    assert capture_blocker(cfg, "cuda", 2) == (
+        "the run is under torchrun with a sharded student (FSDP2's collectives are not captured)"
+    )
+    assert capture_blocker(cfg, "cuda", 2, replicated=True) is None
+    assert "not every step is generated" in capture_blocker(_onpolicy(_cfg(), 0.5), "cuda", 2, True)
+    assert "not every step is generated" in capture_blocker(_cfg(), "cuda", 2, True)  # off-policy
+    assert capture_blocker(_cfg(), "cuda", 1) is None
+
+
+def test_auto_replicates_a_student_that_writes_where_it_fits_and_explicit_choices_hold():
+    t, s = load_spec("qwen2.5-7b"), load_spec("qwen2.5-1.5b")
+    cfg = _onpolicy(_cfg(batch=8, seq=512))
+    assert choose_layout(t, s, cfg, 140 * GIB, world=2, batch=4).student_replicated
+    # too little memory for whole copies: FSDP2 (its frugal layouts), as before
+    small = choose_layout(t, s, cfg, 30 * GIB, world=2, batch=4)
+    assert not small.student_replicated
+    assert not choose_layout(t, s, _cfg(batch=8, seq=512), 140 * GIB, world=2, batch=4).student_replicated
+    shard = _onpolicy(_cfg(batch=8, seq=512, student_placement="shard"))
+    assert not choose_layout(t, s, shard, 140 * GIB, world=2, batch=4).student_replicated
+    forced = _cfg(batch=8, seq=512, student_placement="replicate")  # off-policy, asked for
+    layout = choose_layout(t, s, forced, 140 * GIB, world=2, batch=4)
+    assert layout.student_replicated and not layout.teacher_sharded
+    assert "student replicated" in layout.describe()
+    assert not choose_layout(t, s, cfg, 140 * GIB, world=1, batch=4).student_replicated  # one process
+
+
+def test_a_replicated_student_beside_a_sharded_teacher_is_refused_in_one_line(capsys):
+    rc, _, err = run_cli(
+        capsys,
+        "plan",
+        "qwen2.5-1.5b:qwen2.5-0.5b",
+        "runtime.student_placement=replicate",
+        "runtime.teacher_placement=shard",
+    )
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == (
+        "kdistill: error: runtime.student_placement=replicate keeps a whole student on every process beside "
+        "a whole teacher, but runtime.teacher_placement is shard: set runtime.teacher_placement to replicate "
+        "or auto"
+    )

@@ -269,7 +269,8 @@ def test_processes_weigh_their_losses_by_their_share_of_all_completion_tokens(mo
     want_means, want_tokens, want_stats, _, want = run()
     micro, out = OnPolicy(cfg, PROMPTS, {0}, 0, cpu).generate(base, amp)
     counts = [int((lab != -100).sum()) for _, lab in micro]
-    sums = [float(c) for c in counts] + [out.tokens, len(out.completions), sum(out.stopped)]
+    # the counts, samples and (last) the processes asked to stop, summed over both
+    sums = [float(c) for c in counts] + [out.tokens, len(out.completions), sum(out.stopped), 0.0]
     given = []
     monkeypatch.setattr(dist, "all_reduce_sum", lambda values: list(sums))
     monkeypatch.setattr(dist, "all_reduce_tensor", lambda t: given.append(t.clone()) or t)
@@ -290,6 +291,55 @@ def test_processes_weigh_their_losses_by_their_share_of_all_completion_tokens(mo
     for name in want:
         torch.testing.assert_close(
             (ranks[0][4][name] + ranks[1][4][name]) / 2, want[name], atol=1e-7, rtol=1e-5
+        )
+
+
+def test_a_replicated_students_captured_form_weighs_and_sums_as_the_eager_step(monkeypatch):
+    """The generated step in the form a CUDA graph captures (a fixed-row KD head) under torchrun with a
+    whole student on every process: each process's loss weighted by its share of the completion tokens
+    (an input of the graph), its logged means weighted so that their sum over the processes (the
+    captured all-reduce) is the mean over every row, and the average of its gradients (GradAverage) the
+    gradient of one process over every row. Two processes emulated in one, each step run eagerly in
+    that form (a CPU StepGraph never captures); the update itself is left out (`_packed` returns the
+    means it is given)."""
+    from kdistill.train import step as step_mod
+    from kdistill.train.graph import StepGraph
+
+    cfg = _cfg(loss="divergence")
+    cfg.kd.samples_per_prompt = 1  # two prompts per micro-batch: one per process
+    teacher, base = _pair()
+    cpu, amp = torch.device("cpu"), contextlib.nullcontext()
+    monkeypatch.setattr(onpolicy, "rollout", _fake_rollout)
+    monkeypatch.setattr(step_mod, "MIN_FILL", 0.0)  # the fixed-row form whatever the completions' fill
+    monkeypatch.setattr(step_mod, "_packed", lambda ctx, means: means)
+
+    def run(rows=None):
+        student = copy.deepcopy(base)
+        ctx = StepContext(cfg, student, teacher, torch.optim.AdamW(student.parameters()), cpu, amp, rows)
+        op = OnPolicy(cfg, PROMPTS, stop_ids={0}, pad_id=0, device=cpu, rows=rows)
+        graph = StepGraph(cpu)
+        means, tokens, _, stop = step_mod._generated_graphed(ctx, graph, op, 0, "on_policy")
+        assert graph.counts["eager_steps"] == 1 and graph.graph is None
+        return means, tokens, stop, {n: p.grad for n, p in student.named_parameters()}
+
+    want_means, want_tokens, _, want = run()
+    micro, out = OnPolicy(cfg, PROMPTS, {0}, 0, cpu).generate(base, amp)
+    counts = [int((lab != -100).sum()) for _, lab in micro]
+    sums = [float(c) for c in counts] + [out.tokens, len(out.completions), sum(out.stopped), 1.0]
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda values: list(sums))  # one process asked to stop
+    given = []
+    monkeypatch.setattr(dist, "all_reduce_tensor", lambda t: given.append(t.clone()) or t)
+    ranks = []
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "_INFO", dist.DistInfo(rank, 2, rank, None))
+        ranks.append(run(dist.batch_slice(cfg.schedule.batch_size)))
+    assert len(given) == 2  # one all-reduce of the means a step, inside the captured body
+    torch.testing.assert_close(ranks[0][0] + ranks[1][0], want_means, atol=1e-6, rtol=1e-6)
+    assert ranks[0][1] == ranks[1][1] == want_tokens == sum(counts)  # every process's total
+    assert ranks[0][2] and ranks[1][2]  # one process's stop request reaches both
+    for name in want:
+        torch.testing.assert_close(
+            (ranks[0][3][name] + ranks[1][3][name]) / 2, want[name], atol=1e-7, rtol=1e-5
         )
 
 
@@ -584,7 +634,8 @@ def _counted_and_capturing(monkeypatch, min_fill: float | None = None):
     capturing = step_mod._generated_graphed(
         ctx(other, graph), graph, OnPolicy(cfg, PROMPTS, {0}, 0, cpu), 0, "on_policy"
     )
-    return cfg, counted, (*capturing, graph), seen, student, other
+    assert capturing[3] is False  # one process: nothing asked it to stop
+    return cfg, counted, (*capturing[:3], graph), seen, student, other
 
 
 def test_a_capturing_runs_generated_step_trains_as_the_counted_step(monkeypatch):

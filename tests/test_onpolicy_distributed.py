@@ -47,24 +47,43 @@ def _started() -> None:
     cfg["schedule"].update(steps=4, checkpoint_every=2, grad_accum=2)
     # the student kept gathered from forward to backward: gathered once per on-policy step, before it writes
     cfg.setdefault("runtime", {})["student_reshard"] = "after_backward"
-    background.start("onpolicy_distributed", lambda: _launches(tmp, _write(tmp, cfg)))
+    path = _write(tmp, cfg)
+    # the same run with a whole student on every process (its own folder: _write names run.yaml)
+    cfg["runtime"] = {"student_placement": "replicate"}
+    rep = _write(tmp, cfg, "rep.yaml")
+    background.start("onpolicy_distributed", lambda: _launches(tmp, path, rep))
 
 
 @pytest.fixture(scope="module")
-def runs():
+def launched():
     _started()
     return background.wait("onpolicy_distributed")
 
 
-def _launches(tmp: Path, path: Path) -> tuple:
-    two = tmp / "two"
-    first = torchrun(["run", str(path), f"output.dir={two}", "--quiet"], timeout=900)
-    assert first.returncode == 0, first.stderr[-3000:]
-    # What a run interrupted after step 3 leaves: its checkpoint at step 2, no export, no summary (the
-    # metrics lines after step 2 are dropped by the resume).
-    cut = interrupted_copy(two, tmp / "cut", 2)
-    resumed = torchrun(["run", "--resume", str(cut), "--quiet"], timeout=900)
-    return two, cut, resumed
+@pytest.fixture(scope="module")
+def runs(launched):
+    """The run sharded with FSDP2 (student kept gathered), its cut copy and that copy resumed."""
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def replicated(launched):
+    """The same with a whole student on every process (runtime.student_placement=replicate)."""
+    return launched[1]
+
+
+def _launches(tmp: Path, path: Path, rep: Path) -> tuple:
+    out = []
+    for name, config in (("two", path), ("rep", rep)):
+        two = tmp / name
+        first = torchrun(["run", str(config), f"output.dir={two}", "--quiet"], timeout=900)
+        assert first.returncode == 0, first.stderr[-3000:]
+        # What a run interrupted after step 3 leaves: its checkpoint at step 2, no export, no summary
+        # (the metrics lines after step 2 are dropped by the resume).
+        cut = interrupted_copy(two, tmp / f"{name}_cut", 2)
+        resumed = torchrun(["run", "--resume", str(cut), "--quiet"], timeout=900)
+        out.append((two, cut, resumed))
+    return out
 
 
 def _state(run_dir: Path, step: int) -> dict:
@@ -120,3 +139,29 @@ def test_resumed_on_policy_run_matches_the_uninterrupted_one(runs):
     a, b = read_summary(two)["on_policy"], read_summary(cut)["on_policy"]
     for key in ("on_policy_steps", "seq_kd_steps", "mean_completion_len", "eos_fraction", "sample_kl"):
         assert a[key] == b[key], key
+
+
+def test_a_replicated_student_trains_resumes_exactly_and_stays_close_to_the_sharded_one(runs, replicated):
+    """runtime.student_placement=replicate: a whole student on every process, its gradients averaged by
+    one all-reduce; the same steps, samples and phase rows as the sharded run; its checkpoint (one
+    process's tensors on every process, written once) resumes on two processes bit for bit; and its
+    losses stay within float rounding of FSDP2's (the same rows, the same sampled completions)."""
+    rep, cut, resumed = replicated
+    summary = read_summary(rep)
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["jit_after_prewarm"] == 0
+    assert summary["layout"]["student_replicated"] is True and summary["layout"]["teacher_sharded"] is False
+    rows = _metrics(rep, ())
+    assert [r.get("policy", "data") for r in rows] == ["data", "seq_kd", "data", "on_policy"]
+    assert all(len(r["phase_s"]["generate"]) == 2 for r in rows if "policy" in r)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-0000002 (step 2)" in resumed.stderr
+    assert_same_weights(
+        student_weights(cut / "student" / "model.safetensors"),
+        student_weights(rep / "student" / "model.safetensors"),
+    )
+    assert _metrics(cut) == _metrics(rep)
+    sharded = _metrics(runs[0])
+    for a, b in zip(_metrics(rep), sharded, strict=True):
+        assert a["step"] == b["step"] and a.get("completion_tokens") == b.get("completion_tokens")
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]

@@ -15,7 +15,8 @@ A run config is YAML with these sections (every field has a default except the m
     schedule: {steps, batch_size, grad_accum, eval_every, eval_batches, checkpoint_every, log_every, seed}
     output:   {dir, keep_checkpoints, report_to: [tensorboard, wandb, mlflow], check_disk}
     runtime:  {device, dtype, precision: auto|fp8, kernels, strict_kernels, arch, kernel_pack, on_nonfinite,
-               max_nonfinite, auto_fit, gpu_memory_gib, teacher_placement, activation_checkpointing,
+               max_nonfinite, auto_fit, gpu_memory_gib, teacher_placement, student_placement,
+               activation_checkpointing,
                student_reshard, student_unit_blocks, grad_reduce, profile_steps,
                cuda_graphs}
               (runtime.precision=fp8: the student's block linears train through row-wise scaled FP8
@@ -358,6 +359,12 @@ class RuntimeConfig:
     # Under torchrun: the frozen teacher sharded with FSDP2 like the student, or a whole copy on every
     # process (no gathers at all); auto: replicate when the memory plan says a whole teacher fits.
     teacher_placement: str = "auto"  # auto | shard | replicate
+    # Under torchrun: the student sharded with FSDP2 (its weights, gradients and AdamW state 1/world per
+    # process) or a whole copy on every process, its gradients averaged by one all-reduce a step (no
+    # gathers; beside a replicated teacher, a run whose every step is generated captures its update as a
+    # CUDA graph, the all-reduce inside); auto: replicate a student that writes completions (kd.on_policy,
+    # kd.seq_kd) when the memory plan says it and a whole teacher fit, else shard.
+    student_placement: str = "auto"  # auto | shard | replicate
     # What the student recomputes in backward instead of keeping: none (keep every activation), swiglu
     # (the MLP's SwiGLU output only: I elements a token and layer less, one elementwise pass more),
     # blocks (each decoder block: keeps only its inputs); auto: the first of none, swiglu, blocks whose
@@ -397,6 +404,13 @@ class RuntimeConfig:
         _choice("runtime.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _positive("runtime.max_nonfinite", self.max_nonfinite)
         _choice("runtime.teacher_placement", self.teacher_placement, ("auto", "shard", "replicate"))
+        _choice("runtime.student_placement", self.student_placement, ("auto", "shard", "replicate"))
+        if self.student_placement == "replicate" and self.teacher_placement == "shard":
+            raise UserError(
+                "runtime.student_placement=replicate keeps a whole student on every process beside a whole "
+                "teacher, but runtime.teacher_placement is shard: set runtime.teacher_placement to "
+                "replicate or auto"
+            )
         _choice(
             "runtime.activation_checkpointing",
             self.activation_checkpointing,

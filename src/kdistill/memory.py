@@ -70,16 +70,23 @@ class Layout:
     # The student's MLPs keep their SwiGLU output for backward instead of recomputing it there
     # (runtime.activation_checkpointing=none; decoder.MLP.keep_swiglu): I more elements a token and layer.
     swiglu_kept: bool = False
+    # Under torchrun: a whole student on every process (runtime.student_placement=replicate), beside a
+    # replicated teacher: one process's terms at its share of the batch, plus the flat buffer its
+    # gradients are averaged in (kdistill.train.distributed.GradAverage).
+    student_replicated: bool = False
 
     def describe(self) -> str:
         parts = [f"{self.world} process{'es' if self.world > 1 else ''}"]
         if self.world > 1:
             parts.append("teacher sharded" if self.teacher_sharded else "teacher replicated")
-            parts.append(
-                "student gathered from forward to backward"
-                if self.student_kept
-                else "student regathered in backward"
-            )
+            if self.student_replicated:
+                parts.append("student replicated")
+            else:
+                parts.append(
+                    "student gathered from forward to backward"
+                    if self.student_kept
+                    else "student regathered in backward"
+                )
         if self.checkpointing:
             parts.append("activation checkpointing")
         else:
@@ -88,10 +95,15 @@ class Layout:
 
     @classmethod
     def of(
-        cls, choice: str, world: int = 1, teacher_sharded: bool = False, student_kept: bool = False
+        cls,
+        choice: str,
+        world: int = 1,
+        teacher_sharded: bool = False,
+        student_kept: bool = False,
+        student_replicated: bool = False,
     ) -> Layout:
         """The layout runtime.activation_checkpointing names (auto: as swiglu, its frugal middle)."""
-        return cls(world, teacher_sharded, choice == "blocks", student_kept, choice == "none")
+        return cls(world, teacher_sharded, choice == "blocks", student_kept, choice == "none", student_replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +246,22 @@ def estimate_memory(
     whose forward keeps a document bias (`document_mask_bytes`); when every step is generated only the
     held-out evals have one (`heldout_eval_memory`, a phase of its own).
     """
+    if layout is not None and layout.world > 1 and layout.student_replicated:
+        # one process's step at this process's share of the batch, plus the gradients' flat buffer
+        alone = dataclasses.replace(layout, world=1, teacher_sharded=False, student_kept=False)
+        terms = estimate_memory(teacher, student, cfg, device, batch, alone, extra_teachers, documents)
+        total = terms.pop("total")
+        reduce_bytes = 2 if device != "cpu" and cfg.runtime.grad_reduce == "compute" else 4
+        terms["gradient_average_buffer"] = trainable_params(student, cfg) * reduce_bytes
+        if device != "cpu" and not _graphed(cfg, layout.world, True) and _graphed(cfg, 1):
+            # one process would capture this step: without its graph pool the eval's and the writing's
+            # terms are those of an eager step (recomputed as such)
+            eager = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, cuda_graphs="off"))
+            terms = estimate_memory(teacher, student, eager, device, batch, alone, extra_teachers, documents)
+            total = terms.pop("total")
+            terms["gradient_average_buffer"] = trainable_params(student, cfg) * reduce_bytes
+        terms["total"] = total + terms["gradient_average_buffer"]
+        return terms
     s = StepShape.of(teacher, student, cfg, device, batch, layout, extra_teachers, documents)
     w = s.layout.world
     fixed = resident_memory(s)
@@ -539,18 +567,21 @@ def sample_engine_memory(s: StepShape) -> tuple[int, int]:
     return engine(s.student, True), teacher
 
 
-def _graphed(cfg: RunConfig, world: int) -> bool:
+def _graphed(cfg: RunConfig, world: int, replicated: bool = False) -> bool:
     """Whether a CUDA run of this config captures its training step (kdistill.train.graph)."""
-    return cfg.runtime.cuda_graphs != "off" and capture_blocker(cfg, "cuda", world) is None
+    return cfg.runtime.cuda_graphs != "off" and capture_blocker(cfg, "cuda", world, replicated) is None
 
 
-def capture_blocker(cfg: RunConfig, device_type: str, world: int) -> str | None:
+def capture_blocker(cfg: RunConfig, device_type: str, world: int, replicated: bool = False) -> str | None:
     """Why a run's training step cannot be captured as a CUDA graph (None: it can): the planner and
-    the step (kdistill.train.graph) decide alike."""
+    the step (kdistill.train.graph) decide alike. replicated: under torchrun, the layout keeps a whole
+    student and a whole teacher on every process (Layout.student_replicated)."""
     if device_type != "cuda":
         return "the run is not on a CUDA device"
-    if world > 1:
-        return "the run is under torchrun (the step's collectives are not captured)"
+    if world > 1 and not replicated:
+        return "the run is under torchrun with a sharded student (FSDP2's collectives are not captured)"
+    if world > 1 and not (cfg.kd.generates and every_step_generated(cfg)):
+        return "the run is under torchrun and not every step is generated (data steps are not captured there)"
     if cfg.teacher.cache:
         return "the teacher is a cache (teacher.cache)"
     if cfg.kd.cross_tokenizer:
@@ -713,10 +744,30 @@ def choose_layout(
         for sk in (True, False)
         if (ck, sk) in allowed
     ]
+    # a whole student on every process (runtime.student_placement): auto tries it first, without
+    # checkpointing, for a student that writes completions, beside a whole teacher
+    replicated = [
+        Layout(world, False, ck, False, sk, student_replicated=True)
+        for ck in sorted({ck for ck, _ in allowed})
+        for sk in (True, False)
+        if (ck, sk) in allowed
+    ]
+    if world > 1 and rt.student_placement == "replicate":
+        candidates = replicated
+    elif world > 1 and rt.student_placement == "auto" and replicate_first(cfg):
+        candidates = [c for c in replicated if not c.checkpointing] + candidates
     for layout in candidates:
         if estimate_memory(teacher, student, cfg, device, batch, layout)["total"] <= budget:
             return layout
     return candidates[-1]
+
+
+def replicate_first(cfg: RunConfig) -> bool:
+    """Whether runtime.student_placement=auto tries a whole student on every process first: a student
+    that writes completions (kd.on_policy, kd.seq_kd), beside a teacher that may be whole too. Such runs
+    keep a whole copy of the student for writing anyway, and under FSDP2 their update cannot be captured
+    (NOTES.md round twenty-one); off-policy runs keep FSDP2 (measured 2.03x on 2 GPUs, 3.96x on 4)."""
+    return cfg.kd.generates and cfg.runtime.teacher_placement != "shard" and not cfg.teacher.cache
 
 
 def gpus_needed(

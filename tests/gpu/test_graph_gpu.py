@@ -97,6 +97,10 @@ def test_a_nonfinite_replayed_step_is_skipped_on_the_device(tmp_path, capsys, mo
 
 
 def _on_policy_run(tmp_path: Path, capsys, name: str, graphs: str) -> tuple[list[dict], dict, dict]:
+    return _strict_run(tmp_path, capsys, name, _on_policy_config(tmp_path, name), graphs)
+
+
+def _on_policy_config(tmp_path: Path, name: str) -> dict:
     from tests.test_chat_train import write_chat_files
 
     data, template = write_chat_files(tmp_path / f"{name}-data", n=60)
@@ -110,7 +114,7 @@ def _on_policy_run(tmp_path: Path, capsys, name: str, graphs: str) -> tuple[list
     # near-uniform sampling over the tiny vocabulary: some rows stop early, so token counts differ
     cfg["kd"].update(on_policy=1.0, max_new_tokens=32, divergence="jsd", sample_temperature=2.0)
     cfg["schedule"]["sample_prompts"] = 0
-    return _strict_run(tmp_path, capsys, name, cfg, graphs)
+    return cfg
 
 
 def test_captured_on_policy_updates_equal_eager_ones_bit_for_bit(tmp_path, capsys, monkeypatch):
@@ -136,3 +140,41 @@ def test_captured_on_policy_updates_equal_eager_ones_bit_for_bit(tmp_path, capsy
     assert s_graph["jit_after_prewarm"] == 0 and s_held["jit_after_prewarm"] == 0
     first = [r["loss"] for r in eager][:1], [r["loss"] for r in graph][:1]  # same samples at step 1
     assert first[0][0] == pytest.approx(first[1][0], rel=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_captured_on_policy_updates_under_torchrun_equal_eager_ones_bit_for_bit(tmp_path):
+    """Two GPUs, a whole student on each (runtime.student_placement=replicate): the update is captured
+    with its collectives (the logged means' all-reduce and the gradients' average) and replayed at every
+    count of completion tokens, equal bit for bit to the same run's eager steps (capture held off)."""
+    from kdistill.train.faults import HOLD_CAPTURE_ENV
+    from tests.test_distributed import torchrun
+
+    out = {}
+    for name, env in (("graph", {}), ("held", {HOLD_CAPTURE_ENV: "1"})):
+        cfg = _on_policy_config(tmp_path, name)
+        cfg["runtime"] = {
+            "device": "cuda",
+            "kernels": "triton",
+            "strict_kernels": True,
+            "cuda_graphs": "on",
+            "student_placement": "replicate",
+        }
+        cfg["optim"]["grad_clip"] = 0.5  # clipping happens inside the captured step
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        r = torchrun(["run", str(path), "--quiet"], timeout=900, **env)
+        assert r.returncode == 0, r.stderr[-5000:]
+        run = tmp_path / name
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        summary = read_summary(run)
+        assert summary["world_size"] == 2 and summary["layout"]["student_replicated"]
+        assert summary["jit_after_prewarm"] == 0
+        out[name] = rows, summary, (run / "student" / "model.safetensors").read_bytes()
+    (graph, s_graph, w_graph), (held, s_held, w_held) = out["graph"], out["held"]
+    assert s_graph["cuda_graphs"] == {"captures": 1, "replays": 6, "eager_steps": 2}, s_graph["cuda_graphs"]
+    assert s_held["cuda_graphs"]["captures"] == 0 and s_held["cuda_graphs"]["eager_steps"] == 8
+    assert len({r["completion_tokens"] for r in graph}) > 1  # the replays saw several token counts
+    for key in ("loss", "kd", "grad_norm", "completion_tokens"):
+        assert [r[key] for r in graph] == [r[key] for r in held], key
+    assert w_graph == w_held  # the exported student, byte for byte

@@ -298,6 +298,40 @@ def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class GradAverage:
+    """A replicated student's gradients averaged over the processes (runtime.student_placement=replicate):
+    copied into one flat buffer in `dtype` (fp32, or the compute dtype for half the link's bytes, as
+    runtime.grad_reduce asks), one all-reduce of it, and copied back (every process then holds the same
+    gradients, so the same AdamW keeps every copy of the student equal). The buffer is allocated at the
+    first call and kept: a captured step (kdistill.train.graph) reads and writes the same memory as the
+    eager steps, and its all-reduce is captured with it (NCCL collectives are capturable). Each process's
+    loss is weighted as under FSDP2 (`loss_weight`), so the average is the one-process gradient."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.flat: torch.Tensor | None = None
+        self.sizes: list[int] = []
+
+    def __call__(self, model: torch.nn.Module) -> None:
+        if not active():
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        sizes = [g.numel() for g in grads]
+        if self.flat is None or sizes != self.sizes or self.flat.device != grads[0].device:
+            self.flat = torch.empty(sum(sizes), dtype=self.dtype, device=grads[0].device)
+            self.sizes = sizes
+        views = [v.view_as(g) for v, g in zip(self.flat.split(sizes), grads, strict=True)]
+        torch._foreach_copy_(views, grads)  # cast to the reduce dtype on the way
+        if self.flat.device.type == "cuda":
+            dist.all_reduce(self.flat, op=dist.ReduceOp.AVG)
+        else:  # gloo has no AVG: the sum, divided (exact for a power-of-two world)
+            dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
+            self.flat.div_(_INFO.world)
+        torch._foreach_copy_(grads, views)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sharding
 # ----------------------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ to FILE and sleeps, so that a test can kill the process inside the write (`check
 KDISTILL_TEST_HOLD_AT="POINT@DIR" makes every process of a first torchrun attempt (restart count 0) stop
 at POINT, write its PID to DIR/rank{RANK}.pid and sleep (SIGTERM ends it at once), so that a test can
 kill one rank by PID and watch torchrun restart the job.
+KDISTILL_TEST_HOLD_CAPTURE=1 keeps a run that captures its step (runtime.cuda_graphs) from capturing: every
+step runs eagerly in the captured form (`capture_held`), the reference a replayed step must equal bit for
+bit, in processes a test cannot patch (torchrun's).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ KILL_RANK_ENV = "KDISTILL_TEST_KILL_RANK"
 POISON_ENV = "KDISTILL_TEST_POISON_STEP"
 HOLD_ENV = "KDISTILL_TEST_HOLD_AT"
 GENERATE_CHUNK_ENV = "KDISTILL_TEST_GENERATE_CHUNK"
+HOLD_CAPTURE_ENV = "KDISTILL_TEST_HOLD_CAPTURE"
+
+
+def capture_held() -> bool:
+    """Whether a test keeps this run's step from being captured (KDISTILL_TEST_HOLD_CAPTURE=1)."""
+    return os.environ.get(HOLD_CAPTURE_ENV) == "1"
 
 
 def at(point: str) -> None:

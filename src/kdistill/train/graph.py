@@ -52,19 +52,21 @@ import torch
 from kdistill.config import RunConfig
 from kdistill.errors import UserError
 from kdistill.memory import capture_blocker
+from kdistill.train import faults
 
 log = logging.getLogger("kdistill")
 
 WARM_STEPS = 2  # eager steps at the captured signature first: optimizer state, binaries, allocator
 
 
-def wanted(cfg: RunConfig, device: torch.device, world: int) -> bool:
-    """Whether the run captures its step: runtime.cuda_graphs, checked against what the run does.
-    `on` where capture cannot be done is a one-line UserError."""
+def wanted(cfg: RunConfig, device: torch.device, world: int, replicated: bool = False) -> bool:
+    """Whether the run captures its step: runtime.cuda_graphs, checked against what the run does
+    (replicated: under torchrun, a whole student and teacher on every process). `on` where capture
+    cannot be done is a one-line UserError."""
     mode = cfg.runtime.cuda_graphs
     if mode == "off":
         return False
-    why = capture_blocker(cfg, device.type, world)
+    why = capture_blocker(cfg, device.type, world, replicated)
     if why is None:
         return True
     if mode == "on":
@@ -107,7 +109,8 @@ class StepGraph:
         self.last_sig = sig
 
     def capture_now(self, sig: tuple) -> bool:
-        return self.graph is None and sig == self.last_sig and self.seen >= WARM_STEPS
+        held = faults.capture_held()  # a test's reference run: every step eager, in the captured form
+        return self.graph is None and sig == self.last_sig and self.seen >= WARM_STEPS and not held
 
     def load(self, host: list[tuple[tuple[torch.Tensor, ...], int | None]]) -> None:
         """Copy the step's host batches into the graph's input buffers (no wait for the GPU: the host

@@ -54,7 +54,9 @@ def attach_projections(student: Decoder, teacher: ModelSpec, cfg: RunConfig, see
             lin.weight.copy_(torch.randn(ht, hs, generator=g) / hs**0.5)
         proj[str(s)] = lin
     student.kd_layer_proj = proj.to(dev)
-    if dist.active():  # a sharded student: each projection its own FSDP2 unit (its gradient reduced)
+    # a sharded student: each projection its own FSDP2 unit (its gradient reduced); a replicated one's
+    # are averaged with its other gradients (distributed.GradAverage)
+    if dist.active() and dist.is_sharded(student):
         for lin in proj.values():
             dist.shard_beside(lin)
 

@@ -359,11 +359,15 @@ class Scored:
     stats: GeneratedStats
     cfg: RunConfig
     objective: str
+    stop_any: bool = False  # under torchrun: some process had been asked to stop (summed with the counts)
 
 
-def generate_and_score(ctx: Any, op: OnPolicy, step: int, kind: str) -> Scored:
+def generate_and_score(
+    ctx: Any, op: OnPolicy, step: int, kind: str, stop_requested: Callable[[], bool] = lambda: False
+) -> Scored:
     """A generated step's first two phases (see the module docstring): the completions written, the
-    rows built and scored by the teacher; under torchrun the token counts summed over processes."""
+    rows built and scored by the teacher; under torchrun the token counts summed over processes, and
+    with them whether any process's `stop_requested()` was true."""
     cfg = ctx.cfg
     multi = op.rows is not None
     writer = ctx.student if kind == "on_policy" else ctx.teacher
@@ -392,14 +396,16 @@ def generate_and_score(ctx: Any, op: OnPolicy, step: int, kind: str) -> Scored:
     # every process's token counts (the losses' weights) and samples, only now: a process that finished
     # writing first has scored its rows (a whole teacher) while the others were still writing
     totals = list(counts)
+    stop_any = False
     if multi:
-        summed = dist.all_reduce_sum([float(c) for c in counts + samples])
-        totals, samples = [int(c) for c in summed[: len(counts)]], [int(c) for c in summed[len(counts) :]]
+        summed = dist.all_reduce_sum([float(c) for c in counts + samples] + [float(stop_requested())])
+        totals = [int(c) for c in summed[: len(counts)]]
+        samples, stop_any = [int(c) for c in summed[len(counts) : -1]], summed[-1] > 0
     waited = time.perf_counter() - t2
     stats = GeneratedStats(
         kind, t1 - t0, t2 - t1, samples[0], samples[1], samples[2], waited if multi else 0.0
     )
-    return Scored(batches, scored, counts, totals, stats, step_cfg, objective)
+    return Scored(batches, scored, counts, totals, stats, step_cfg, objective, stop_any)
 
 
 def generated_accumulate(

@@ -199,11 +199,13 @@ def check_memory(
     per_process = cfg.schedule.batch_size // world
     gpu = device.type == "cuda"
     rt = cfg.runtime
+    replicated = world > 1 and rt.student_placement == "replicate"
     layout = Layout.of(
         rt.activation_checkpointing,
         world,
-        world > 1 and rt.teacher_placement != "replicate",
-        world > 1 and rt.student_reshard == "after_backward",
+        world > 1 and rt.teacher_placement != "replicate" and not replicated,
+        world > 1 and rt.student_reshard == "after_backward" and not replicated,
+        replicated,
     )
     if rt.gpu_memory_gib > 0:
         free: int | None = int(rt.gpu_memory_gib * GIB)

@@ -171,7 +171,6 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     if device.type == "cuda":  # the run's own peak: not what an earlier run in this process left behind
         torch.cuda.reset_peak_memory_stats(device)
         memory_base = torch.cuda.memory_allocated(device)
-    graphs = graph_wanted(cfg, device, dist.info().world if multi else 1)  # `on` refused here, before loading
 
     teacher_spec, student_spec, tok, trim_rows = check_models(cfg, quiet)
     if cfg.kd.layers_on:
@@ -179,6 +178,9 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     extras = check_teachers(cfg, tok, student_spec)  # teachers[1:] of a mixture: [(spec, trim rows)]
     extra_specs = [spec for spec, _ in extras]
     cfg, layout = check_memory(cfg, teacher_spec, student_spec, device, quiet, extra_specs)  # GPU or RAM
+    # runtime.cuda_graphs (`on` refused here, before loading): under torchrun only with a replicated student
+    graphs = graph_wanted(cfg, device, dist.info().world if multi else 1, layout.student_replicated)
+    sharded = multi and not layout.student_replicated  # the student under FSDP2
     check_disk(cfg, teacher_spec, student_spec, run_dir)  # its checkpoints and export fit on output.dir
     rows = dist.batch_slice(cfg.schedule.batch_size) if multi else None
     per_process = cfg.schedule.batch_size // dist.info().world
@@ -211,7 +213,7 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
         quiet=quiet,
         batch=per_process,
         documents=data.documents,
-        sharded=multi,
+        sharded=sharded,
         extra_teachers=extra_specs,
     )
 
@@ -230,8 +232,10 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
     stage(t_start, quiet, f"loaded {who} and student ({init}) on {device}")
     student.checkpoint_blocks(layout.checkpointing)
     student.keep_swiglu(layout.swiglu_kept)
-    if multi:
-        reduce = dtype if cfg.runtime.grad_reduce == "compute" else torch.float32
+    reduce = dtype if cfg.runtime.grad_reduce == "compute" else torch.float32
+    # a whole student on every process (runtime.student_placement): its gradients averaged each step
+    average = dist.GradAverage(reduce) if multi and layout.student_replicated else None
+    if sharded:
         dist.shard_student(  # a LoRA student: its base and adapters gathered as stored
             student,
             dtype,
@@ -239,9 +243,9 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
             reduce_dtype=reduce,
             unit_blocks=cfg.runtime.student_unit_blocks,
         )
-        if teacher is not None and layout.teacher_sharded:
-            for t in [t for t, _ in mixture] if mixture else [teacher]:
-                dist.shard_teacher(t)
+    if multi and teacher is not None and layout.teacher_sharded:
+        for t in [t for t, _ in mixture] if mixture else [teacher]:
+            dist.shard_teacher(t)
     if multi or layout.checkpointing:
         stage(t_start, quiet, f"layout: {layout.describe()}")
     if cfg.kd.layers_on:  # kd.layer_map: the student's projections train with it
@@ -283,8 +287,9 @@ def setup(cfg: RunConfig, run_dir: Path, *, resume: bool, quiet: bool, label: st
             )  # fmt: skip
     graph = StepGraph(device) if graphs else None
     ctx = StepContext(
-        cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross, onpolicy=onpolicy, graph=graph
-    )
+        cfg, student, teacher, opt, device, amp, rows, cache, mixture, cross, onpolicy=onpolicy, graph=graph,
+        grad_average=average,
+    )  # fmt: skip
     # Last in setup, so nothing after it can fail before train() takes over closing them.
     trackers = Trackers()
     if cfg.output.report_to and dist.is_main():

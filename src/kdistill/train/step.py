@@ -176,6 +176,9 @@ class StepContext:
     # (a captured update cannot take a host float that changes every step; eager steps use the same
     # kernel so a captured run's values equal an eager run's bit for bit)
     lr_device: torch.Tensor | None = None
+    # under torchrun with a whole student on every process (runtime.student_placement=replicate): its
+    # gradients' average over the processes, before clipping (kdistill.train.distributed.GradAverage)
+    grad_average: dist.GradAverage | None = None
 
     def __post_init__(self) -> None:
         if self.source is None:
@@ -260,11 +263,14 @@ def train_step(
     kind = ctx.onpolicy.kind(step) if ctx.onpolicy is not None else "data"
     generated: dict[str, Any] = {}
     stops = None
+    stop_any = False  # under torchrun: some process had been asked to stop (read back below, or from scoring)
     if kind == "data" and ctx.graph is not None:
         packed, tokens, degenerate = _graphed(ctx, ctx.graph, batcher, step, counters)
     elif ctx.graph is not None:  # a generated step of a run that captures them (kdistill.train.graph)
         assert ctx.onpolicy is not None
-        packed, tokens, stats = _generated_graphed(ctx, ctx.graph, ctx.onpolicy, step, kind)
+        packed, tokens, stats, stop_any = _generated_graphed(
+            ctx, ctx.graph, ctx.onpolicy, step, kind, stop_requested
+        )
         degenerate, generated = False, stats.row()
     else:
         if ctx.graph is None or not ctx.graph.restore_grads():
@@ -284,7 +290,6 @@ def train_step(
     out = packed.tolist()
     loss_sum, ce_sum, kd_sum, grad_norm, loss_finite, good = out[:6]
     micro_losses = out[6:]
-    stop_any = False
     if isinstance(tokens, torch.Tensor):
         tokens, stop_any = int(out[6]), out[7] > 0
         micro_losses = out[8:]
@@ -316,6 +321,8 @@ def _update(ctx: StepContext, means: torch.Tensor) -> list[torch.Tensor]:
     cfg, opt = ctx.cfg, ctx.opt
     loss_ok = torch.isfinite(means[:, 0]).all()
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    if ctx.grad_average is not None:
+        ctx.grad_average(ctx.student)
     norm = clip_gradients(ctx.student, clip)
     ok = loss_ok & torch.isfinite(norm)
     if opt.defaults.get("fused"):
@@ -412,44 +419,69 @@ MIN_FILL = 0.5
 
 
 def _generated_graphed(
-    ctx: StepContext, graph: StepGraph, op: OnPolicy, step: int, kind: str
-) -> tuple[torch.Tensor, int, Any]:
+    ctx: StepContext,
+    graph: StepGraph,
+    op: OnPolicy,
+    step: int,
+    kind: str,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> tuple[torch.Tensor, int, Any, bool]:
     """A generated step of a run that captures them (kdistill.train.graph): written and scored eagerly,
     then its update replayed, captured, or (another signature: the other kind of generated step) run
     eagerly in the same form; a step whose completions fill less than MIN_FILL of the head's rows runs
     eagerly with the labels counted on the host. Returns (the read-back values as the eager step packs
-    them, the completion tokens, the step's GeneratedStats)."""
-    sc = generate_and_score(ctx, op, step, kind)
+    them, the completion tokens over every process, the step's GeneratedStats, whether any process was
+    asked to stop).
+
+    Under torchrun (a whole student on every process, runtime.student_placement): each micro-batch's
+    loss weight (its share of the completion tokens over every process, as the eager step weighs it) is
+    one more input of the graph, the logged means are summed over the processes inside it (each weighted
+    by its share) and the gradients averaged there (distributed.GradAverage): every collective of the
+    update is captured. Every process takes the same branch (the fill is of the tokens over all of them)."""
+    sc = generate_and_score(ctx, op, step, kind, stop_requested)
     acc = ctx.cfg.schedule.grad_accum
+    multi = op.rows is not None
+    world = dist.info().world if multi else 1
     weight = sc.targets[0].weight
     heads = [op.head_rows(b.labels.shape[0]) for b in sc.batches]
     if any(c > n for c, n in zip(sc.counts, heads, strict=True)):
         raise RuntimeError(f"generated rows hold {sc.counts} completion tokens, more than the heads' {heads}")
-    if sum(sc.counts) < MIN_FILL * sum(heads):
+    if sum(sc.totals) < MIN_FILL * sum(heads) * world:
         # short completions (reasoning-length runs whose rows stopped early): the fixed head would
         # compute mostly ignored rows; this step counts its rows on the host and runs eagerly
         graph.note_eager(("counted", kind))
         _fresh_grads(ctx, graph)
-        means, tokens, stats, _ = scored_update(ctx, op, sc, step)
-        return _packed(ctx, means), int(tokens), stats
+        means, _, stats, _ = scored_update(ctx, op, sc, step)
+        return _packed(ctx, means), sum(sc.totals), stats, sc.stop_any
     host: list[tuple[tuple[torch.Tensor, ...], int | None]] = []
-    for b, t, n in zip(sc.batches, sc.targets, heads, strict=True):
+    for b, t, n, c, total in zip(sc.batches, sc.targets, heads, sc.counts, sc.totals, strict=True):
         hidden = () if t.hidden is None else (t.hidden,)
-        host.append(((b.input_ids, b.labels, *hidden), n))
+        # under torchrun: this process's share of the micro-batch's completion tokens (dist.loss_weight)
+        share = (torch.tensor([dist.loss_weight(c, total)[0]], dtype=torch.float32),) if multi else ()
+        host.append(((b.input_ids, b.labels, *hidden, *share), n))
     sig = signature(host, kind)
 
     def body(inputs: list[tuple[torch.Tensor, ...]], nan: bool = False) -> torch.Tensor:
         rows = []
         for tensors, (_, n) in zip(inputs, host, strict=True):
-            ids, labels, *hidden = tensors
-            targets = Targets(hidden=hidden[0], weight=weight) if hidden else Targets()
+            ids, labels, *rest = tensors
+            share = rest.pop()[0] if multi else None
+            targets = Targets(hidden=rest[0], weight=weight) if rest else Targets()
             micro = MicroBatch(ids, labels, rows=n)
             r = batch_loss(ctx.student, micro, ctx.source, sc.cfg, ctx.amp, None, sc.objective, targets)  # type: ignore[arg-type]
-            (r.loss / acc).backward()
-            rows.append(torch.stack([r.loss.detach(), r.ce, r.kd]).double())
+            values = torch.stack([r.loss.detach(), r.ce, r.kd]).double()
+            if share is None:
+                (r.loss / acc).backward()
+            else:  # weighted as the eager step weighs it; the means summed over processes below
+                (r.loss * (share / acc)).backward()
+                values = values * (share.double() / world)
+            rows.append(values)
         if nan:
             rows[0][0] = float("nan")
-        return _packed(ctx, torch.stack(rows))  # (M, 3) means
+        means = torch.stack(rows)  # (M, 3)
+        if multi:
+            means = dist.all_reduce_tensor(means)
+        return _packed(ctx, means)
 
     nan = faults.nan_step(step + 1)  # a test's NaN loss is a host decision: that step runs eagerly
     faults.poison(step + 1, ctx.student)
@@ -460,10 +492,10 @@ def _generated_graphed(
     else:
         graph.note_eager(sig)
         _fresh_grads(ctx, graph)
-        packed = body([tensors for tensors, _ in host], nan)
+        packed = body([tuple(t.to(ctx.device) for t in tensors) for tensors, _ in host], nan)
     for micro in range(acc):
         faults.at(f"{step + 1}.{micro + 1}")
-    return packed, sum(sc.counts), sc.stats
+    return packed, sum(sc.totals), sc.stats, sc.stop_any
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
