@@ -103,7 +103,9 @@ class Layout:
         student_replicated: bool = False,
     ) -> Layout:
         """The layout runtime.activation_checkpointing names (auto: as swiglu, its frugal middle)."""
-        return cls(world, teacher_sharded, choice == "blocks", student_kept, choice == "none", student_replicated)
+        return cls(
+            world, teacher_sharded, choice == "blocks", student_kept, choice == "none", student_replicated
+        )
 
 
 @dataclasses.dataclass(frozen=True)
