@@ -534,12 +534,14 @@ def eval_beside_graph_pool(s: StepShape) -> int:
 def generation_beside_graph_pool(s: StepShape, generation: int) -> int:
     """runtime.cuda_graphs with generated steps: writing (`generation`, the engine's transients) and the
     teacher's scoring run beside the captured update's pool, and the captured step keeps its own copy of
-    every micro-batch's scored hidden states. Scoring holds every micro-batch's hidden states and one
-    block's transient activations of the teacher."""
+    every micro-batch's scored hidden states. The scoring forward is captured too (its own graph,
+    kdistill.train.graph.ScoringGraphs), whose pool stays allocated: one block's transient activations
+    of the teacher and its static rows and hidden states. Scoring holds every micro-batch's hidden
+    states (copied out of that pool)."""
     teacher, n, m = s.teacher, s.n, s.cfg.schedule.grad_accum
     targets = m * n * teacher.hidden_size * s.act_bytes
-    scoring = targets + n * (2 * teacher.hidden_size + 3 * teacher.intermediate_size) * s.act_bytes
-    return max(generation, scoring) + targets
+    pool = n * (3 * teacher.hidden_size + 3 * teacher.intermediate_size) * s.act_bytes
+    return pool + max(generation, targets) + targets
 
 
 def heldout_eval_memory(s: StepShape) -> int:

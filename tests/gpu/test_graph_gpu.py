@@ -125,7 +125,9 @@ def test_captured_on_policy_updates_equal_eager_ones_bit_for_bit(tmp_path, capsy
 
     graph, s_graph, w_graph = _on_policy_run(tmp_path, capsys, "graph", "on")
     counts = s_graph["cuda_graphs"]
-    assert counts == {"captures": 1, "replays": 6, "eager_steps": 2}, counts
+    # the teacher's scoring forward has graphs of its own: 2 micro-batches a step, captured after 2 eager
+    want = {"captures": 1, "replays": 6, "eager_steps": 2, "scoring_captures": 1, "scoring_replays": 14}
+    assert counts == want, counts
     assert len({r["completion_tokens"] for r in graph}) > 1  # the replays saw several token counts
     monkeypatch.setattr(graph_mod, "WARM_STEPS", 10**6)
     held, s_held, w_held = _on_policy_run(tmp_path, capsys, "held", "on")
@@ -146,7 +148,8 @@ def test_captured_on_policy_updates_equal_eager_ones_bit_for_bit(tmp_path, capsy
 def test_captured_on_policy_updates_under_torchrun_equal_eager_ones_bit_for_bit(tmp_path):
     """Two GPUs, a whole student on each (runtime.student_placement=replicate): the update is captured
     with its collectives (the logged means' all-reduce and the gradients' average) and replayed at every
-    count of completion tokens, equal bit for bit to the same run's eager steps (capture held off)."""
+    count of completion tokens, the teacher's scoring forward in graphs of its own, equal bit for bit to
+    the same run's eager steps (capture held off)."""
     from kdistill.train.faults import HOLD_CAPTURE_ENV
     from tests.test_distributed import torchrun
 
@@ -172,7 +175,8 @@ def test_captured_on_policy_updates_under_torchrun_equal_eager_ones_bit_for_bit(
         assert summary["jit_after_prewarm"] == 0
         out[name] = rows, summary, (run / "student" / "model.safetensors").read_bytes()
     (graph, s_graph, w_graph), (held, s_held, w_held) = out["graph"], out["held"]
-    assert s_graph["cuda_graphs"] == {"captures": 1, "replays": 6, "eager_steps": 2}, s_graph["cuda_graphs"]
+    want = {"captures": 1, "replays": 6, "eager_steps": 2, "scoring_captures": 1, "scoring_replays": 14}
+    assert s_graph["cuda_graphs"] == want, s_graph["cuda_graphs"]
     assert s_held["cuda_graphs"]["captures"] == 0 and s_held["cuda_graphs"]["eager_steps"] == 8
     assert len({r["completion_tokens"] for r in graph}) > 1  # the replays saw several token counts
     for key in ("loss", "kd", "grad_norm", "completion_tokens"):

@@ -81,6 +81,46 @@ def signature(host: list[tuple[tuple[torch.Tensor, ...], int | None]], kind: str
     return (kind, *((tuple(tuple(t.shape) for t in tensors), n) for tensors, n in host))
 
 
+class ScoringGraphs:
+    """A captured run's scoring of generated rows: the teacher's forward over a micro-batch of them (its
+    final hidden states, without grad), captured once per input shape after WARM_STEPS eager calls at it
+    and replayed. Eager, that forward of a 1.5B teacher over 8 x 256 tokens queues ~600 kernels for
+    ~10 ms of device work and takes ~25 ms (NOTES.md round twenty-one): the host's time, which also
+    varies from process to process under torchrun, where every process waits for the slowest. The
+    replay reads the rows from a static input buffer and its hidden states are copied out (the next
+    micro-batch's replay overwrites them); the graph's pool, one forward's transients, stays allocated
+    (memory.generation_beside_graph_pool). The teacher is frozen and, when captured, whole on every
+    process: its forward has no collective."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.seen: dict[tuple, int] = {}
+        self.counts = {"scoring_captures": 0, "scoring_replays": 0}
+
+    def __call__(self, teacher: torch.nn.Module, ids: torch.Tensor, amp: Any) -> torch.Tensor:
+        """The teacher's final hidden states (B, T, H) of rows `ids` (B, T), replayed, captured or eager."""
+        key = (id(teacher), tuple(ids.shape))
+        held = self.graphs.get(key)
+        if held is None:
+            if self.seen.get(key, 0) < WARM_STEPS or faults.capture_held():
+                self.seen[key] = self.seen.get(key, 0) + 1
+                with torch.no_grad(), amp:
+                    return teacher(ids)
+            inputs = ids.clone()
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), amp, torch.cuda.graph(graph):
+                out = teacher(inputs)
+            held = self.graphs[key] = (graph, inputs, out)
+            self.counts["scoring_captures"] += 1
+        graph, inputs, out = held
+        inputs.copy_(ids)
+        graph.replay()
+        self.counts["scoring_replays"] += 1
+        return out.clone()
+
+
 class StepGraph:
     """One captured training step and its static buffers (see the module docstring).
 
@@ -97,6 +137,7 @@ class StepGraph:
         self.parts: torch.Tensor | None = None  # the captured step's read-back values
         self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.counts = {"captures": 0, "replays": 0, "eager_steps": 0}
+        self.scoring = ScoringGraphs(device)  # a generated step's teacher forward (its own graphs)
 
     def ready(self, sig: tuple) -> bool:
         return self.graph is not None and sig == self.sig
@@ -180,4 +221,7 @@ class StepGraph:
         return True
 
     def summary(self) -> dict[str, Any]:
-        return dict(self.counts)
+        out: dict[str, Any] = dict(self.counts)
+        if self.scoring.counts["scoring_captures"] or self.scoring.counts["scoring_replays"]:
+            out.update(self.scoring.counts)
+        return out

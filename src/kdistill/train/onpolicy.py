@@ -66,7 +66,7 @@ from kdistill.samples import sample_prompts
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.rollouts import Rollout, RolloutSampling, rollout
-from kdistill.train.targets import MicroBatch, batch_loss
+from kdistill.train.targets import LiveTeacher, MicroBatch, batch_loss
 
 KINDS = ("data", "on_policy", "seq_kd")
 PHASES = ("generate", "wait", "score", "update")  # metrics.jsonl's phase_s: every process's seconds of each
@@ -390,7 +390,15 @@ def generate_and_score(
         MicroBatch(ids.to(ctx.device), labels.to(ctx.device), n_tokens=n, cached=side)
         for (ids, labels), n, side in zip(micro, counts, sides)
     ]
-    scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
+    if (
+        getattr(ctx, "graph", None) is not None
+        and ctx.device.type == "cuda"
+        and type(ctx.source) is LiveTeacher
+    ):
+        # a run that captures its update captures the teacher's scoring forward too (train/graph.py)
+        scored = [ctx.source.targets(b, step_cfg, ctx.amp, forward=ctx.graph.scoring) for b in batches]
+    else:
+        scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
     _sync(ctx.device)
     t2 = time.perf_counter()
     # every process's token counts (the losses' weights) and samples, only now: a process that finished

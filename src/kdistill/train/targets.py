@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -135,8 +136,16 @@ class LiveTeacher(TargetSource):
         self.teachers = [teacher] if teacher is not None else []
 
     def targets(
-        self, batch: MicroBatch, cfg: RunConfig, amp: contextlib.AbstractContextManager, extras: Any = None
+        self,
+        batch: MicroBatch,
+        cfg: RunConfig,
+        amp: contextlib.AbstractContextManager,
+        extras: Any = None,
+        forward: Callable[[Decoder, torch.Tensor, contextlib.AbstractContextManager], torch.Tensor]
+        | None = None,
     ) -> Targets:
+        """forward: how the teacher's final hidden states of plain causal rows are computed instead of
+        its own forward (a captured run's scoring graphs, kdistill.train.graph.ScoringGraphs)."""
         teacher = self.teacher
         if teacher is None:
             return Targets()
@@ -150,6 +159,10 @@ class LiveTeacher(TargetSource):
             return Targets(hidden=hidden.flatten(0, 1), weight=teacher.lm_head_weight, states=states, qk=qk)
         if cfg.kd.alpha == 0:
             return Targets()
+        if forward is not None and batch.docs == (None, None):
+            return Targets(
+                hidden=forward(teacher, batch.input_ids, amp).flatten(0, 1), weight=teacher.lm_head_weight
+            )
         with torch.no_grad(), amp:
             hidden = teacher(batch.input_ids, *batch.docs).flatten(0, 1)  # (N, Ht)
         return Targets(hidden=hidden, weight=teacher.lm_head_weight)
