@@ -148,8 +148,7 @@ def test_captured_on_policy_updates_equal_eager_ones_bit_for_bit(tmp_path, capsy
 def test_captured_on_policy_updates_under_torchrun_equal_eager_ones_bit_for_bit(tmp_path):
     """Two GPUs, a whole student on each (runtime.student_placement=replicate): the update is captured
     with its collectives (the logged means' all-reduce and the gradients' average) and replayed at every
-    count of completion tokens, the teacher's scoring forward in graphs of its own, equal bit for bit to
-    the same run's eager steps (capture held off)."""
+    count of completion tokens, equal bit for bit to the same run's eager steps (capture held off)."""
     from kdistill.train.faults import HOLD_CAPTURE_ENV
     from tests.test_distributed import torchrun
 
@@ -175,7 +174,7 @@ def test_captured_on_policy_updates_under_torchrun_equal_eager_ones_bit_for_bit(
         assert summary["jit_after_prewarm"] == 0
         out[name] = rows, summary, (run / "student" / "model.safetensors").read_bytes()
     (graph, s_graph, w_graph), (held, s_held, w_held) = out["graph"], out["held"]
-    want = {"captures": 1, "replays": 6, "eager_steps": 2, "scoring_captures": 1, "scoring_replays": 14}
+    want = {"captures": 1, "replays": 6, "eager_steps": 2}  # the scoring stays eager under torchrun
     assert s_graph["cuda_graphs"] == want, s_graph["cuda_graphs"]
     assert s_held["cuda_graphs"]["captures"] == 0 and s_held["cuda_graphs"]["eager_steps"] == 8
     assert len({r["completion_tokens"] for r in graph}) > 1  # the replays saw several token counts

@@ -89,8 +89,8 @@ class ScoringGraphs:
     varies from process to process under torchrun, where every process waits for the slowest. The
     replay reads the rows from a static input buffer and its hidden states are copied out (the next
     micro-batch's replay overwrites them); the graph's pool, one forward's transients, stays allocated
-    (memory.generation_beside_graph_pool). The teacher is frozen and, when captured, whole on every
-    process: its forward has no collective."""
+    (memory.generation_beside_graph_pool). Used in one process: under torchrun a 2-GPU benchmark run
+    with them did not finish (NOTES.md round twenty-one), so there the scoring stays eager."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

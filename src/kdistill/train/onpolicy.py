@@ -394,8 +394,10 @@ def generate_and_score(
         getattr(ctx, "graph", None) is not None
         and ctx.device.type == "cuda"
         and type(ctx.source) is LiveTeacher
+        and not multi
     ):
-        # a run that captures its update captures the teacher's scoring forward too (train/graph.py)
+        # a run that captures its update captures the teacher's scoring forward too (train/graph.py), in
+        # one process: under torchrun a benchmark run with them did not finish (NOTES.md round twenty-one)
         scored = [ctx.source.targets(b, step_cfg, ctx.amp, forward=ctx.graph.scoring) for b in batches]
     else:
         scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
