@@ -379,15 +379,16 @@ class RuntimeConfig:
     # and one reduce-scatter for them all); 0 (auto): a student kept gathered from forward to backward in
     # 4 units, otherwise one block a unit (memory.student_unit_blocks). A LoRA student: 0 or 1.
     student_unit_blocks: int = 0
-    # Under torchrun: the dtype the student's gradients are reduce-scattered in: fp32 (their sums exact to
-    # fp32) or compute (the dtype its parameters are gathered in, bf16 on a GPU: half the bytes on the
-    # link; each sum of bf16 gradients rounded to bf16 once).
+    # Under torchrun: the dtype the student's gradients are reduce-scattered (a whole student's: all-reduced)
+    # in: fp32 (their sums exact to fp32) or compute (the compute dtype, bf16 on a GPU: half the bytes on
+    # the link; each sum of bf16 gradients rounded to bf16 once).
     grad_reduce: str = "fp32"  # fp32 | compute
     # Profile this many training steps right after the warm-up steps (torch.profiler; every process
     # writes profile/rank{R}.txt and .json into the run directory); 0: off.
     profile_steps: int = 0
     # The training step captured as one CUDA graph and replayed (kdistill.train.graph): the host no
-    # longer queues every kernel of every step. auto: on a CUDA device in one process with live teachers
+    # longer queues every kernel of every step. auto: on a CUDA device in one process (under torchrun: the
+    # generated steps of a run whose student and teacher are whole on every process) with live teachers
     # (not with a teacher cache, cross-tokenizer teacher or layer map; generated steps when every step is
     # generated, scored by one teacher with the divergence loss); on: the same, refused in one line where
     # it cannot be done; off: every step eager.

@@ -20,6 +20,11 @@ all-gather: the root's weights are gathered once per micro-batch. The teacher (r
 is sharded the same way (frozen, blocks resharded after forward, the root after the loss's backward) or
 replicated whole on every process (no gathers at all).
 
+A whole student on every process (runtime.student_placement=replicate, memory.Layout.student_replicated):
+nothing of it is sharded; each process computes its gradients on its rows and `GradAverage` averages them
+with one all-reduce of one flat buffer a step (every process then updates the same weights with the same
+AdamW); the teacher beside it is whole too. Checkpoints are then DCP's too, every tensor written once.
+
 Gradients: each process takes its slice of every global batch and computes the loss as a mean over its own
 tokens; FSDP's reduce-scatter averages gradients over the processes. `loss_weight` scales each process's
 loss by its share of the batch's tokens (n_rank * world / n_total), so the averaged gradient equals the

@@ -21,7 +21,7 @@ step a test hook poisons with a NaN loss. Everything the eager step decides on t
 decides on the device: the non-finite test feeds AdamW's `found_inf`, which skips the update inside the
 kernel, and clipping scales the gradients by a device scalar.
 
-`auto` (runtime.cuda_graphs) captures on a CUDA device, in one process, with live teachers and no layer
+`auto` (runtime.cuda_graphs) captures on a CUDA device, in one process (or, generated steps, under torchrun with a whole student: below), with live teachers and no layer
 map, teacher cache or cross-tokenizer teacher; LoRA adapters are captured too (their dropout draws from
 the CUDA generator, which a replay advances as the eager step would); `on` asks for it and is refused in
 one line where it cannot be done; `off` never captures. The replayed step's losses equal the eager step's
@@ -38,7 +38,15 @@ fill less than half of those rows (rows stopped early, as reasoning-length runs 
 with its labels counted on the host instead: the ignored rows' GEMMs would cost more than the graph
 saves. A run that captures its generated steps computes them in that form on its eager steps too, so a
 replay equals an eager step bit for bit; against a run that does not capture, the losses agree up to
-rounding.
+rounding. In one process the teacher's scoring forward is captured too, in graphs of its own
+(`ScoringGraphs`).
+
+Under torchrun a run captures its generated steps when the student and the teacher are whole on every
+process (runtime.student_placement, memory.Layout.student_replicated): the update's collectives (the
+logged means summed over the processes, the gradients averaged: distributed.GradAverage) are captured
+with it, and each micro-batch's loss weight, its share of every process's completion tokens, is one
+more input buffer. A sharded (FSDP2) student's step is never captured: its collectives and hooks run on
+the host. Data steps under torchrun stay eager.
 """
 
 from __future__ import annotations

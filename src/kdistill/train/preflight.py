@@ -194,7 +194,8 @@ def check_memory(
     that fits, for the user to choose); an on-policy run on a GPU first lowers kd.rollout_batch (the rows
     its decode engines write at once) when that alone fits. Under torchrun the plan is of one process's batch
     (batch_size / world), and the batch it fits to is a multiple of world. On a CPU `auto` means a
-    sharded teacher (several processes), no block checkpointing and the SwiGLU outputs recomputed."""
+    sharded teacher and student (several processes; runtime.student_placement=replicate keeps both
+    whole), no block checkpointing and the SwiGLU outputs recomputed."""
     world = dist.info().world
     per_process = cfg.schedule.batch_size // world
     gpu = device.type == "cuda"
