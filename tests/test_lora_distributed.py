@@ -4,7 +4,8 @@ merged export, a sharded checkpoint resumed in one process (2 -> 1) and a one-pr
 on two (1 -> 2), each from a copy of the finished run cut back to its checkpoint at step 3 (the reference
 is also the interrupted run: two launches fewer); the same run with kd.layer_map (projections trained
 beside the adapters, each its own FSDP2 unit) on two processes, killed and resumed in one, against the
-uninterrupted one-process run; and, on tiny models, the sharded LoRA step's kernel keys against the
+uninterrupted one-process run, and with a whole student on every process (runtime.student_placement=
+replicate) against it too; and, on tiny models, the sharded LoRA step's kernel keys against the
 sharded plan with a fp32 and a bf16 base (the bf16 base and fp32 adapters share their FSDP units).
 
 The run is tests/test_distributed.py's (6 steps of a global batch of 4, checkpoints at 3 and 6) with the
@@ -103,6 +104,10 @@ def _started() -> None:
     cfg = _config(tmp)
     # kd.layer_map: widths 32 -> 64, so a projection per mapped student layer trains beside the adapters
     mapped = _config(tmp, "mapped.yaml", layer_map=[[0, 0], [1, 1]], hidden_weight=0.5)
+    # the same with a whole student on every process: the adapters' and projections' gradients averaged
+    rep = yaml.safe_load(mapped.read_text())
+    rep["runtime"] = {"student_placement": "replicate"}
+    (tmp / "mapped_rep.yaml").write_text(yaml.safe_dump(rep, sort_keys=False))
     background.start("lora_distributed", lambda: _batches(tmp, cfg, mapped))
 
 
@@ -113,7 +118,7 @@ def runs():
 
 
 def _batches(tmp: Path, cfg: Path, mapped: Path) -> tuple:
-    dirs = {k: tmp / k for k in ("two", "one", "mapped_one", "mapped_killed")}
+    dirs = {k: tmp / k for k in ("two", "one", "mapped_one", "mapped_killed", "mapped_rep")}
     procs = {
         # the 2-process run, through the helper: the gathered base compared with student.path's weights
         "two": _helper("run", str(tmp / "two.json"), "run", str(cfg), f"output.dir={dirs['two']}", "--quiet"),
@@ -122,6 +127,9 @@ def _batches(tmp: Path, cfg: Path, mapped: Path) -> tuple:
         "mapped_one": start_proc(["run", str(mapped), f"output.dir={dirs['mapped_one']}", "--quiet"]),
         "mapped_killed": start_torchrun(
             ["run", str(mapped), f"output.dir={dirs['mapped_killed']}", "--quiet"], KDISTILL_TEST_KILL_AT="4"
+        ),
+        "mapped_rep": start_torchrun(
+            ["run", str(tmp / "mapped_rep.yaml"), f"output.dir={dirs['mapped_rep']}", "--quiet"]
         ),
     }
     with ThreadPoolExecutor(len(procs)) as pool:
@@ -302,3 +310,19 @@ def test_sharded_checkpoint_of_another_kind_is_refused(runs, capsys, tmp_path):
         dist.load_sharded(
             plain, torch.optim.AdamW(plain.parameters()), str(run / "checkpoints" / "step-0000006" / "shards")
         )
+
+
+def test_a_replicated_lora_student_with_projections_matches_one_process(runs):
+    """runtime.student_placement=replicate with LoRA adapters and kd.layer_map's projections: nothing
+    sharded, their gradients averaged by one all-reduce (clipped at every step: the global norm); the
+    losses, evals and adapters of the one-process run, its checkpoints holding what trains."""
+    _, dirs, out = runs
+    _ok(out["mapped_rep"]), _ok(out["mapped_one"])
+    run = dirs["mapped_rep"]
+    summary = read_summary(run)
+    assert summary["world_size"] == 2 and summary["layout"]["student_replicated"] is True
+    _same_run(run, dirs["mapped_one"])
+    _same_adapters(run, dirs["mapped_one"])
+    names = dist.sharded_model_names(str(run / "checkpoints" / "step-0000006" / "shards"))
+    assert names and all(".lora_" in k or k.startswith("kd_") for k in names)
+    assert any(k.startswith("kd_") for k in names)
