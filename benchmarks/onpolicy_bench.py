@@ -23,8 +23,12 @@ each phase's mean seconds per step on every rank, from metrics.jsonl's phase_s (
 generation; score: the teacher on its rows; wait: then, for the slowest rank's samples; update: the rest),
 with the layout the run chose. TRL runs on one device only, as the anchor; it needs `trl` and `datasets`
 (and their pure-Python dependencies); a side that cannot run says why in its entry. One invocation writes
-one JSON with the card, versions, date and command. vLLM-based trainers are not measured (their engine is
-not installable on the benchmark machine).
+one JSON with the card, versions, date and command (rewritten after each world size, `"partial": true`
+until the last: what was measured survives an invocation stopped from outside). A kdistill run past
+--run-limit seconds is stopped and its entry holds the error and the end of its stderr, where every
+process of the run printed its threads' stacks (SIGABRT under PYTHONFAULTHANDLER): where a stalled run
+was stuck. vLLM-based trainers are not measured (their engine is not installable on the benchmark
+machine).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -250,20 +255,56 @@ def run_env() -> dict[str, str]:
     }
 
 
-def run_kdistill(assets: Path, work: Path, device: str, shape: Shape, world: int) -> dict[str, Any]:
+def launch(cmd: list[str], env: dict[str, str], limit: float) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run `cmd` (a run, or torchrun and its processes) in a session of its own for at most `limit`
+    seconds: (its result, whether it ran out of time). Past the limit every process of the session gets
+    SIGABRT first, which makes each Python process print every thread's stack (the faulthandler,
+    PYTHONFAULTHANDLER=1), so the stderr of a run that stalled says where each of its processes was;
+    then SIGKILL for what is left."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=limit)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), False
+    except subprocess.TimeoutExpired:
+        pass
+    for sig, wait in ((signal.SIGABRT, 30.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            out, err = proc.communicate(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    else:
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
+
+
+def run_kdistill(
+    assets: Path, work: Path, device: str, shape: Shape, world: int, limit: float = 1800.0
+) -> dict[str, Any]:
     """`kdistill run` at kd.on_policy = 1 on `world` processes (torchrun above one); per-step phases
-    from metrics.jsonl, rank 0's step times, completion tokens of every process."""
+    from metrics.jsonl, rank 0's step times, completion tokens of every process. A run that takes more
+    than `limit` seconds is stopped: its result is the error and the end of its stderr (every process's
+    stacks: `launch`)."""
     cfg_path = work / f"run-{world}.yaml"
     cfg_path.write_text(json.dumps(kdistill_config(assets, work, device, shape, world)), encoding="utf-8")
     launcher = [sys.executable]
     if world > 1:
         launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone"]
-    proc = subprocess.run(
-        [*launcher, "-m", "kdistill", "run", str(cfg_path), "--quiet"],
-        capture_output=True,
-        text=True,
-        env=run_env(),
-    )
+    proc, late = launch([*launcher, "-m", "kdistill", "run", str(cfg_path), "--quiet"], run_env(), limit)
+    if late:
+        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        return {"error": f"stopped after {limit:g} s (--run-limit)", "stderr_tail": lines[-400:]}
     run_dir = work / f"run-{world}"
     if proc.returncode != 0 or not (run_dir / "summary.json").is_file():
         tail = [x for x in proc.stderr.splitlines() if x.strip()] or ["failed (no summary)"]
@@ -351,6 +392,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Shape
     )
     p.add_argument("--json", help="write the results here")
     p.add_argument(
+        "--run-limit",
+        type=float,
+        default=1800.0,
+        help="seconds a kdistill run may take; a run past it is stopped, every process's stacks in its "
+        "result's stderr_tail (default 1800)",
+    )
+    p.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -386,6 +434,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Shape
             p.error(f"--set {item}: expected SECTION.FIELD=VALUE")
     if args.warmup is None:
         args.warmup = 2 if args.profile_steps else 3
+    if args.run_limit <= 0:
+        p.error(f"--run-limit {args.run_limit:g}: expected seconds > 0")
     if args.profile_steps and args.warmup != 2:
         p.error("--profile-steps: a run profiles the steps after its own 2 warm-up steps; use --warmup 2")
     shape = Shape(
@@ -427,16 +477,38 @@ def main() -> int:
         if args.only in (None, "kdistill"):
             results["kdistill"] = {}
             for world in worlds:
-                out = run_kdistill(assets, Path(tmp), args.device, shape, world)
+                out = run_kdistill(assets, Path(tmp), args.device, shape, world, args.run_limit)
                 results["kdistill"][str(world)] = out
                 print(f"kdistill x{world}: {json.dumps(out)}", file=sys.stderr, flush=True)
+                if args.json and world != worlds[-1]:  # what is measured so far, should the rest not end
+                    write_json(Path(args.json), make_report(args, shape, worlds, results, partial=True))
+    report = make_report(args, shape, worlds, results)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        write_json(Path(args.json), report)
+    return 0
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    """The report, written whole or not at all (a temporary file renamed)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def make_report(
+    args: argparse.Namespace, shape: Shape, worlds: list[int], results: dict[str, Any], partial: bool = False
+) -> dict[str, Any]:
+    """The benchmark's JSON: the shape, the machine, the command and the results so far, with kdistill's
+    scaling against its first world size and its speedup over TRL. partial: written after a world size
+    while others are still to run (`"partial": true` in the JSON)."""
     rates = {w: r.get("completion_tokens_per_s") for w, r in results.get("kdistill", {}).items()}
     base_world = str(worlds[0])
     scaling = {
         w: rate / rates[base_world] if rate and rates.get(base_world) else None for w, rate in rates.items()
     }
     trl_rate = results.get("trl", {}).get("completion_tokens_per_s")
-    report = {
+    return {
         "benchmark": "on-policy distillation, whole steps, weak scaling",
         "pair": "tiny" if args.tiny else f"{shape.teacher} -> {shape.student} shapes (random weights)",
         "shape": {**dataclasses.asdict(shape), "prompts_per_gpu": shape.batch},
@@ -452,12 +524,8 @@ def main() -> int:
         # completion tokens per second against the first world size (weak scaling: ideally world / first)
         "kdistill_scaling": {"against_world": worlds[0], **scaling},
         "kdistill_speedup": rates.get(base_world) / trl_rate if trl_rate and rates.get(base_world) else None,
+        **({"partial": True} if partial else {}),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n", encoding="utf-8")
-    return 0
 
 
 if __name__ == "__main__":

@@ -96,3 +96,26 @@ def test_the_runs_import_the_tree_the_benchmark_was_started_with(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(other.resolve())
+
+
+def test_a_run_past_its_limit_is_stopped_with_every_process_stack():
+    """onpolicy_bench.launch: a run (here a process that sleeps, with a child of its own, as torchrun
+    has its workers) past its limit gets SIGABRT in its whole session, so each Python process prints its
+    threads' stacks through the faulthandler before it ends (and ends); a run within its limit is untouched."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from onpolicy_bench import launch
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    child = "import time\ndef stuck_in_the_child():\n    time.sleep(120)\nstuck_in_the_child()"
+    parent = (
+        "import subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+        "def stuck_in_the_parent():\n    time.sleep(120)\nstuck_in_the_parent()"
+    )
+    proc, late = launch([sys.executable, "-c", parent], child_env(), limit=3.0)
+    assert late and proc.returncode != 0
+    assert "stuck_in_the_parent" in proc.stderr and "stuck_in_the_child" in proc.stderr
+    assert "Fatal Python error: Aborted" in proc.stderr
+    done, fast = launch([sys.executable, "-c", "print('ok')"], child_env(), limit=60.0)
+    assert not fast and done.returncode == 0 and done.stdout.strip() == "ok"
