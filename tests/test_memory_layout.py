@@ -328,3 +328,13 @@ def test_a_replicated_student_beside_a_sharded_teacher_is_refused_in_one_line(ca
         "a whole teacher, but runtime.teacher_placement is shard: set runtime.teacher_placement to replicate "
         "or auto"
     )
+
+
+def test_plan_command_says_the_student_is_whole_on_every_process(capsys):
+    argv = ["plan", "qwen2.5-1.5b:qwen2.5-0.5b", "data.seq_len=384", "schedule.batch_size=8", "--nproc", "2"]
+    rc, out, err = run_cli(capsys, *argv, "kd.on_policy=1", "kd.max_new_tokens=256")
+    assert rc == 0, err
+    assert "teacher whole, student whole, recompute" in out and "gradient_average_buffer" in out
+    rc, out, err = run_cli(capsys, *argv)  # off-policy: FSDP2 under auto
+    assert rc == 0, err
+    assert "student whole" not in out and "gradient_average_buffer" not in out

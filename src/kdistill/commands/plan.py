@@ -86,6 +86,8 @@ def gpus_line(needed: Any, gpu_gib: float) -> str:
     how = []
     if world > 1:
         how.append("the teacher sharded" if layout.teacher_sharded else "the teacher replicated")
+        if layout.student_replicated:
+            how.append("the student replicated")
     if layout.checkpointing:
         how.append("activation checkpointing")
     gpus = "1 GPU" if world == 1 else f"{world} GPUs"
@@ -122,7 +124,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         "",
         f"peak memory per device (estimate, {plan['layout']['world']} process(es) of batch "
         f"{plan['batch_per_process']}, teacher {'sharded' if plan['layout']['teacher_sharded'] else 'whole'}, "
-        f"recompute: {_recompute(plan['layout'])}):",
+        + ("student whole, " if plan["layout"].get("student_replicated") else "")
+        + f"recompute: {_recompute(plan['layout'])}):",
     ]
     for k, v in plan["memory_gib"].items():
         if k != "total":
