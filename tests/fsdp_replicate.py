@@ -1,18 +1,14 @@
-"""A replicated student's gradient average against FSDP2's reduce-scatter and one process (a helper that
-tests/test_distributed.py launches under torchrun; not a test module).
-
-    torchrun --nproc_per_node=2 --standalone tests/fsdp_replicate.py OUT.json
+"""A replicated student's gradient average against FSDP2's reduce-scatter and one process (a check that
+tests/fsdp_checks.py runs under torchrun for tests/test_distributed.py; not a test module).
 
 Each process takes its own rows of one batch: a plain copy of the student averages its gradients with
 distributed.GradAverage (fp32 and bf16 buffers), a sharded copy through FSDP2, and one process's
-gradient over every row is computed beside them on each process; rank 0 writes the largest differences.
+gradient over every row is computed beside them on each process; `check` returns the largest differences.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import sys
 
 import torch
 
@@ -54,17 +50,3 @@ def check() -> dict:
         )
         diffs[f"{name}_buffer_dtype"] = str(average.flat.dtype)  # type: ignore[union-attr]
     return diffs
-
-
-def main(out: str) -> None:
-    dist.init_from_env("cpu")
-    result = check()
-    if dist.is_main():
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    dist.leave(0)  # no interpreter finalisation after a process group (see dist.leave)

@@ -251,17 +251,12 @@ def estimate_memory(
     if layout is not None and layout.world > 1 and layout.student_replicated:
         # one process's step at this process's share of the batch, plus the gradients' flat buffer
         alone = dataclasses.replace(layout, world=1, teacher_sharded=False, student_kept=False)
+        if not _graphed(cfg, layout.world, True):  # not captured under torchrun: an eager step's terms
+            cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, cuda_graphs="off"))
         terms = estimate_memory(teacher, student, cfg, device, batch, alone, extra_teachers, documents)
         total = terms.pop("total")
         reduce_bytes = 2 if device != "cpu" and cfg.runtime.grad_reduce == "compute" else 4
         terms["gradient_average_buffer"] = trainable_params(student, cfg) * reduce_bytes
-        if device != "cpu" and not _graphed(cfg, layout.world, True) and _graphed(cfg, 1):
-            # one process would capture this step: without its graph pool the eval's and the writing's
-            # terms are those of an eager step (recomputed as such)
-            eager = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, cuda_graphs="off"))
-            terms = estimate_memory(teacher, student, eager, device, batch, alone, extra_teachers, documents)
-            total = terms.pop("total")
-            terms["gradient_average_buffer"] = trainable_params(student, cfg) * reduce_bytes
         terms["total"] = total + terms["gradient_average_buffer"]
         return terms
     s = StepShape.of(teacher, student, cfg, device, batch, layout, extra_teachers, documents)
