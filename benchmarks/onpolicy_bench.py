@@ -34,6 +34,7 @@ machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -257,10 +258,11 @@ def run_env() -> dict[str, str]:
 
 def launch(cmd: list[str], env: dict[str, str], limit: float) -> tuple[subprocess.CompletedProcess, bool]:
     """Run `cmd` (a run, or torchrun and its processes) in a session of its own for at most `limit`
-    seconds: (its result, whether it ran out of time). Past the limit every process of the session gets
-    SIGABRT first, which makes each Python process print every thread's stack (the faulthandler,
-    PYTHONFAULTHANDLER=1), so the stderr of a run that stalled says where each of its processes was;
-    then SIGKILL for what is left."""
+    seconds: (its result, whether it ran out of time). Past the limit every process of the run gets
+    SIGABRT first (`signal_tree`: torchrun's workers too), which makes each Python process print every
+    thread's stack (the faulthandler, PYTHONFAULTHANDLER=1), so the stderr of a run that stalled says
+    where each of its processes was; then SIGKILL for what is left. Should the benchmark itself be
+    stopped while it waits (Ctrl-C, or SIGTERM: `stop_on_sigterm`), the run is killed before it goes."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -274,10 +276,11 @@ def launch(cmd: list[str], env: dict[str, str], limit: float) -> tuple[subproces
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), False
     except subprocess.TimeoutExpired:
         pass
+    except BaseException:  # the benchmark itself stopped (Ctrl-C, SIGTERM): its run goes too
+        signal_tree(proc.pid, signal.SIGKILL)
+        raise
     for sig, wait in ((signal.SIGABRT, 30.0), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        if not signal_tree(proc.pid, sig):
             break
         try:
             out, err = proc.communicate(timeout=wait)
@@ -287,6 +290,40 @@ def launch(cmd: list[str], env: dict[str, str], limit: float) -> tuple[subproces
     else:
         out, err = proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it, read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rpartition(")")[2].split()[1])  # after the command's name: state, ppid
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def signal_tree(pid: int, sig: int) -> bool:
+    """Send `sig` to `pid`'s session and to every process below it: torchrun starts its workers in
+    sessions of their own, out of reach of its session's signal. The tree is read before any signal
+    (a worker whose torchrun ended first would no longer be below it). False when `pid` is gone."""
+    tree = process_tree(pid)
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return False
+    for p in tree[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, sig)
+    return True
 
 
 def run_kdistill(
@@ -308,7 +345,7 @@ def run_kdistill(
     run_dir = work / f"run-{world}"
     if proc.returncode != 0 or not (run_dir / "summary.json").is_file():
         tail = [x for x in proc.stderr.splitlines() if x.strip()] or ["failed (no summary)"]
-        return {"error": tail[-1].strip()[-500:]}
+        return {"error": tail[-1].strip()[-500:], "stderr_tail": tail[-200:]}
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = rows[shape.warmup + shape.profile :]  # the profiled steps carry the profiler's overhead
@@ -447,7 +484,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Shape
     return args, shape, worlds
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a `timeout` around the benchmark) ends it through SystemExit, so that `launch` stops the
+    run it waits for: a run is started in a session of its own and would otherwise outlive it."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main() -> int:
+    stop_on_sigterm()
     args, shape, worlds = parse_args()
     if args.provider:
         return provider_main(args, shape)

@@ -582,3 +582,31 @@ def test_the_program_leaves_through_dist_leave_only_after_joining(monkeypatch):
     monkeypatch.setattr(dist, "_JOINED", True)
     assert cli.main() == 2 and left == [2]  # the program, after a group: leave with the code
     assert cli.main(["report", "/nonexistent-run"]) == 2 and left == [2]  # in-process call: returns
+
+
+def test_destroy_collects_garbage_before_the_process_group_goes(monkeypatch):
+    """distributed.destroy: what only a reference cycle still holds (a CUDA graph that captured
+    collectives keeps NCCL's communicator until destroyed) is collected before destroy_process_group."""
+    import gc
+
+    import torch.distributed as tdist
+
+    from kdistill.train import distributed as kdist
+
+    freed: list[str] = []
+
+    class Held:
+        def __del__(self) -> None:
+            freed.append("graph")
+
+    cycle: dict = {"graph": Held()}
+    cycle["self"] = cycle
+    del cycle
+    gc.disable()  # so that only destroy's own collection can free the cycle
+    try:
+        monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+        monkeypatch.setattr(tdist, "destroy_process_group", lambda: freed.append("destroy"))
+        kdist.destroy()
+    finally:
+        gc.enable()
+    assert freed == ["graph", "destroy"]

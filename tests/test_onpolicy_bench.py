@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -99,9 +101,10 @@ def test_the_runs_import_the_tree_the_benchmark_was_started_with(tmp_path):
 
 
 def test_a_run_past_its_limit_is_stopped_with_every_process_stack():
-    """onpolicy_bench.launch: a run (here a process that sleeps, with a child of its own, as torchrun
-    has its workers) past its limit gets SIGABRT in its whole session, so each Python process prints its
-    threads' stacks through the faulthandler before it ends (and ends); a run within its limit is untouched."""
+    """onpolicy_bench.launch: a run (here a process that sleeps, with a child of its own in a session of
+    its own, as torchrun starts its workers) past its limit gets SIGABRT in every process, so each
+    prints its threads' stacks through the faulthandler before it ends (and ends); a run within its
+    limit is untouched."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         from onpolicy_bench import launch
@@ -110,7 +113,7 @@ def test_a_run_past_its_limit_is_stopped_with_every_process_stack():
     child = "import time\ndef stuck_in_the_child():\n    time.sleep(120)\nstuck_in_the_child()"
     parent = (
         "import subprocess, sys, time\n"
-        f"c = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True)\n"
         "def stuck_in_the_parent():\n    time.sleep(120)\nstuck_in_the_parent()"
     )
     proc, late = launch([sys.executable, "-c", parent], child_env(), limit=3.0)
@@ -119,3 +122,45 @@ def test_a_run_past_its_limit_is_stopped_with_every_process_stack():
     assert "Fatal Python error: Aborted" in proc.stderr
     done, fast = launch([sys.executable, "-c", "print('ok')"], child_env(), limit=60.0)
     assert not fast and done.returncode == 0 and done.stdout.strip() == "ok"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] == "Z"  # ended, not yet reaped
+
+
+def test_a_benchmark_stopped_by_sigterm_takes_its_run_along(tmp_path):
+    """A `timeout` around onpolicy_bench stops it with SIGTERM while it waits for a run: the run (started
+    in a session of its own) and the run's workers (each in a session of its own, as torchrun's are) are
+    killed too, not left holding the GPUs."""
+    pids = tmp_path / "pids"
+    child = "import time\ntime.sleep(120)"
+    parent = (
+        "import os, subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True)\n"
+        f"open({str(pids)!r} + '.tmp', 'w').write(f'{{os.getpid()}} {{c.pid}}')\n"
+        f"os.replace({str(pids)!r} + '.tmp', {str(pids)!r})\n"
+        "time.sleep(120)"
+    )
+    bench = (
+        f"import sys\nsys.path.insert(0, {str(REPO / 'benchmarks')!r})\n"
+        "from onpolicy_bench import launch, stop_on_sigterm\n"
+        "stop_on_sigterm()\n"
+        f"launch([sys.executable, '-c', {parent!r}], {{}}, limit=120.0)\n"
+    )
+    env = child_env()
+    proc = subprocess.Popen([sys.executable, "-c", bench], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not pids.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert pids.exists(), proc.stderr.read() if proc.poll() is not None else "no run started"
+    run_pid, worker_pid = (int(x) for x in pids.read_text().split())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while not (_gone(run_pid) and _gone(worker_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(run_pid) and _gone(worker_pid)

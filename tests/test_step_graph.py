@@ -113,3 +113,65 @@ def test_generated_steps_are_captured_when_every_step_is_one_with_one_teacher():
     # writing and scoring run beside the captured update's pool: the plan adds them to the step's peak
     assert on["generation_beside_graph_pool"] > 0 and "generation_beside_graph_pool" not in off
     assert on["total"] > off["total"]
+
+
+class _Graph:
+    """Stands in for torch.cuda.CUDAGraph: records reset() (which destroys a real graph)."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def test_release_destroys_every_graph_and_keeps_the_counts():
+    """StepGraph.release, at a run's end before the process group is destroyed: the step's graph and
+    every scoring graph are reset (a graph that captured collectives holds NCCL's communicator until
+    it is destroyed) and dropped; the counts the summary reports stay."""
+    g = StepGraph(CPU)
+    step, scoring = _Graph(), [_Graph(), _Graph()]
+    t = torch.zeros(2)
+    g.graph, g.sig, g.parts, g.inputs = step, ("data",), t, [(t,)]
+    g.counts.update(captures=1, replays=5)
+    g.scoring.graphs = {(1, (2, 3)): (scoring[0], t, t), (1, (2, 4)): (scoring[1], t, t)}
+    g.scoring.counts.update(scoring_captures=2, scoring_replays=7)
+    g.release()
+    assert step.resets == 1 and [s.resets for s in scoring] == [1, 1]
+    assert g.graph is None and g.parts is None and g.inputs == [] and g.scoring.graphs == {}
+    assert not g.ready(("data",)) and not g.restore_grads()
+    summary = g.summary()
+    assert summary["captures"] == 1 and summary["replays"] == 5 and summary["scoring_replays"] == 7
+    g.release()  # twice: nothing left to reset
+    assert step.resets == 1
+
+
+def test_a_run_releases_its_graphs_when_it_ends_or_fails(monkeypatch, tmp_path):
+    """recipe.train releases the run's graphs on every way out of the loop (an error included), after
+    the summary has read their counts."""
+    from types import SimpleNamespace
+
+    from kdistill.train import recipe
+
+    released: list[str] = []
+
+    class Held:
+        def release(self) -> None:
+            released.append("release")
+
+    trackers = SimpleNamespace(close=lambda failed=False: released.append(f"close failed={failed}"))
+    run = SimpleNamespace(ctx=SimpleNamespace(graph=Held()), trackers=trackers)
+    monkeypatch.setattr(recipe, "setup", lambda *a, **k: run)
+    monkeypatch.setattr(recipe, "train_loop", lambda r: ("done", 3, {}))
+    monkeypatch.setattr(recipe, "finish", lambda r, *a: released.append("summary") or {"steps": 3})
+    assert recipe.train(RunConfig(), tmp_path) == {"steps": 3}
+    assert released == ["summary", "release", "close failed=False"]
+
+    def fails(r):
+        raise RuntimeError("a step failed")
+
+    released.clear()
+    monkeypatch.setattr(recipe, "train_loop", fails)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        recipe.train(RunConfig(), tmp_path)
+    assert released == ["close failed=True", "release"]

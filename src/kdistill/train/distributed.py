@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import sys
@@ -174,6 +175,9 @@ def leave(code: int) -> NoReturn:
 def destroy() -> None:
     global _INFO
     if dist.is_initialized():
+        # a CUDA graph that captured collectives and is still alive (held in a reference cycle) would
+        # make the communicator's destruction wait for it: collect such garbage first
+        gc.collect()
         dist.destroy_process_group()
     _INFO = DistInfo(0, 1, 0, None)
 

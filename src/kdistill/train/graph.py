@@ -97,8 +97,10 @@ class ScoringGraphs:
     varies from process to process under torchrun, where every process waits for the slowest. The
     replay reads the rows from a static input buffer and its hidden states are copied out (the next
     micro-batch's replay overwrites them); the graph's pool, one forward's transients, stays allocated
-    (memory.generation_beside_graph_pool). Used in one process: under torchrun a 2-GPU benchmark run
-    with them did not finish (NOTES.md round twenty-one), so there the scoring stays eager."""
+    (memory.generation_beside_graph_pool). Used in one process: under torchrun, 2-GPU runs with them
+    finished their steps and then hung in `destroy_process_group` (NOTES.md round twenty-two; the graphs
+    are now released first, `StepGraph.release`), so there the scoring stays eager until that is
+    measured."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -127,6 +129,12 @@ class ScoringGraphs:
         graph.replay()
         self.counts["scoring_replays"] += 1
         return out.clone()
+
+    def release(self) -> None:
+        """Destroy the captured graphs (their counts stay for the summary)."""
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
 
 
 class StepGraph:
@@ -227,6 +235,20 @@ class StepGraph:
                 p.grad = g
                 g.zero_()
         return True
+
+    def release(self) -> None:
+        """At the end of a run, before the process group is destroyed: destroy every captured graph. A
+        graph that captured NCCL collectives holds its communicator (NCCL's persistent plans are
+        reclaimed when the graph is destroyed), and destroying the communicator first waits for that:
+        a run under torchrun whose graphs were still alive hung in `destroy_process_group` after its
+        last step (NOTES.md round twenty-two). Their counts stay for the summary."""
+        if self.device.type == "cuda" and (self.graph is not None or self.scoring.graphs):
+            torch.cuda.synchronize(self.device)
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.sig, self.parts = None, None, None
+        self.inputs, self.grads = [], []
+        self.scoring.release()
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counts)

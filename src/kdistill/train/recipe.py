@@ -98,6 +98,9 @@ def train(
     except BaseException:
         run.trackers.close(failed=True)
         raise
+    finally:
+        if run.ctx.graph is not None:  # before the process group goes (graph.StepGraph.release)
+            run.ctx.graph.release()
     run.trackers.close()
     return summary
 
