@@ -196,7 +196,7 @@ def more(runs):
 
 def _first_batch(tmp: Path, cfg: Path, other: dict[str, Path]) -> tuple:
     """Every launch at once."""
-    dirs = {k: tmp / k for k in ("two", "one", "killed", "signalled", "odd")}
+    dirs = {k: tmp / k for k in ("two", "one", "killed", "signalled", "odd", "teardown")}
     for name in ("clip", "adamw", "gathers", "replicate"):  # tests/fsdp_checks.py: the helpers in one launch
         dirs[name] = tmp / "checks" / f"{name}.json"
     dirs["mix"], dirs["cross"] = tmp / "mix", tmp / "cross"
@@ -213,6 +213,10 @@ def _first_batch(tmp: Path, cfg: Path, other: dict[str, Path]) -> tuple:
         ),
         "odd": start_torchrun(
             ["run", str(cfg), f"output.dir={dirs['odd']}", "schedule.batch_size=3", "--quiet"]
+        ),
+        "teardown": start_torchrun(  # a process group's teardown that never ends, waited for 2 s
+            ["run", str(cfg), f"output.dir={dirs['teardown']}", "schedule.steps=2", "--quiet"],
+            KDISTILL_TEST_TEARDOWN_HANG="2",
         ),
         "mix": start_torchrun(["run", str(other["mix"]), "--quiet"]),
         "cross": start_torchrun(["run", str(other["cross"]), "--quiet"]),
@@ -610,3 +614,44 @@ def test_destroy_collects_garbage_before_the_process_group_goes(monkeypatch):
     finally:
         gc.enable()
     assert freed == ["graph", "destroy"]
+
+
+def test_a_teardown_that_never_ends_is_left_behind_and_the_run_exits_with_its_code(runs):
+    """A 2-process run whose process-group teardown never ends (as a run whose CUDA graphs still held
+    NCCL's communicator did): each process waits its limit, says so in one line, and exits 0 with the
+    run complete."""
+    _, _, dirs, out, _ = runs
+    r = out["teardown"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_summary(dirs["teardown"])["status"] == "completed"
+    lines = [x for x in r.stderr.splitlines() if "teardown did not end within 2 s" in x]
+    assert len(lines) == 2 and "Traceback" not in r.stderr  # one line from each process
+
+
+def test_destroy_waits_a_limited_time_and_raises_the_teardowns_error(monkeypatch, caplog):
+    """distributed.destroy: a teardown still running after the limit is left (False, one warning); one
+    that fails raises its error in the caller."""
+    import threading
+
+    import torch.distributed as tdist
+
+    from kdistill.train import distributed as kdist
+
+    release = threading.Event()
+    monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist, "destroy_process_group", lambda: release.wait(30))
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="kdistill"):
+        assert kdist.destroy(timeout=0.2) is False
+    assert time.monotonic() - t0 < 10
+    assert [r.message for r in caplog.records if "teardown did not end within 0.2 s" in r.message]
+    release.set()
+
+    def fails() -> None:
+        raise RuntimeError("the backend failed")
+
+    monkeypatch.setattr(tdist, "destroy_process_group", fails)
+    with pytest.raises(RuntimeError, match="the backend failed"):
+        kdist.destroy(timeout=5)
+    monkeypatch.setattr(tdist, "destroy_process_group", lambda: None)
+    assert kdist.destroy(timeout=5) is True

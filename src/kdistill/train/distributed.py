@@ -58,6 +58,7 @@ import gc
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -80,6 +81,9 @@ from kdistill.errors import UserError
 from kdistill.memory import student_unit_blocks
 from kdistill.models.decoder import KD_ONLY_PREFIX, build_decoder
 from kdistill.models.lora import has_lora
+from kdistill.train import faults
+
+log = logging.getLogger("kdistill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,14 +176,50 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def destroy() -> None:
+TEARDOWN_S = 60.0  # the most a process waits for its process group's teardown (normally < 1 s)
+
+
+def destroy(timeout: float = TEARDOWN_S) -> bool:
+    """Leave the process group (if any). The teardown runs in a thread of its own and is waited for at
+    most `timeout` seconds: NCCL's communicator destruction waits for every CUDA graph that captured its
+    collectives to be destroyed, and a run that had finished (every file written) once hung there for
+    good (NOTES.md round twenty-two). Past the timeout a warning says so and False is returned; the
+    process then ends through `leave` (the CLI's way out of a torchrun job), which does not wait for
+    that thread. An error of the teardown itself is raised here."""
     global _INFO
+    finished = True
     if dist.is_initialized():
         # a CUDA graph that captured collectives and is still alive (held in a reference cycle) would
         # make the communicator's destruction wait for it: collect such garbage first
         gc.collect()
-        dist.destroy_process_group()
+        device, failed = _INFO.device, []
+        hang = faults.teardown_hang()
+        timeout = timeout if hang is None else hang
+
+        def teardown() -> None:
+            if hang is not None:  # a test's teardown that never ends
+                threading.Event().wait()
+            try:
+                if device is not None and device.type == "cuda":
+                    torch.cuda.set_device(device)  # this thread's device: the communicator's
+                dist.destroy_process_group()
+            except BaseException as e:  # raised again by the waiting thread
+                failed.append(e)
+
+        worker = threading.Thread(target=teardown, name="kdistill-teardown", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            finished = False
+            log.warning(
+                "the process group's teardown did not end within %g s; the run's files are complete: "
+                "leaving without it",
+                timeout,
+            )
+        elif failed:
+            raise failed[0]
     _INFO = DistInfo(0, 1, 0, None)
+    return finished
 
 
 def barrier() -> None:

@@ -21,6 +21,8 @@ kill one rank by PID and watch torchrun restart the job.
 KDISTILL_TEST_HOLD_CAPTURE=1 keeps a run that captures its step (runtime.cuda_graphs) from capturing: every
 step runs eagerly in the captured form (`capture_held`), the reference a replayed step must equal bit for
 bit, in processes a test cannot patch (torchrun's).
+KDISTILL_TEST_TEARDOWN_HANG=SECONDS makes the process group's teardown never end and its wait last SECONDS
+(`teardown_hang`), as a run whose CUDA graphs still held NCCL's communicator hung (distributed.destroy).
 """
 
 from __future__ import annotations
@@ -39,11 +41,19 @@ POISON_ENV = "KDISTILL_TEST_POISON_STEP"
 HOLD_ENV = "KDISTILL_TEST_HOLD_AT"
 GENERATE_CHUNK_ENV = "KDISTILL_TEST_GENERATE_CHUNK"
 HOLD_CAPTURE_ENV = "KDISTILL_TEST_HOLD_CAPTURE"
+TEARDOWN_HANG_ENV = "KDISTILL_TEST_TEARDOWN_HANG"
 
 
 def capture_held() -> bool:
     """Whether a test keeps this run's step from being captured (KDISTILL_TEST_HOLD_CAPTURE=1)."""
     return os.environ.get(HOLD_CAPTURE_ENV) == "1"
+
+
+def teardown_hang() -> float | None:
+    """The seconds a test lets a teardown that never ends be waited for (KDISTILL_TEST_TEARDOWN_HANG),
+    else None."""
+    value = os.environ.get(TEARDOWN_HANG_ENV)
+    return float(value) if value else None
 
 
 def at(point: str) -> None:
