@@ -148,7 +148,7 @@ def test_release_destroys_every_graph_and_keeps_the_counts():
 
 def test_a_run_releases_its_graphs_when_it_ends_or_fails(monkeypatch, tmp_path):
     """recipe.train releases the run's graphs on every way out of the loop (an error included), after
-    the summary has read their counts."""
+    the summary has read their counts; a release that fails after an error does not hide that error."""
     from types import SimpleNamespace
 
     from kdistill.train import recipe
@@ -175,3 +175,11 @@ def test_a_run_releases_its_graphs_when_it_ends_or_fails(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="a step failed"):
         recipe.train(RunConfig(), tmp_path)
     assert released == ["close failed=True", "release"]
+
+    class Broken:  # a device in an error state: the release fails too
+        def release(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    run.ctx.graph = Broken()
+    with pytest.raises(RuntimeError, match="a step failed"):  # the run's own error is the one raised
+        recipe.train(RunConfig(), tmp_path)

@@ -97,12 +97,18 @@ def train(
         summary = finish(run, status, step, last_eval)
     except BaseException:
         run.trackers.close(failed=True)
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            release_graphs(run)
         raise
-    finally:
-        if run.ctx.graph is not None:  # before the process group goes (graph.StepGraph.release)
-            run.ctx.graph.release()
+    release_graphs(run)
     run.trackers.close()
     return summary
+
+
+def release_graphs(run: Any) -> None:
+    """The run's CUDA graphs destroyed before the process group goes (graph.StepGraph.release)."""
+    if run.ctx.graph is not None:
+        run.ctx.graph.release()
 
 
 # ----------------------------------------------------------------------------------------------
