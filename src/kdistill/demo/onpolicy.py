@@ -78,6 +78,7 @@ from kdistill.models.hf_io import load_model
 from kdistill.models.tokenizer import Tokenizer, load_tokenizer
 from kdistill.train.checkpoint import list_checkpoints, load_checkpoint
 from kdistill.train.corpus import expand_data_paths
+from kdistill.train.evidence import pyplot
 from kdistill.train.onpolicy import completion_rows
 from kdistill.train.preflight import resolve_device
 from kdistill.train.recipe import train
@@ -692,10 +693,7 @@ def plot_table(
 ) -> Path:
     """Bars of each row's grades (with two standard errors) and held-out CE; with `curves`, the main
     grade of each arm over its training seconds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(table)
     keys = _graded_keys(table)

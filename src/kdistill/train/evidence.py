@@ -15,6 +15,8 @@ import logging
 import os
 import platform
 import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -204,15 +206,43 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; imported, the first time, in a thread of its own. While
+    matplotlib imports, pyparsing raises exceptions and keeps them (with their tracebacks, hence every
+    frame above the import and those frames' locals); imported from a run's `finish`, they kept the
+    finished run (its models, optimizer and CUDA graphs) alive after `train` returned, until Python's
+    next full garbage collection. A thread's frames hold nothing of its caller's."""
+    if "matplotlib.pyplot" not in sys.modules:
+        failed: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                import matplotlib
+
+                matplotlib.use("Agg")
+                import matplotlib.pyplot  # noqa: F401
+            except BaseException as e:
+                failed.append(e)
+
+        loader = threading.Thread(target=load, name="kdistill-pyplot")
+        loader.start()
+        loader.join()
+        if failed:
+            raise failed[0]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_losses(run_dir: Path, title: str = "kdistill") -> Path | None:
     """loss.png: training loss (and its CE/KD parts) and held-out curves against the step."""
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and r.get("loss") is not None]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     steps = [r["step"] for r in rows]
@@ -267,10 +297,7 @@ def plot_comparison(runs: dict[str, Path], out: Path, title: str) -> Path | None
     curves = {name: read_metrics(d / "eval.jsonl") for name, d in runs.items()}
     if not any(curves.values()):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     teacher = None
