@@ -371,6 +371,8 @@ def run_kdistill(
         "jit_after_prewarm": summary.get("jit_after_prewarm"),
         "cuda_graphs": summary.get("cuda_graphs"),  # the update's captures, replays and eager steps
         "steps_timed": len(timed),
+        # processes whose process-group teardown outlasted its limit (distributed.destroy): 0 expected
+        "teardown_timeouts": proc.stderr.count("teardown did not end within"),
         **({"profile": profiles(run_dir, world)} if shape.profile else {}),
     }
 

@@ -53,7 +53,7 @@ def test_the_scaling_table_has_a_row_per_world_size_with_every_ranks_phases(tmp_
     for world, row in rows.items():
         assert "error" not in row, row
         assert row["world_size"] == int(world) and row["layout"]["world"] == int(world)
-        assert row["steps_timed"] == 1 and row["jit_after_prewarm"] == 0
+        assert row["steps_timed"] == 1 and row["jit_after_prewarm"] == 0 and row["teardown_timeouts"] == 0
         # the same prompts per process (2 at --tiny): twice as many completions on two processes
         assert row["completions_per_step"] == 2 * int(world)
         assert row["mean_completion_len"] <= 8 and row["completion_tokens_per_s"] > 0

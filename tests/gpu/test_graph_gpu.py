@@ -167,6 +167,7 @@ def test_captured_on_policy_updates_under_torchrun_equal_eager_ones_bit_for_bit(
         path.write_text(yaml.safe_dump(cfg))
         r = torchrun(["run", str(path), "--quiet"], timeout=900, **env)
         assert r.returncode == 0, r.stderr[-5000:]
+        assert "teardown did not end" not in r.stderr  # every graph released before the group went
         run = tmp_path / name
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         summary = read_summary(run)
