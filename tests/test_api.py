@@ -25,16 +25,25 @@ def readme_example() -> str:
     return blocks[0]
 
 
-def test_readme_python_example_runs(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "KDISTILL_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        [sys.executable, "-c", readme_example()],
+def fresh_python(
+    tmp_path: Path, script: str, *args: str, path: tuple[Path, ...] = ()
+) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter in tmp_path, with the repository's src (then `path`) importable
+    and the token cache under tmp_path."""
+    pythonpath = os.pathsep.join(str(p) for p in (REPO / "src", *path))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "KDISTILL_CACHE_DIR": str(tmp_path / "cache")}
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_readme_python_example_runs(tmp_path: Path) -> None:
+    proc = fresh_python(tmp_path, readme_example())
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("completed ") and lines[1] == "Decoder 4096"
@@ -139,18 +148,6 @@ def test_a_finished_run_frees_its_models_when_distill_returns(tmp_path: Path) ->
     twice does not keep the first run beside the second. In a fresh interpreter, as a user's first run
     is: the first plot imports matplotlib, whose import once kept the run alive through the tracebacks
     it caches."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
-        "KDISTILL_CACHE_DIR": str(tmp_path / "cache"),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", FREED_SCRIPT, str(tmp_path / "run")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = fresh_python(tmp_path, FREED_SCRIPT, str(tmp_path / "run"), path=(REPO,))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == '{"run": true, "student": true, "teacher": true}'

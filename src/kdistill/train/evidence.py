@@ -212,29 +212,30 @@ def pyplot() -> Any:
     frame above the import and those frames' locals); imported from a run's `finish`, they kept the
     finished run (its models, optimizer and CUDA graphs) alive after `train` returned, until Python's
     next full garbage collection. A thread's frames hold nothing of its caller's."""
+
+    def load() -> Any:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+
     if "matplotlib.pyplot" not in sys.modules:
         failed: list[BaseException] = []
 
-        def load() -> None:
+        def first() -> None:
             try:
-                import matplotlib
-
-                matplotlib.use("Agg")
-                import matplotlib.pyplot  # noqa: F401
+                load()
             except BaseException as e:
                 failed.append(e)
 
-        loader = threading.Thread(target=load, name="kdistill-pyplot")
+        loader = threading.Thread(target=first, name="kdistill-pyplot")
         loader.start()
         loader.join()
         if failed:
             raise failed[0]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return load()  # imported by now: the backend set again, as every call does
 
 
 def plot_losses(run_dir: Path, title: str = "kdistill") -> Path | None:
