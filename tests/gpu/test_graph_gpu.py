@@ -175,7 +175,7 @@ def test_captured_on_policy_updates_under_torchrun_equal_eager_ones_bit_for_bit(
         assert summary["jit_after_prewarm"] == 0
         out[name] = rows, summary, (run / "student" / "model.safetensors").read_bytes()
     (graph, s_graph, w_graph), (held, s_held, w_held) = out["graph"], out["held"]
-    want = {"captures": 1, "replays": 6, "eager_steps": 2}  # the scoring stays eager under torchrun
+    want = {"captures": 1, "replays": 6, "eager_steps": 2, "scoring_captures": 1, "scoring_replays": 14}
     assert s_graph["cuda_graphs"] == want, s_graph["cuda_graphs"]
     assert s_held["cuda_graphs"]["captures"] == 0 and s_held["cuda_graphs"]["eager_steps"] == 8
     assert len({r["completion_tokens"] for r in graph}) > 1  # the replays saw several token counts

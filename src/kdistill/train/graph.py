@@ -38,8 +38,8 @@ fill less than half of those rows (rows stopped early, as reasoning-length runs 
 with its labels counted on the host instead: the ignored rows' GEMMs would cost more than the graph
 saves. A run that captures its generated steps computes them in that form on its eager steps too, so a
 replay equals an eager step bit for bit; against a run that does not capture, the losses agree up to
-rounding. In one process the teacher's scoring forward is captured too, in graphs of its own
-(`ScoringGraphs`).
+rounding. The teacher's scoring forward is captured too, in graphs of its own (`ScoringGraphs`), in one
+process and under torchrun alike.
 
 Under torchrun a run captures its generated steps when the student and the teacher are whole on every
 process (runtime.student_placement, memory.Layout.student_replicated): the update's collectives (the
@@ -97,10 +97,9 @@ class ScoringGraphs:
     varies from process to process under torchrun, where every process waits for the slowest. The
     replay reads the rows from a static input buffer and its hidden states are copied out (the next
     micro-batch's replay overwrites them); the graph's pool, one forward's transients, stays allocated
-    (memory.generation_beside_graph_pool). Used in one process: under torchrun, 2-GPU runs with them
-    finished their steps and then hung in `destroy_process_group` (NOTES.md round twenty-two; the graphs
-    are now released first, `StepGraph.release`), so there the scoring stays eager until that is
-    measured."""
+    (memory.generation_beside_graph_pool). Under torchrun the graphs must be gone before the process
+    group is: runs whose graphs were still alive then hung in `destroy_process_group` (NOTES.md round
+    twenty-two), so every run releases them first (`StepGraph.release`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -394,11 +394,8 @@ def generate_and_score(
         getattr(ctx, "graph", None) is not None
         and ctx.device.type == "cuda"
         and type(ctx.source) is LiveTeacher
-        and not multi
     ):
-        # a run that captures its update captures the teacher's scoring forward too (train/graph.py), in
-        # one process for now: under torchrun, runs with them hung at exit (NOTES.md round twenty-two: the
-        # graphs alive when the process group was destroyed, now released first; not yet measured)
+        # a run that captures its update captures the teacher's scoring forward too (train/graph.py)
         scored = [ctx.source.targets(b, step_cfg, ctx.amp, forward=ctx.graph.scoring) for b in batches]
     else:
         scored = [ctx.source.targets(b, step_cfg, ctx.amp) for b in batches]
