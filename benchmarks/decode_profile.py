@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from kdistill import decode
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.kernels import seal
 from kdistill.models.hf_io import load_model
@@ -121,12 +120,6 @@ def main() -> None:
         action="store_true",
         help="launch every kernel without programmatic dependent launch (each kernel's own duration)",
     )
-    ap.add_argument(
-        "--l2-prefetch",
-        default=None,
-        help="MIB[,MIB...]: the engine's L2_PREFETCH_BYTES (MLP weights the attention kernel asks L2 for) in "
-        "MiB; several values: each batch size runs once per value, one after the other (an A/B in one process)",
-    )
     a = ap.parse_args()
     if a.no_pdl:
         from kdistill.kernels import decode_attention, decode_gemv, rmsnorm
@@ -165,39 +158,32 @@ def main() -> None:
         info = prepare_kernels(model, max(batches), a.prompt, max_len)
         print(f"{preset}: {info.get('prewarm', info)}", flush=True)
         g = torch.Generator().manual_seed(1)
-        budgets = (
-            [None] if a.l2_prefetch is None else [int(float(v) * 2**20) for v in a.l2_prefetch.split(",")]
-        )
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
-            for budget in budgets:
-                if budget is not None:
-                    decode.L2_PREFETCH_BYTES = budget
-                s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
-                eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s)
-                row = {
-                    "model": preset,
-                    "batch": b,
-                    "temperature": a.temperature,
-                    "l2_prefetch_mib": decode.L2_PREFETCH_BYTES / 2**20,
-                    **profile_one(eng, prompts, a.reps),
-                }
-                floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
-                row["floor_ms"] = floor * 1e3
-                row["floor_fraction"] = floor * 1e3 / row["step_ms"]
-                row["jit_after_prewarm"] = seal.jit_after_prewarm()
-                result["rows"].append(row)
-                print(
-                    f"\n{preset} batch {b} (L2 prefetch {row['l2_prefetch_mib']:.0f} MiB): step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
-                    f"({row['floor_fraction']:.0%}), {row['kernels_per_step']:.0f} kernels, "
-                    f"kernels {row['kernel_ms']:.3f} ms, gaps {row['gap_ms']:.3f} ms, "
-                    f"jit_after_prewarm {row['jit_after_prewarm']}",
-                    flush=True,
-                )
-                for k in row["kernels"][: a.top]:
-                    print(f"  {k['per_step']:6.1f} x  {k['us_per_step']:8.1f} us  {short(k['kernel'])}")
-                del eng
-                torch.cuda.empty_cache()
+            s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
+            eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s)
+            row = {
+                "model": preset,
+                "batch": b,
+                "temperature": a.temperature,
+                **profile_one(eng, prompts, a.reps),
+            }
+            floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
+            row["floor_ms"] = floor * 1e3
+            row["floor_fraction"] = floor * 1e3 / row["step_ms"]
+            row["jit_after_prewarm"] = seal.jit_after_prewarm()
+            result["rows"].append(row)
+            print(
+                f"\n{preset} batch {b}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
+                f"({row['floor_fraction']:.0%}), {row['kernels_per_step']:.0f} kernels, "
+                f"kernels {row['kernel_ms']:.3f} ms, gaps {row['gap_ms']:.3f} ms, "
+                f"jit_after_prewarm {row['jit_after_prewarm']}",
+                flush=True,
+            )
+            for k in row["kernels"][: a.top]:
+                print(f"  {k['per_step']:6.1f} x  {k['us_per_step']:8.1f} us  {short(k['kernel'])}")
+            del eng
+            torch.cuda.empty_cache()
         del model
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -326,40 +326,6 @@ def test_a_wide_steps_attention_reads_longer_splits_and_its_plan_holds_them(tmp_
     assert splits[decode_attention.WIDE_ROWS] == {decode_attention.split_len(16)}
 
 
-def test_the_step_asks_l2_for_each_blocks_mlp_weights_within_the_budget(tmp_path, monkeypatch):
-    """The attention kernel's L2 prefetch regions: the block's gate/up, then its down, as flat prefixes
-    of the weights the products read (views, no copies), cut at L2_PREFETCH_BYTES; the kernel takes the
-    whole 4 KiB chunks of the first two regions in q's dtype and 16-byte aligned, and none of the rest."""
-    from kdistill import decode
-    from kdistill.kernels import decode_attention
-
-    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
-    layer = DecodeEngine(model, batch_size=1, max_len=16).weights.layers[0]
-    gu, down = layer.gate_up.nbytes, layer.down.nbytes
-    whole = decode.l2_regions(layer, budget=gu + down)
-    assert [r.data_ptr() for r in whole] == [layer.gate_up.data_ptr(), layer.down.data_ptr()]
-    assert [r.nbytes for r in whole] == [gu, down]
-    cut = decode.l2_regions(layer, budget=gu + 100)  # 100 bytes of down: 25 fp32 elements
-    assert [r.nbytes for r in cut] == [gu, 100] and cut[1].data_ptr() == layer.down.data_ptr()
-    assert [r.nbytes for r in decode.l2_regions(layer, budget=gu // 2)] == [gu // 2]
-    assert decode.l2_regions(layer, budget=0) == ()
-    monkeypatch.setattr(decode, "L2_PREFETCH_BYTES", 64)
-    assert [r.nbytes for r in decode.l2_regions(layer)] == [64]
-
-    chunk = decode_attention.PREFETCH_BYTES
-    q = torch.zeros(4, dtype=torch.bfloat16)
-    big = torch.zeros(3 * chunk // 2 + 7, dtype=torch.bfloat16)  # 3 chunks and a tail
-    (r1, n1), (r2, n2) = decode_attention.prefetch_regions(q, [torch.zeros(8), big, big[1:], big, big])
-    assert (r1 is big, n1) == (True, 3) and (r2 is big, n2) == (True, 3)  # fp32 and unaligned left out
-    (r1, n1), (r2, n2) = decode_attention.prefetch_regions(q, [])
-    assert (r1 is q, n1, r2 is q, n2) == (True, 0, True, 0)
-    # the key asks for chunks on sm_90 and newer (bulk prefetch), in elements of the key's dtype
-    key = dict(head_dim=64, q_heads=14, kv_heads=2, max_len=256, rope=True)
-    assert decode_attention.split_key("sm_90", dtype="bf16", **key)["PREFETCH"] == chunk // 2
-    assert decode_attention.split_key("sm_90", dtype="fp32", **key)["PREFETCH"] == chunk // 4
-    assert decode_attention.split_key("sm_80", dtype="bf16", **key)["PREFETCH"] == 0
-
-
 def test_a_narrow_models_bucket_of_17_to_64_rows_runs_a_32_or_64_row_tile_and_its_plan_holds_it(tmp_path):
     """The matrix-vector kernel serves a narrow model's buckets of up to 64 rows: 17 to 32 in a tile of
     32 rows, 33 to 64 in one of 64 (the weights still streamed once), chained like a 16-row bucket's

@@ -231,25 +231,6 @@ class _Layer:
     down: torch.Tensor  # (H, I)
 
 
-# Bytes of a block's MLP weights (gate/up, then down) the decode step's attention kernel asks L2 for
-# while it runs, so the products after it read them from L2 (l2_regions; 0: none).
-L2_PREFETCH_BYTES = 24 << 20
-
-
-def l2_regions(layer: _Layer, budget: int | None = None) -> tuple[torch.Tensor, ...]:
-    """The part of `layer`'s MLP weights, in the order the step reads them (gate/up, then down), that
-    fits `budget` bytes (default L2_PREFETCH_BYTES): flat prefixes, for the attention kernel's L2
-    prefetch (dispatch.decode_attention's prefetch)."""
-    left = L2_PREFETCH_BYTES if budget is None else int(budget)
-    out = []
-    for w in (layer.gate_up, layer.down):
-        n = min(w.numel(), max(0, left) // w.element_size())
-        if n > 0 and w.is_contiguous():  # a view: the prefix of the tensor the products read
-            out.append(w.view(-1)[:n])
-            left -= n * w.element_size()
-    return tuple(out)
-
-
 def _layer_tensors(block: nn.Module) -> dict[str, torch.Tensor | None]:
     a, m = block.self_attn, block.mlp
     (wq, bq), (wk, bk), (wv, bv) = (dense_linear(p) for p in (a.q_proj, a.k_proj, a.v_proj))
@@ -583,11 +564,7 @@ class DecodeEngine:
             # q and k (B, H, 1, D) unrotated: the attention rotates them at position pos[b] (the row's
             # slot) and writes k and v into that slot
             tables = (self.cos, self.sin) if self.rope_in_attention else (None, None)
-            # while it runs, the block's MLP weights are asked into L2 (a hint: L2_PREFETCH_BYTES)
-            ahead = l2_regions(self.weights.layers[i]) if self.device.type == "cuda" else ()
-            o = dispatch.decode_attention(
-                q[:, :, 0], st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0], *tables, prefetch=ahead
-            )
+            o = dispatch.decode_attention(q[:, :, 0], st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0], *tables)
             return o[:, :, None]  # (B, Hq, 1, D)
 
         # a small bucket's products are matrix-vector kernels: the whole block chains (runtime.chained)

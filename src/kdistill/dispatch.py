@@ -29,7 +29,6 @@ State (mode, arch, strict, recorder) lives in kernels/runtime.py; `configure`, `
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 
@@ -493,15 +492,13 @@ def decode_attention(
     v_new: torch.Tensor,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """One new token per row over a static KV cache (kdistill.decode): q (B, Hq, D), caches (B, Hkv, M, D)
     contiguous, pos (B,) int64 each row's newest slot, k_new and v_new (B, Hkv, D) the step's key and
     value, written into slot pos[b] -> (B, Hq, D), attending slots 0..pos[b] only. With cos and sin (the
     fp32 (M', D) RoPE tables), q and k_new arrive unrotated and are rotated at position pos[b] first. The
     split kernel (which also rotates, writes the new key and value, and whose last split per row and kv
-    head combines the parts; kernels/decode_attention.py), or the reference. prefetch: tensors the
-    kernel asks L2 for while it runs (the step's next weights; a hint, sm_90 and newer)."""
+    head combines the parts; kernels/decode_attention.py), or the reference."""
     rt = current()
     d, hq, hkv, m = q.shape[-1], q.shape[1], k_cache.shape[1], k_cache.shape[2]
     rope = cos is not None and sin is not None
@@ -523,7 +520,7 @@ def decode_attention(
         wide=not rt.chained and decode_kernel.wide(q.shape[0]),
         aligned=aligned(q, k_cache, v_cache, pos, k_new, v_new, cos, sin),
     )
-    split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos, k_new, v_new, cos, sin, prefetch)  # noqa: E731
+    split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos, k_new, v_new, cos, sin)  # noqa: E731
     if rt.use_kernel(key, q, k_cache, v_cache):
         try:
             return rt.launch(key, lambda: decode_kernel.run(split()), split)[0]

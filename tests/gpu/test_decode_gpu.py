@@ -76,42 +76,6 @@ def _attention_matches_reference(hq, hkv, d, m, dtype, rope, chained, positions)
         assert torch.equal(k.double(), kr)
 
 
-@pytest.mark.parametrize("chained", [False, True])
-def test_the_attention_kernels_l2_prefetch_changes_nothing_it_computes(chained):
-    """The split kernel asking L2 for two other tensors (the step's next weights; one with a tail under
-    a chunk, which is not asked for) computes the same output and cache, bit for bit, as without."""
-    from kdistill.kernels import decode_attention
-
-    hq, hkv, d, m, b = 14, 2, 64, 700, 5
-    g = torch.Generator(device="cuda").manual_seed(7)
-    q = torch.randn((b, hq, d), generator=g, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn((b, hkv, m, d), generator=g, device="cuda", dtype=torch.bfloat16)
-    kn = torch.randn((b, hkv, d), generator=g, device="cuda", dtype=torch.bfloat16)
-    vn = torch.randn((b, hkv, d), generator=g, device="cuda", dtype=torch.bfloat16)
-    pos = torch.tensor([0, 699, 350, 64, 5], device="cuda")
-    angles = torch.randn((m, d // 2), generator=g, device="cuda").repeat(1, 2)
-    cos, sin = angles.cos(), angles.sin()
-    weights = (
-        torch.randn((4864 * 2, 896), device="cuda", dtype=torch.bfloat16),
-        torch.randn((3 << 20) + 100, device="cuda", dtype=torch.bfloat16),
-    )
-    outs = []
-    for ahead in ((), weights):
-        kc, vc = k.clone(), v.clone()
-        with (
-            dispatch.using(mode="triton", arch="sm_90"),
-            dispatch.chained(chained),
-            dispatch.recording() as rec,
-        ):
-            o = dispatch.decode_attention(q, kc, vc, pos, kn, vn, cos, sin, prefetch=ahead)
-        outs.append((o, kc, vc))
-        assert [key["PREFETCH"] for key in rec.keys()] == [decode_attention.PREFETCH_BYTES // 2]
-    torch.cuda.synchronize()
-    for a, b_ in zip(*outs):
-        assert torch.equal(a, b_)
-
-
 @pytest.mark.parametrize(
     "hq,hkv,d,m", [(28, 4, 128, 700), (14, 2, 64, 4100), (16, 16, 128, 300), (32, 8, 128, 257)]
 )

@@ -53,7 +53,6 @@ KernelSpec. No backward: generation runs without gradients.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,7 +64,6 @@ from kdistill.kernels import decode_gemv
 from kdistill.kernels._triton import jit, pdl_release, pdl_wait, tl
 from kdistill.kernels.keys import (
     KernelKey,
-    arch_capability,
     dtype_name,
     launch_options,
     make_key,
@@ -212,31 +210,7 @@ def _split_body(
     return m_i, l_i, acc
 
 
-@jit
-def _l2_prefetch(PF1, PF2, n1, n2, pid, nprog, CHUNK: tl.constexpr, LANES: tl.constexpr):
-    """Ask L2 for chunks of CHUNK elements (PREFETCH_BYTES) of two regions, n1 chunks from PF1 then n2
-    from PF2, spread over the grid's nprog programs (this one is `pid`), LANES chunks a program per
-    round: one bulk prefetch (cp.async.bulk.prefetch.L2, sm_90) per lane, predicated off past the
-    last chunk. A hint: nothing waits for it, nothing reads its result."""
-    lane = tl.arange(0, LANES)
-    total = n1 + n2
-    for c0 in range(pid * LANES, total, nprog * LANES):
-        c = (c0 + lane).to(tl.int64)
-        addr = tl.where(c < n1, PF1 + c * CHUNK, PF2 + (c - n1) * CHUNK)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [addr, (c < total).to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@jit(
-    do_not_specialize=["M", "NSPLIT", "npf1", "npf2", "sqn", "skn", "svn"],
-    do_not_specialize_on_alignment=["PF1", "PF2"],
-)
+@jit(do_not_specialize=["M", "NSPLIT", "sqn", "skn", "svn"])
 def decode_attn_split_kernel(
     Q,
     K,
@@ -250,12 +224,8 @@ def decode_attn_split_kernel(
     LSE,
     O,
     CNT,
-    PF1,
-    PF2,
     M,
     NSPLIT,
-    npf1,
-    npf2,
     sqn,
     skn,
     svn,
@@ -270,15 +240,11 @@ def decode_attn_split_kernel(
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
     pdl_release(PDL)
-    if PREFETCH > 0:  # the block's next weights toward L2 (launch: prefetch), before any wait
-        pid = (b * HKV + h) * NSPLIT + s
-        _l2_prefetch(PF1, PF2, npf1, npf2, pid, tl.num_programs(0) * HKV * NSPLIT, PREFETCH, 128)
     # the row's newest slot (keys 0..last are attended): written before the step's chain of kernels
     last = tl.load(POS + b).to(tl.int32)
     start = s * SPLIT
@@ -528,16 +494,13 @@ def launch(
     v_new: torch.Tensor,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
-    prefetch: Sequence[torch.Tensor] = (),
 ):
     """The split kernel's (kernel, grid, args, kwargs, (o,)) for q (B, Hq, D), caches (B, Hkv, M, D)
     contiguous, pos (B,) int64 (each row's newest slot) and the step's k_new and v_new (B, Hkv, D),
     written into slot pos[b]; q, k_new and v_new need contiguous heads in each row (any row stride).
     With the key's ROPE, cos and sin are the fp32 (M', D) tables (M' > every pos) and q and k_new arrive
     unrotated: the kernel rotates them at position pos[b]. o (B, Hq, D) in q's dtype: the last split of
-    each (row, kv head) combines the parts. prefetch: up to two tensors (the decode step's next
-    weights) whose whole PREFETCH_BYTES chunks the programs ask L2 for, where the key has PREFETCH
-    (prefetch_regions)."""
+    each (row, kv head) combines the parts."""
     b, hq, d = q.shape
     hkv, m = k_cache.shape[1], k_cache.shape[2]
     rope = _check_launch(key, k_cache, cos, sin)
@@ -556,14 +519,12 @@ def launch(
         ROPE=rope,
         PDL=pdl_constexpr(key),
         PRELOAD=bool(key["PRELOAD"]),
-        PREFETCH=prefetch_constexpr(key),
     )
     for t in (q, k_new, v_new):
         if t.stride(2) != 1 or t.stride(1) != d:
             raise KernelError("decode_attention: q and the new k and v need contiguous heads in each row")
     tables = (cos, sin) if rope else (parts, lse)  # without RoPE the table pointers are never read
-    (pf1, n1), (pf2, n2) = prefetch_regions(q, prefetch if kwargs["PREFETCH"] else ())
-    args = (q, k_cache, v_cache, pos, k_new, v_new, *tables, parts, lse, o, cnt, pf1, pf2, m, nsplit, n1, n2)
+    args = (q, k_cache, v_cache, pos, k_new, v_new, *tables, parts, lse, o, cnt, m, nsplit)
     args = (*args, q.stride(0), k_new.stride(0), v_new.stride(0), 1.0 / math.sqrt(d))
     return (
         decode_attn_split_kernel,
@@ -656,41 +617,6 @@ def run(spec) -> tuple:
     kernel, grid, args, kwargs, outs = spec
     kernel[grid](*args, **kwargs)
     return outs
-
-
-# -- L2 prefetch ---------------------------------------------------------------------------------
-PREFETCH_BYTES = 4096  # one bulk prefetch's bytes (the kernel's asm names the same figure)
-
-
-def l2_prefetch(arch: str) -> bool:
-    """Whether the split kernel for `arch` can ask L2 for other tensors (cp.async.bulk.prefetch: sm_90
-    and newer)."""
-    try:
-        return arch_capability(arch) >= 90
-    except ValueError:  # "cpu"
-        return False
-
-
-def prefetch_constexpr(key: KernelKey) -> int:
-    """The PREFETCH constexpr a launcher passes for `key` (elements a chunk; 0: none): the key's, 0
-    under Triton's interpreter (no PTX to run)."""
-    return int(key.get("PREFETCH", 0) or 0) if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else 0
-
-
-def prefetch_regions(
-    q: torch.Tensor, tensors: Sequence[torch.Tensor]
-) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
-    """The kernel's two regions as (tensor, whole PREFETCH_BYTES chunks): the first two of `tensors`
-    that are contiguous, on q's device, in q's dtype (the key's pointer type) and 16-byte aligned (the
-    bulk prefetch's rule); the rest (q, 0 chunks). A tail under one chunk is not asked for: no chunk
-    reaches past its tensor."""
-    out = [
-        (t, t.numel() * t.element_size() // PREFETCH_BYTES)
-        for t in tensors
-        if t.dtype == q.dtype and t.device == q.device and t.is_contiguous() and t.data_ptr() % 16 == 0
-    ][:2]
-    out += [(q, 0)] * (2 - len(out))
-    return out[0], out[1]
 
 
 # -- tile policy and key functions --------------------------------------------------------------
@@ -825,8 +751,6 @@ def split_key(
         PDL=bool(chained) and pdl(arch),
         # the chained split's order of loads (its first tile before the wait), also under the interpreter
         PRELOAD=bool(chained) and pdl(arch),
-        # chunks of PREFETCH_BYTES the programs may ask L2 for (the step's next weights), in elements
-        PREFETCH=PREFETCH_BYTES // torch_dtype(dtype_name(dtype)).itemsize if l2_prefetch(arch) else 0,
         num_warps=4,
         num_stages=2,
         **tiles(head_dim, q_heads, kv_heads, max_len, wide),
@@ -998,8 +922,6 @@ SPLIT_K = Kernel(
         "LSE": "fp32",
         "O": "dtype",
         "CNT": "i32",
-        "PF1": "dtype",
-        "PF2": "dtype",
     },
     outputs=("OP", "LSE", "O", "CNT"),
 )
