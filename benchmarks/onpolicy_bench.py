@@ -53,6 +53,7 @@ import yaml
 
 import kdistill
 from kdistill.models.presets import PRESETS
+from kdistill.train.distributed import TEARDOWN_LATE
 
 REPO = Path(__file__).resolve().parents[1]
 KDISTILL_SRC = Path(kdistill.__file__).resolve().parents[1]  # the runs' processes import this tree's kdistill
@@ -279,16 +280,14 @@ def launch(cmd: list[str], env: dict[str, str], limit: float) -> tuple[subproces
     except BaseException:  # the benchmark itself stopped (Ctrl-C, SIGTERM): its run goes too
         signal_tree(proc.pid, signal.SIGKILL)
         raise
+    out = err = ""
     for sig, wait in ((signal.SIGABRT, 30.0), (signal.SIGKILL, None)):
-        if not signal_tree(proc.pid, sig):
-            break
+        signal_tree(proc.pid, sig)  # a run already gone: its output is read at once below
         try:
-            out, err = proc.communicate(timeout=wait)
+            out, err = proc.communicate(timeout=wait)  # without a wait after SIGKILL: until it ends
             break
         except subprocess.TimeoutExpired:
             continue
-    else:
-        out, err = proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
 
 
@@ -372,7 +371,7 @@ def run_kdistill(
         "cuda_graphs": summary.get("cuda_graphs"),  # the update's captures, replays and eager steps
         "steps_timed": len(timed),
         # processes whose process-group teardown outlasted its limit (distributed.destroy): 0 expected
-        "teardown_timeouts": proc.stderr.count("teardown did not end within"),
+        "teardown_timeouts": proc.stderr.count(TEARDOWN_LATE),
         **({"profile": profiles(run_dir, world)} if shape.profile else {}),
     }
 

@@ -21,8 +21,9 @@ step a test hook poisons with a NaN loss. Everything the eager step decides on t
 decides on the device: the non-finite test feeds AdamW's `found_inf`, which skips the update inside the
 kernel, and clipping scales the gradients by a device scalar.
 
-`auto` (runtime.cuda_graphs) captures on a CUDA device, in one process (or, generated steps, under torchrun with a whole student: below), with live teachers and no layer
-map, teacher cache or cross-tokenizer teacher; LoRA adapters are captured too (their dropout draws from
+`auto` (runtime.cuda_graphs) captures on a CUDA device, in one process (or, generated steps, under
+torchrun with a whole student: below), with live teachers and no layer map, teacher cache or
+cross-tokenizer teacher; LoRA adapters are captured too (their dropout draws from
 the CUDA generator, which a replay advances as the eager step would); `on` asks for it and is refused in
 one line where it cannot be done; `off` never captures. The replayed step's losses equal the eager step's
 bit for bit (tests/gpu: twenty steps).
