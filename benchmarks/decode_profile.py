@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kdistill.decode import DecodeEngine, Sampling
-from kdistill.kernels import decode_gemv, seal
+from kdistill.kernels import seal
 from kdistill.models.hf_io import load_model
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module
@@ -120,20 +120,15 @@ def main() -> None:
         action="store_true",
         help="launch every kernel without programmatic dependent launch (each kernel's own duration)",
     )
-    ap.add_argument(
-        "--gemv-l2",
-        default=None,
-        help="V[,V...]: kernels/decode_gemv.py's L2_INPUTS (inputs of a weight row past the register prefetch "
-        "that each program of the matrix-vector kernel asks L2 for before its wait; 0: none); several values: "
-        "each batch size runs once per value, one after the other (an A/B in one process)",
-    )
     a = ap.parse_args()
     if a.no_pdl:
-        from kdistill.kernels import decode_attention, rmsnorm
+        from kdistill.kernels import decode_attention, decode_gemv, rmsnorm
 
         for mod in (decode_attention, decode_gemv, rmsnorm):
             mod.pdl = lambda arch: False
     if a.gemv_tiles:
+        from kdistill.kernels import decode_gemv
+
         programs, pre_plain, pre_swiglu, *max_k = (int(v) for v in a.gemv_tiles.split(","))
         decode_gemv.PROGRAMS = programs
         decode_gemv.PRE_K.update({0: pre_plain, 1: pre_plain, 2: pre_swiglu})  # the 16-row tile's
@@ -163,40 +158,32 @@ def main() -> None:
         info = prepare_kernels(model, max(batches), a.prompt, max_len)
         print(f"{preset}: {info.get('prewarm', info)}", flush=True)
         g = torch.Generator().manual_seed(1)
-        l2_values = [None] if a.gemv_l2 is None else [int(v) for v in a.gemv_l2.split(",")]
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
-            for l2 in l2_values:
-                if l2 is not None and l2 != decode_gemv.L2_INPUTS:  # other keys: plan, prewarm, seal again
-                    decode_gemv.L2_INPUTS = l2
-                    decode_gemv.gemv_key.cache_clear()
-                    info = prepare_kernels(model, max(batches), a.prompt, max_len)
-                    print(f"{preset} (L2 inputs {l2}): {info.get('prewarm', info)}", flush=True)
-                s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
-                eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s)
-                row = {
-                    "model": preset,
-                    "batch": b,
-                    "temperature": a.temperature,
-                    "gemv_l2_inputs": decode_gemv.L2_INPUTS,
-                    **profile_one(eng, prompts, a.reps),
-                }
-                floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
-                row["floor_ms"] = floor * 1e3
-                row["floor_fraction"] = floor * 1e3 / row["step_ms"]
-                row["jit_after_prewarm"] = seal.jit_after_prewarm()
-                result["rows"].append(row)
-                print(
-                    f"\n{preset} batch {b} (L2 inputs {decode_gemv.L2_INPUTS}): step {row['step_ms']:.3f} ms, "
-                    f"floor {row['floor_ms']:.3f} ms ({row['floor_fraction']:.0%}), "
-                    f"{row['kernels_per_step']:.0f} kernels, kernels {row['kernel_ms']:.3f} ms, "
-                    f"gaps {row['gap_ms']:.3f} ms, jit_after_prewarm {row['jit_after_prewarm']}",
-                    flush=True,
-                )
-                for k in row["kernels"][: a.top]:
-                    print(f"  {k['per_step']:6.1f} x  {k['us_per_step']:8.1f} us  {short(k['kernel'])}")
-                del eng
-                torch.cuda.empty_cache()
+            s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
+            eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s)
+            row = {
+                "model": preset,
+                "batch": b,
+                "temperature": a.temperature,
+                **profile_one(eng, prompts, a.reps),
+            }
+            floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
+            row["floor_ms"] = floor * 1e3
+            row["floor_fraction"] = floor * 1e3 / row["step_ms"]
+            row["jit_after_prewarm"] = seal.jit_after_prewarm()
+            result["rows"].append(row)
+            print(
+                f"\n{preset} batch {b}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
+                f"({row['floor_fraction']:.0%}), {row['kernels_per_step']:.0f} kernels, "
+                f"kernels {row['kernel_ms']:.3f} ms, gaps {row['gap_ms']:.3f} ms, "
+                f"jit_after_prewarm {row['jit_after_prewarm']}",
+                flush=True,
+            )
+            for k in row["kernels"][: a.top]:
+                print(f"  {k['per_step']:6.1f} x  {k['us_per_step']:8.1f} us  {short(k['kernel'])}")
+            del eng
+            torch.cuda.empty_cache()
         del model
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -24,7 +24,6 @@ registered KernelSpec. No backward: generation runs without gradients.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +47,6 @@ from kdistill.kernels.keys import (
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
-L2_CHUNK = 2048  # elements of one L2 prefetch request at most (the kernel's literal 2048)
 MAX_ROWS = 64  # the buckets this kernel serves (16, 32 or 64 rows a tile); larger ones stay on cuBLAS
 ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16: the dot's smallest)
 # A bucket of 17 to 64 rows: the products with a side of at most NARROW (measured on an H200,
@@ -60,25 +58,6 @@ NARROW = 1024
 def block_m(rows: int) -> int:
     """The row tile of a bucket of `rows` rows (at most MAX_ROWS)."""
     return next(t for t in ROW_TILES if rows <= t)
-
-
-@jit
-def _ask_l2(W, rows64, rmask, K, lo, hi, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, ESIZE: tl.constexpr):
-    """Ask L2 for W[rows, lo:hi) (row length K): NCHUNK bulk prefetches a row (cp.async.bulk.prefetch.L2,
-    sm_90) of up to CHUNK elements each, predicated off past hi. A hint: nothing waits for it."""
-    start = lo + tl.arange(0, NCHUNK) * CHUNK  # (NCHUNK,)
-    size = tl.minimum(hi - start, CHUNK)
-    addr = W + rows64[:, None] * K + start[None, :]  # (ROWS, NCHUNK)
-    on = rmask[:, None] & (size > 0)[None, :]
-    nbytes = tl.where(on, size[None, :] * ESIZE, 0)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [addr, nbytes.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @jit(do_not_specialize=["M"])
@@ -101,9 +80,6 @@ def decode_gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     COMBINE: tl.constexpr,
-    L2K: tl.constexpr = 0,
-    L2_CHUNKS: tl.constexpr = 1,
-    ESIZE: tl.constexpr = 2,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -124,14 +100,6 @@ def decode_gemv_kernel(
     pw2 = pw
     if EPI == 2:
         pw2 = tl.load(W + (cols64 + N)[:, None] * K + kp[None, :], mask=pwmask, other=0.0)
-    if L2K > 0:
-        # the weights of the next L2K inputs are asked into L2 before the wait too (no registers held):
-        # the loop after it then reads them from L2 instead of waiting on HBM
-        l2_lo = k_lo + PRE_K
-        l2_hi = tl.minimum(l2_lo + L2K, k_hi)
-        _ask_l2(W, cols64, cmask, K, l2_lo, l2_hi, 2048, L2_CHUNKS, ESIZE)
-        if EPI == 2:
-            _ask_l2(W, cols64 + N, cmask, K, l2_lo, l2_hi, 2048, L2_CHUNKS, ESIZE)
     pdl_wait(PDL)
     px = tl.load(X + rows[:, None] * K + kp[None, :], mask=rmask[:, None] & pmask[None, :], other=0.0)
     acc = tl.dot(px, tl.trans(pw), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
@@ -246,25 +214,10 @@ def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         BLOCK_K=int(key["BLOCK_K"]),
         PDL=pdl_constexpr(key),
         COMBINE=combine,
-        **l2_constexprs(key),
         **launch_options(key),
     )
     out = y if combine else parts.view(split, m, n)
     return decode_gemv_kernel, (col_blocks, split), args, kwargs, (out,)
-
-
-def l2_constexprs(key: KernelKey) -> dict[str, int]:
-    """The L2 prefetch's constexprs for `key` (L2K inputs a weight row, L2_CHUNKS requests a row,
-    ESIZE the element's bytes); none for a key without L2K (the kernel's defaults: no prefetch), and
-    L2K 0 under Triton's interpreter (no PTX to run)."""
-    if not key.get("L2K"):
-        return {}
-    on = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-    return {
-        "L2K": int(key["L2K"]) if on else 0,
-        "L2_CHUNKS": int(key["L2_CHUNKS"]),
-        "ESIZE": int(key["ESIZE"]),
-    }
 
 
 def run(spec) -> tuple:
@@ -309,19 +262,6 @@ def tensor_memory(arch: str) -> bool:
         return False
 
 
-# Inputs a weight row of the K loop (past the PRE_K loaded before the wait) each program asks L2 for
-# before its wait (cp.async.bulk.prefetch.L2, sm_90 and newer): 0, none
-L2_INPUTS = 0
-
-
-def l2_prefetch(arch: str) -> bool:
-    """Whether kernels for `arch` can ask L2 for their weights (cp.async.bulk.prefetch: sm_90 and newer)."""
-    try:
-        return arch_capability(arch) >= 90
-    except ValueError:  # "cpu"
-        return False
-
-
 MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,864 faster here, 8,960 not)
 
 
@@ -348,7 +288,7 @@ def tiles(*, n: int, k: int, epilogue: int, rows: int = 1, arch: str = "sm_90") 
     if tile >= 64 and tensor_memory(arch):
         cap = min(cap, TMEM_MAX_PRE_K)
     pre_k = min(next_pow2(k_split), cap)
-    out = {
+    return {
         "BLOCK_M": tile,
         "BLOCK_N": block_n,
         "BLOCK_K": 128,
@@ -356,10 +296,6 @@ def tiles(*, n: int, k: int, epilogue: int, rows: int = 1, arch: str = "sm_90") 
         "SPLIT": split,
         "K_SPLIT": k_split,
     }
-    l2k = min(L2_INPUTS, k_split - pre_k) // 128 * 128 if l2_prefetch(arch) else 0
-    if l2k > 0:  # key parameters only where the program asks L2 for something
-        out.update(L2K=l2k, L2_CHUNKS=next_pow2(cdiv(l2k, L2_CHUNK)))
-    return out
 
 
 @memoized
@@ -390,18 +326,8 @@ def gemv_key(
         PDL=pdl(arch),
         num_warps=4,
         num_stages=3,
-        **_l2_aligned(tiles(n=n, k=k, epilogue=epilogue, rows=rows, arch=arch), aligned, dtype),
+        **tiles(n=n, k=k, epilogue=epilogue, rows=rows, arch=arch),
     )
-
-
-def _l2_aligned(t: dict[str, int], aligned: Sequence[bool] | None, dtype: str) -> dict[str, int]:
-    """The tiles, their L2 prefetch dropped where the weight is not 16-byte aligned (a bulk request's
-    address must be) and its element size (ESIZE) added where it stays."""
-    if "L2K" not in t:
-        return t
-    if aligned is not None and not aligned[1]:
-        return {k: v for k, v in t.items() if k not in ("L2K", "L2_CHUNKS")}
-    return {**t, "ESIZE": torch_dtype(dtype).itemsize}
 
 
 def supported(k: int) -> bool:

@@ -157,7 +157,6 @@ def memoized(fn: Callable[..., KernelKey]) -> Callable[..., KernelKey]:
         out = cache[k] = fn(*args, **kwargs)
         return out
 
-    wrapper.cache_clear = cache.clear  # type: ignore[attr-defined]  # after a policy constant changes
     return wrapper
 
 
