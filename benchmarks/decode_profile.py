@@ -4,11 +4,14 @@
         --batch 1,16,128 --json benchmarks/results/decode_profile.json
 
 For each model and batch size: the decode engine's captured step (random weights at the preset's
-shapes, bf16, prewarmed and sealed) is replayed alone (greedy, or sampled at --temperature), timed with CUDA events (`step_ms`), then replayed
-under the profiler: every kernel of one step with its duration. `kernel_ms` is the sum of the kernels'
-durations per step and `gap_ms` = step_ms - kernel_ms the time between them (launch bubbles inside the
-graph). The floor is the step's bytes (every weight once, each row's cache up to its context) over the
-copy bandwidth measured in the same run. Kernels are grouped by name with their count and time per step.
+shapes, bf16, prewarmed and sealed) is replayed alone (greedy, or sampled at --temperature), timed with
+CUDA events (`step_ms`), then replayed under the profiler: every kernel of one step with its duration.
+`kernel_ms` is the sum of the kernels' durations per step and `gap_ms` = step_ms - kernel_ms the time
+between them (launch bubbles inside the graph; negative: kernels overlap under programmatic dependent
+launch). `timeline` places each launch of a block on the step's critical path (what its end adds after
+the previous launch's end; --timeline prints it). The floor is the step's bytes (every weight once, each
+row's cache up to its context) over the copy bandwidth measured in the same run. Kernels are grouped by
+name with their count and time per step.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from pathlib import Path
 import torch
 
 from kdistill.decode import DecodeEngine, Sampling
-from kdistill.kernels import seal
+from kdistill.kernels import decode_gemv, seal
+from kdistill.kernels._triton import cdiv
+from kdistill.kernels.keys import make_key
 from kdistill.models.hf_io import load_model
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module
@@ -51,8 +56,9 @@ def replay_ms(graph, reps: int) -> float:
     return statistics.median(times)
 
 
-def kernels_of(graph, steps: int) -> list[tuple[str, float]]:
-    """(name, µs) of every kernel the profiler saw over `steps` replays."""
+def kernels_of(graph, steps: int) -> list[tuple[str, float, float, float]]:
+    """(name, µs, start µs, end µs) of every kernel the profiler saw over `steps` replays, in the order
+    they started."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -63,8 +69,42 @@ def kernels_of(graph, steps: int) -> list[tuple[str, float]]:
     out = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
-            out.append((ev.name, float(ev.device_time)))
+            out.append((ev.name, float(ev.device_time), float(ev.time_range.start), float(ev.time_range.end)))
+    out.sort(key=lambda k: k[2])
     return out
+
+
+def timeline(ks: list[tuple[str, float, float, float]], steps: int, marker: str = "decode_attn") -> dict:
+    """Each launch's place on the step's critical path, from the profiler's start and end times: a
+    chained kernel may start before the previous one ends (programmatic dependent launch) but ends
+    after it, so `delta` = its end - the previous kernel's end is what it adds to the step, and `placed` =
+    its start - the previous kernel's end (negative: placed early). Averaged over the blocks between
+    the first and last quarter of the step (a block: the launches from one `marker` kernel to the next)
+    and over the replays: one row per launch of a block, in order."""
+    per = len(ks) // steps
+    rows: dict[int, dict[str, list[float]]] = {}
+    names: dict[int, str] = {}
+    for s in range(steps):
+        step = ks[s * per : (s + 1) * per]
+        marks = [i for i, k in enumerate(step) if marker in k[0]]
+        if len(marks) < 4:
+            return {}
+        period = marks[1] - marks[0]
+        lo, hi = marks[len(marks) // 4], marks[3 * len(marks) // 4]
+        for i in range(lo, hi):
+            pos = (i - marks[0]) % period
+            name, dur, start, end = step[i]
+            prev_end = step[i - 1][3]
+            r = rows.setdefault(pos, {"duration": [], "placed": [], "delta": []})
+            r["duration"].append(dur)
+            r["placed"].append(start - prev_end)
+            r["delta"].append(end - prev_end)
+            names[pos] = name
+    table = [
+        {"launch": short(names[p]), **{k: statistics.mean(v) for k, v in rows[p].items()}}
+        for p in sorted(rows)
+    ]
+    return {"block_us": sum(r["delta"] for r in table), "launches": table}
 
 
 def short(name: str) -> str:
@@ -79,20 +119,72 @@ def profile_one(engine: DecodeEngine, prompts: list[list[int]], reps: int) -> di
     steps = 5
     ks = kernels_of(st.graph, steps)
     groups: dict[str, list[float]] = defaultdict(list)
-    for name, us in ks:
+    for name, us, _, _ in ks:
         groups[name].append(us)
     table = sorted(
         ({"kernel": n, "per_step": len(v) / steps, "us_per_step": sum(v) / steps} for n, v in groups.items()),
         key=lambda r: -r["us_per_step"],
     )
-    kernel_ms = sum(us for _, us in ks) / steps / 1e3
+    kernel_ms = sum(k[1] for k in ks) / steps / 1e3
     return {
         "step_ms": step,
         "kernels_per_step": len(ks) / steps,
         "kernel_ms": kernel_ms,
         "gap_ms": step - kernel_ms,
         "kernels": table,
+        "timeline": timeline(ks, steps),
     }
+
+
+_GEMV_KEY = decode_gemv.gemv_key
+_GEMV_SPLIT = decode_gemv.split
+
+
+def product_tiles(value: str, spec) -> None:
+    """Put a block's products on the matrix-vector kernel at the tiles `value` names ('policy': the
+    policy's and its cuBLAS limit), as PRODUCT=PRE_K:SPLIT:BLOCK_N[:BLOCK_K:num_stages:num_warps] joined
+    by '+', PRODUCT one of qkv, o_proj, down (at any width: MAX_PLAIN_K lifted), through the key function
+    every launch, the plan and the prewarm call."""
+    decode_gemv.gemv_key, decode_gemv.split = _GEMV_KEY, _GEMV_SPLIT
+    decode_gemv.MAX_PLAIN_K = 5120
+    if value == "policy":
+        return
+    shapes = {  # product -> (n, k) of a plain or biased product
+        "qkv": (spec.q_size + 2 * spec.kv_size, spec.hidden_size),
+        "o_proj": (spec.hidden_size, spec.q_size),
+        "down": (spec.hidden_size, spec.intermediate_size),
+    }
+    over: dict[tuple[int, int], list[int]] = {}
+    for item in value.split("+"):
+        name, tiles = item.split("=")
+        pre, split, bn, *rest = (int(v) for v in tiles.split(":"))
+        over[shapes[name]] = [pre, split, bn, *(rest + [128, 3, 4][len(rest) :])[:3]]
+    decode_gemv.MAX_PLAIN_K = 1 << 30
+
+    def key(arch, *, n, k, dtype, epilogue=decode_gemv.EPI_NONE, combine=True, rows=1, aligned=None):
+        base = _GEMV_KEY(
+            arch, n=n, k=k, dtype=dtype, epilogue=epilogue, combine=combine, rows=rows, aligned=aligned
+        )
+        if (n, k) not in over or epilogue == decode_gemv.EPI_SWIGLU:
+            return base
+        pre, split, bn, bk, stages, warps = over[(n, k)]
+        p = dict(base.params)
+        k_split = cdiv(cdiv(k, split), bk) * bk
+        p.update(
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            K_SPLIT=k_split,
+            SPLIT=cdiv(k, k_split),
+            num_stages=stages,
+            num_warps=warps,
+        )
+        p["PRE_K"] = min(pre, 1 << max(0, k_split - 1).bit_length())
+        return make_key(base.op, base.arch, **p)
+
+    def split_of(n: int, k: int) -> int:  # the dispatcher's and the plan's: partials to the norm where split
+        return key("sm_90", n=n, k=k, dtype="bf16")["SPLIT"] if (n, k) in over else _GEMV_SPLIT(n, k)
+
+    decode_gemv.gemv_key, decode_gemv.split = key, split_of
 
 
 def main() -> None:
@@ -120,15 +212,47 @@ def main() -> None:
         action="store_true",
         help="launch every kernel without programmatic dependent launch (each kernel's own duration)",
     )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each launch of a block with its duration, when it was placed and what it adds to the step",
+    )
+    ap.add_argument(
+        "--attn-split",
+        default=None,
+        help="SPLIT[,BLOCK_N]: attention experiment, the keys a split of a step of at most WIDE_ROWS rows takes "
+        "(kernels/decode_attention.py's split_len) and its tile's keys (default: the policy's for that split); a "
+        "split holding the whole cache writes its output directly",
+    )
+    ap.add_argument(
+        "--gemv-products",
+        default=None,
+        help="V[;V...]: block products' tiles on the matrix-vector kernel, each V 'policy' or "
+        "PRODUCT=PRE_K:SPLIT:BLOCK_N[:BLOCK_K:num_stages:num_warps] joined by '+' (PRODUCT: qkv, o_proj, down; "
+        "at any width: MAX_PLAIN_K lifted); several: each batch size runs once per value, one after the other "
+        "(an A/B in one process)",
+    )
     a = ap.parse_args()
     if a.no_pdl:
         from kdistill.kernels import decode_attention, decode_gemv, rmsnorm
 
         for mod in (decode_attention, decode_gemv, rmsnorm):
             mod.pdl = lambda arch: False
-    if a.gemv_tiles:
-        from kdistill.kernels import decode_gemv
+    if a.attn_split:
+        from kdistill.kernels import decode_attention
 
+        split, *block_n = (int(v) for v in a.attn_split.split(","))
+        policy = decode_attention.tiles
+
+        def tiles(head_dim, q_heads, kv_heads, max_len=256, wide=False):
+            t = policy(head_dim, q_heads, kv_heads, max_len, wide)
+            if not wide:
+                t["SPLIT"] = split
+                t["BLOCK_N"] = block_n[0] if block_n else (128 if split == 128 and head_dim <= 64 else 64)
+            return t
+
+        decode_attention.tiles = tiles
+    if a.gemv_tiles:
         programs, pre_plain, pre_swiglu, *max_k = (int(v) for v in a.gemv_tiles.split(","))
         decode_gemv.PROGRAMS = programs
         decode_gemv.PRE_K.update({0: pre_plain, 1: pre_plain, 2: pre_swiglu})  # the 16-row tile's
@@ -158,32 +282,46 @@ def main() -> None:
         info = prepare_kernels(model, max(batches), a.prompt, max_len)
         print(f"{preset}: {info.get('prewarm', info)}", flush=True)
         g = torch.Generator().manual_seed(1)
+        downs = [None] if a.gemv_products is None else a.gemv_products.split(";")
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
-            s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
-            eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s)
-            row = {
-                "model": preset,
-                "batch": b,
-                "temperature": a.temperature,
-                **profile_one(eng, prompts, a.reps),
-            }
-            floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
-            row["floor_ms"] = floor * 1e3
-            row["floor_fraction"] = floor * 1e3 / row["step_ms"]
-            row["jit_after_prewarm"] = seal.jit_after_prewarm()
-            result["rows"].append(row)
-            print(
-                f"\n{preset} batch {b}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
-                f"({row['floor_fraction']:.0%}), {row['kernels_per_step']:.0f} kernels, "
-                f"kernels {row['kernel_ms']:.3f} ms, gaps {row['gap_ms']:.3f} ms, "
-                f"jit_after_prewarm {row['jit_after_prewarm']}",
-                flush=True,
-            )
-            for k in row["kernels"][: a.top]:
-                print(f"  {k['per_step']:6.1f} x  {k['us_per_step']:8.1f} us  {short(k['kernel'])}")
-            del eng
-            torch.cuda.empty_cache()
+            for down in downs:
+                if down is not None:  # other keys: plan, prewarm, seal again
+                    product_tiles(down, spec)
+                    info = prepare_kernels(model, max(batches), a.prompt, max_len)
+                    print(f"{preset} ({down}): {info.get('prewarm', info)}", flush=True)
+                s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
+                eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s)
+                row = {
+                    "model": preset,
+                    "batch": b,
+                    "temperature": a.temperature,
+                    **({} if down is None else {"products": down}),
+                    **profile_one(eng, prompts, a.reps),
+                }
+                floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
+                row["floor_ms"] = floor * 1e3
+                row["floor_fraction"] = floor * 1e3 / row["step_ms"]
+                row["jit_after_prewarm"] = seal.jit_after_prewarm()
+                result["rows"].append(row)
+                print(
+                    f"\n{preset} batch {b}{'' if down is None else f' ({down})'}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
+                    f"({row['floor_fraction']:.0%}), {row['kernels_per_step']:.0f} kernels, "
+                    f"kernels {row['kernel_ms']:.3f} ms, gaps {row['gap_ms']:.3f} ms, "
+                    f"jit_after_prewarm {row['jit_after_prewarm']}",
+                    flush=True,
+                )
+                for k in row["kernels"][: a.top]:
+                    print(f"  {k['per_step']:6.1f} x  {k['us_per_step']:8.1f} us  {short(k['kernel'])}")
+                tl_ = row["timeline"]
+                if a.timeline and tl_:
+                    print(
+                        f"  a block on the critical path: {tl_['block_us']:.2f} us (duration / placed / delta, us)"
+                    )
+                    for r in tl_["launches"]:
+                        print(f"    {r['duration']:7.2f} {r['placed']:7.2f} {r['delta']:7.2f}  {r['launch']}")
+                del eng
+                torch.cuda.empty_cache()
         del model
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -548,11 +548,12 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
         if epilogue == "swiglu":
             gate, up = y.chunk(2, dim=-1)
             y = torch.nn.functional.silu(gate) * up
+        code = {"none": decode_gemv.EPI_NONE, "bias": decode_gemv.EPI_BIAS, "swiglu": decode_gemv.EPI_SWIGLU}
         if split:
-            key = decode_gemv.gemv_key("sm_80", n=n, k=k, dtype=dtype, epilogue=decode_gemv.EPI_SWIGLU)
+            key = decode_gemv.gemv_key("sm_80", n=n, k=k, dtype=dtype, epilogue=code[epilogue])
             k_split = -(-k // split)
             key = make_key(key.op, key.arch, **{**dict(key.params), "SPLIT": split, "K_SPLIT": k_split})
-            got = decode_gemv.run(decode_gemv.launch(key, x, w))[0]
+            got = decode_gemv.run(decode_gemv.launch(key, x, w, bias))[0]
         else:
             from kdistill.kernels import runtime
 
@@ -564,16 +565,16 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
                     decode_gemv.PRE_K_WIDE_SWIGLU
                 ]
             # the bucket's row tile where the kernel serves the product, else the library GEMM
-            code = {
-                "none": decode_gemv.EPI_NONE,
-                "bias": decode_gemv.EPI_BIAS,
-                "swiglu": decode_gemv.EPI_SWIGLU,
-            }
             served = decode_gemv.serves(rows, k, code[epilogue], n)
             assert served == (
                 rows <= 32 or (rows <= decode_gemv.MAX_ROWS and (epilogue == "swiglu" or k <= 1024))
             )
             assert tiles == ([decode_gemv.block_m(rows)] if served else []), tiles
+            # the product the next kernel reads as it is: split only past MAX_PLAIN_K inputs
+            for key in (key for key in rec.keys() if key.op == "decode_gemv"):
+                long_k = code[epilogue] != decode_gemv.EPI_SWIGLU and k > decode_gemv.MAX_PLAIN_K
+                assert (key["SPLIT"] > 1) == long_k, key
+                assert key["BLOCK_N"] == (decode_gemv.LONG_BLOCK_N if long_k else key["BLOCK_N"])
     assert got.shape == (rows, n) and got.dtype == dtype
     _close("y", got, y, dtype)
 
@@ -587,6 +588,7 @@ def case_decode_linear_add_rmsnorm(device="cpu", dtype=torch.float32, rows=3, n=
     product combining them itself, then the add + norm."""
     from kdistill import dispatch
     from kdistill.kernels import decode_gemv, runtime
+    from kdistill.kernels.keys import make_key
 
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn((rows, k), generator=g).to(device=device, dtype=dtype)
@@ -598,9 +600,13 @@ def case_decode_linear_add_rmsnorm(device="cpu", dtype=torch.float32, rows=3, n=
         y, summed = dispatch.decode_linear_add_rmsnorm(x, w, residual, nw, 1e-6)
     parts = {key["PARTS"] for key in rec.keys() if key.op == "rmsnorm_fwd"}
     assert parts == {decode_gemv.split(n, k)}
-    assert [key["COMBINE"] for key in rec.keys() if key.op == "decode_gemv"] == [False]
+    (gkey,) = [key for key in rec.keys() if key.op == "decode_gemv"]
+    assert not gkey["COMBINE"]
+    # the same split with the product's own combine (its last-arriving program sums the partials)
+    own = make_key(gkey.op, gkey.arch, **{**dict(gkey.params), "COMBINE": True})
     with _kernel_mode(), runtime.chained(True):
-        want_y, want_sum = dispatch.add_rmsnorm(dispatch.decode_linear(x, w)[:, None], residual, nw, 1e-6)
+        delta = decode_gemv.run(decode_gemv.launch(own, x.contiguous(), w))[0]
+        want_y, want_sum = dispatch.add_rmsnorm(delta[:, None], residual, nw, 1e-6)
     assert y.shape == summed.shape == residual.shape
     assert torch.equal(summed, want_sum) and torch.equal(y, want_y)
     with torch.no_grad():
@@ -823,16 +829,21 @@ CASES = {
     "decode_gemv_fp32_plain_16_rows": (case_decode_gemv, dict(rows=16, n=24, k=256, epilogue="none")),
     # past the 256 inputs loaded before the wait: the K loop
     "decode_gemv_fp32_swiglu_k_loop": (case_decode_gemv, dict(rows=4, n=40, k=400, epilogue="swiglu")),
-    # few column blocks: K split over 3 programs, the last to arrive adds the partials and the bias
-    "decode_gemv_fp32_split_k_bias": (case_decode_gemv, dict(rows=5, n=20, k=1536, epilogue="bias")),
-    # 2 splits of 1,536 inputs: 1,024 before the wait, then the loop
-    "decode_gemv_fp32_split_k_loop": (case_decode_gemv, dict(rows=2, n=2000, k=3008, epilogue="none")),
+    # few column blocks: a product the next kernel reads as it is is not split (1,024 inputs before the
+    # wait, then the loop)
+    "decode_gemv_fp32_bias_k_loop": (case_decode_gemv, dict(rows=5, n=20, k=1536, epilogue="bias")),
+    "decode_gemv_fp32_plain_k_loop": (case_decode_gemv, dict(rows=2, n=2000, k=3008, epilogue="none")),
+    # K split over 3 programs by a key of its own: the last to arrive adds the partials and the bias
+    "decode_gemv_fp32_split_k_bias": (case_decode_gemv, dict(rows=5, n=20, k=1536, epilogue="bias", split=3)),
+    # plain products past MAX_PLAIN_K inputs: the long-K tile (64 columns a program, K split, 512 inputs
+    # before the wait, then the loop)
+    "decode_gemv_fp32_long_k": (case_decode_gemv, dict(rows=3, n=72, k=5248, epilogue="none")),
     # 17 to 64 rows (a narrow product): the 32- or 64-row tile (split products too); past 64 rows, or a
     # plain product of more than NARROW inputs past 32, the library GEMM (and the SwiGLU kernel)
     "decode_gemv_fp32_swiglu_20_rows": (case_decode_gemv, dict(rows=20, n=40, k=48, epilogue="swiglu")),
-    "decode_gemv_fp32_split_k_bias_32_rows": (case_decode_gemv, dict(rows=32, n=20, k=1536, epilogue="bias")),
+    "decode_gemv_fp32_bias_32_rows": (case_decode_gemv, dict(rows=32, n=20, k=1536, epilogue="bias")),
     "decode_gemv_fp32_swiglu_40_rows": (case_decode_gemv, dict(rows=40, n=40, k=48, epilogue="swiglu")),
-    "decode_gemv_fp32_split_k_bias_40_rows": (case_decode_gemv, dict(rows=40, n=20, k=1536, epilogue="bias")),
+    "decode_gemv_fp32_bias_40_rows": (case_decode_gemv, dict(rows=40, n=20, k=1536, epilogue="bias")),
     "decode_gemv_fp32_swiglu_72_rows": (case_decode_gemv, dict(rows=72, n=40, k=48, epilogue="swiglu")),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
     "decode_attention_fp32_rope": (

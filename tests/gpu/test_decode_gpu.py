@@ -18,6 +18,7 @@ from kdistill import dispatch
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.generate import prepare_kernels
 from kdistill.kernels import decode_gemv, seal
+from kdistill.kernels.keys import make_key
 from kdistill.models.decoder import build_decoder
 from kdistill.models.spec import load_spec
 from kdistill.ops.attention import decode_attention_reference
@@ -175,7 +176,8 @@ def test_decode_gemv_kernel_matches_reference(rows, n, k, epilogue):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32, 64])
-@pytest.mark.parametrize("n,k", [(896, 4864), (1536, 1536), (896, 896)])  # down, o_proj split, not split
+# down, o_proj split, not split, the long-K down (64 columns a program)
+@pytest.mark.parametrize("n,k", [(896, 4864), (1536, 1536), (896, 896), (1536, 8960)])
 def test_split_partials_summed_by_the_norm_equal_the_products_own_combine(rows, n, k):
     g = torch.Generator(device="cuda").manual_seed(n + k + rows)
     x = torch.randn((rows, k), generator=g, device="cuda", dtype=torch.bfloat16)
@@ -185,7 +187,14 @@ def test_split_partials_summed_by_the_norm_equal_the_products_own_combine(rows, 
     with dispatch.using(mode="triton", arch="sm_90", strict=True), dispatch.chained(True):
         with dispatch.recording() as rec:
             y, summed = dispatch.decode_linear_add_rmsnorm(x, w, residual, nw, 1e-6)
-        want_y, want_sum = dispatch.add_rmsnorm(dispatch.decode_linear(x, w)[:, None], residual, nw, 1e-6)
+        # the product at the same tiles with its own combine (unsplit: the plain product)
+        gkeys = [key for key in rec.keys() if key.op == "decode_gemv"]
+        if gkeys and gkeys[0]["SPLIT"] > 1:
+            own = make_key(gkeys[0].op, gkeys[0].arch, **{**dict(gkeys[0].params), "COMBINE": True})
+            delta = decode_gemv.run(decode_gemv.launch(own, x, w))[0]
+        else:
+            delta = dispatch.decode_linear(x, w)
+        want_y, want_sum = dispatch.add_rmsnorm(delta[:, None], residual, nw, 1e-6)
     assert torch.equal(summed, want_sum) and torch.equal(y, want_y)
     split = {key["PARTS"] for key in rec.keys() if key.op == "rmsnorm_fwd"}
     parts = decode_gemv.split(n, k) if decode_gemv.serves(rows, k, decode_gemv.EPI_NONE, n) else 1

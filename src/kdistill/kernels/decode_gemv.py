@@ -262,27 +262,44 @@ def tensor_memory(arch: str) -> bool:
         return False
 
 
-MAX_PLAIN_K = 5120  # plain products of more inputs stay on cuBLAS (measured: 4,864 faster here, 8,960 not)
+MAX_PLAIN_K = 5120  # plain products of more inputs take the long-K tile (below) or cuBLAS
+# Plain products of MAX_PLAIN_K to MAX_LONG_K inputs at up to 16 rows (Qwen2.5-1.5B's down, 8,960 inputs):
+# 64 columns a program, LONG_PROGRAMS programs (K split to fill them), LONG_PRE_K inputs before the wait.
+# Measured on an H200 (benchmarks/decode_products.py, then inside the step): 9.5 / 10.1 us a product at 4 /
+# 16 rows against cuBLAS's 11.7 / 11.3 (and its split-K reduction's launch); the 16-column tile took
+# 16.2 / 16.5 (its K loop moves 4 KB a program an iteration: too few bytes in flight). Longer K (3B, 7B)
+# is not measured: cuBLAS.
+MAX_LONG_K = 9216
+LONG_BLOCK_N, LONG_PROGRAMS, LONG_PRE_K = 64, 192, 512
 
 
-def tiles(*, n: int, k: int, epilogue: int, rows: int = 1, arch: str = "sm_90") -> dict[str, int]:
+def tiles(
+    *, n: int, k: int, epilogue: int, rows: int = 1, arch: str = "sm_90", combine: bool = True
+) -> dict[str, int]:
     """The bucket's row tile (block_m, its prefetch PRE_K_TILE, at most TMEM_MAX_PRE_K at 64 rows on an
-    arch with tensor memory, at most PRE_K_WIDE_SWIGLU for a SwiGLU over more than NARROW inputs); 32 columns a program with the SwiGLU epilogue (two weight tiles each),
-    else 16; plain products with few column blocks split K (at least MIN_SPLIT_K inputs a split) into
-    as many parts as keep them within PROGRAMS programs (more than fit at once and the last ones
-    run alone after the others); the first PRE_K inputs' weights loaded before the wait for the
-    previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
+    arch with tensor memory, at most PRE_K_WIDE_SWIGLU for a SwiGLU over more than NARROW inputs); 32
+    columns a program with the SwiGLU epilogue (two weight tiles each), else 16 (LONG_BLOCK_N past
+    MAX_PLAIN_K inputs); plain products with few column blocks split K (at least MIN_SPLIT_K inputs a
+    split) into as many parts as keep them within PROGRAMS programs (more than fit at once and the last
+    ones run alone after the others), where their partials go to the next kernel (combine False: the
+    norm after o_proj and down sums them) or K is past MAX_PLAIN_K: a product the next kernel reads as
+    it is (q/k/v, read by the attention) is not split, since its last-arriving program's combine would
+    sit on that kernel's path (measured inside the step on an H200: Qwen2.5-1.5B's q/k/v unsplit, the
+    block's attention ends ~1-2 us sooner); the first PRE_K inputs' weights loaded before the wait for
+    the previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
     twelve; round fifteen measured wider and longer tiles, and a split SwiGLU, inside the step: none
     faster). The SwiGLU epilogue stays in one program a column block: the kernel also takes it split
     (the last program to arrive applies it), which measured slower."""
-    block_n = 32 if epilogue == EPI_SWIGLU else 16
+    long_k = epilogue != EPI_SWIGLU and k > MAX_PLAIN_K
+    block_n = 32 if epilogue == EPI_SWIGLU else (LONG_BLOCK_N if long_k else 16)
     split, k_split = 1, k
-    if epilogue != EPI_SWIGLU:
-        want = max(1, min(PROGRAMS // cdiv(n, block_n), k // MIN_SPLIT_K))
+    if epilogue != EPI_SWIGLU and (not combine or long_k):
+        programs = LONG_PROGRAMS if long_k else PROGRAMS
+        want = max(1, min(programs // cdiv(n, block_n), k // MIN_SPLIT_K))
         k_split = cdiv(cdiv(k, want), 128) * 128
         split = cdiv(k, k_split)
     tile = block_m(rows)
-    cap = PRE_K_TILE[tile][epilogue]
+    cap = LONG_PRE_K if long_k else PRE_K_TILE[tile][epilogue]
     if epilogue == EPI_SWIGLU and k > NARROW:
         cap = min(cap, PRE_K_WIDE_SWIGLU)
     if tile >= 64 and tensor_memory(arch):
@@ -326,7 +343,7 @@ def gemv_key(
         PDL=pdl(arch),
         num_warps=4,
         num_stages=3,
-        **tiles(n=n, k=k, epilogue=epilogue, rows=rows, arch=arch),
+        **tiles(n=n, k=k, epilogue=epilogue, rows=rows, arch=arch, combine=combine),
     )
 
 
@@ -336,17 +353,18 @@ def supported(k: int) -> bool:
 
 
 def split(n: int, k: int) -> int:
-    """The programs a plain (n, k) product splits each column block's K over (1: not split)."""
-    return tiles(n=n, k=k, epilogue=EPI_NONE)["SPLIT"]
+    """The programs a plain (n, k) product whose partials the next kernel sums (o_proj, down) splits each
+    column block's K over (1: not split)."""
+    return tiles(n=n, k=k, epilogue=EPI_NONE, combine=False)["SPLIT"]
 
 
 def serves(rows: int, k: int, epilogue: int, n: int) -> bool:
     """Where the engine's step uses this kernel instead of cuBLAS for an (n, k) product (measured,
     benchmarks/decode_products.py): buckets of at most 16 rows, and of 17 to MAX_ROWS where n or k is at
     most NARROW; q/k/v with its bias, o_proj and gate/up with its SwiGLU at any width, down up to
-    MAX_PLAIN_K inputs (past 32 rows NARROW)."""
+    MAX_PLAIN_K inputs (MAX_LONG_K up to 16 rows, past 32 rows NARROW)."""
     fits = rows <= ROW_TILES[0] or (rows <= MAX_ROWS and min(n, k) <= NARROW)
-    plain_k = MAX_PLAIN_K if rows <= ROW_TILES[1] else NARROW
+    plain_k = MAX_LONG_K if rows <= ROW_TILES[0] else MAX_PLAIN_K if rows <= ROW_TILES[1] else NARROW
     return fits and supported(k) and (epilogue == EPI_SWIGLU or k <= plain_k)
 
 
