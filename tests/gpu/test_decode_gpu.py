@@ -154,8 +154,8 @@ def test_t_token_step_equals_one_token_steps_on_the_device():
         (896, 896, "none"),
         (1152, 896, "bias"),
         (896, 4864, "none"),  # K split over 4 programs
-        (1536, 8960, "none"),  # past MAX_PLAIN_K: cuBLAS
-        (2048, 1536, "bias"),  # split, the bias added by the last program
+        (1536, 8960, "none"),  # past MAX_PLAIN_K: the long-K tile up to 16 rows (K split), then cuBLAS
+        (2048, 1536, "bias"),  # read as it is by the attention: not split
     ],
 )
 def test_decode_gemv_kernel_matches_reference(rows, n, k, epilogue):
@@ -211,11 +211,12 @@ def _ragged(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in lens]
 
 
+@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen2.5-1.5b"])  # the 1.5B: the long-K down
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_graph_step_equals_eager_step_for_every_row(temperature):
+def test_graph_step_equals_eager_step_for_every_row(temperature, preset):
     """The captured step's tokens are the eager step's, greedy and sampled (the sampler kernel draws from
     the same uniforms), with refilled slots and ragged stops; nothing compiles after the prewarm."""
-    model = _model()
+    model = _model(preset)
     prepare_kernels(model, 4, 64, 400)
     prompts = _ragged(model.spec.vocab_size, [17, 130, 64, 300, 5, 77, 250, 33, 9, 190])
     # a stop token that decoding meets: rows end at different steps and slots are refilled
