@@ -138,15 +138,16 @@ def profile_one(engine: DecodeEngine, prompts: list[list[int]], reps: int) -> di
 
 _GEMV_KEY = decode_gemv.gemv_key
 _GEMV_SPLIT = decode_gemv.split
+_MAX_LONG_K = decode_gemv.MAX_LONG_K
 
 
 def product_tiles(value: str, spec) -> None:
     """Put a block's products on the matrix-vector kernel at the tiles `value` names ('policy': the
     policy's and its cuBLAS limit), as PRODUCT=PRE_K:SPLIT:BLOCK_N[:BLOCK_K:num_stages:num_warps] joined
-    by '+', PRODUCT one of qkv, o_proj, down (at any width: MAX_PLAIN_K lifted), through the key function
+    by '+', PRODUCT one of qkv, o_proj, down (at any width up to 16 rows: MAX_LONG_K lifted), through the key function
     every launch, the plan and the prewarm call."""
     decode_gemv.gemv_key, decode_gemv.split = _GEMV_KEY, _GEMV_SPLIT
-    decode_gemv.MAX_PLAIN_K = 5120
+    decode_gemv.MAX_LONG_K = _MAX_LONG_K
     if value == "policy":
         return
     shapes = {  # product -> (n, k) of a plain or biased product
@@ -159,7 +160,7 @@ def product_tiles(value: str, spec) -> None:
         name, tiles = item.split("=")
         pre, split, bn, *rest = (int(v) for v in tiles.split(":"))
         over[shapes[name]] = [pre, split, bn, *(rest + [128, 3, 4][len(rest) :])[:3]]
-    decode_gemv.MAX_PLAIN_K = 1 << 30
+    decode_gemv.MAX_LONG_K = 1 << 30  # every plain product served up to 16 rows
 
     def key(arch, *, n, k, dtype, epilogue=decode_gemv.EPI_NONE, combine=True, rows=1, aligned=None):
         base = _GEMV_KEY(
@@ -229,7 +230,7 @@ def main() -> None:
         default=None,
         help="V[;V...]: block products' tiles on the matrix-vector kernel, each V 'policy' or "
         "PRODUCT=PRE_K:SPLIT:BLOCK_N[:BLOCK_K:num_stages:num_warps] joined by '+' (PRODUCT: qkv, o_proj, down; "
-        "at any width: MAX_PLAIN_K lifted); several: each batch size runs once per value, one after the other "
+        "at any width up to 16 rows: MAX_LONG_K lifted); several: each batch size runs once per value, one after the other "
         "(an A/B in one process)",
     )
     a = ap.parse_args()
