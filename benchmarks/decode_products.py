@@ -27,17 +27,15 @@ import torch.nn.functional as F
 
 from kdistill import dispatch
 from kdistill.kernels import decode_gemv
-from kdistill.kernels._triton import cdiv
-from kdistill.kernels.keys import make_key
 from kdistill.kernels.runtime import configure
 from kdistill.models.presets import PRESETS
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module
-    from decode_profile import replay_ms
+    from decode_profile import replay_ms, tiles_key
     from kd_throughput import _argv_for_record
     from kd_throughput import _version as version
 except ImportError:  # pragma: no cover
-    from benchmarks.decode_profile import replay_ms
+    from benchmarks.decode_profile import replay_ms, tiles_key
     from benchmarks.kd_throughput import _argv_for_record
     from benchmarks.kd_throughput import _version as version
 
@@ -74,24 +72,17 @@ def variant_key(
 ):
     """The engine's key for the product with the tiles overridden (None: the policy's)."""
     base = decode_gemv.gemv_key("sm_90", n=n, k=k, dtype="bf16", epilogue=epi)
-    p = dict(base.params)
-    if block_n:
-        p["BLOCK_N"] = block_n
-    if block_k:
-        p["BLOCK_K"] = block_k
-    if block_m:
-        p["BLOCK_M"] = block_m
-    if split:
-        p["K_SPLIT"] = cdiv(cdiv(k, split), p["BLOCK_K"]) * p["BLOCK_K"]
-        p["SPLIT"] = cdiv(k, p["K_SPLIT"])
-    if pre_k or split:
-        p["PRE_K"] = min(pre_k or p["PRE_K"], 1 << max(0, p["K_SPLIT"] - 1).bit_length())
-    if stages:
-        p["num_stages"] = stages
-    if warps:
-        p["num_warps"] = warps
-    p["PDL"] = pdl
-    return make_key(base.op, base.arch, **p)
+    return tiles_key(
+        base,
+        pre_k=pre_k,
+        split=split,
+        block_n=block_n,
+        block_k=block_k,
+        stages=stages,
+        warps=warps,
+        block_m=block_m,
+        PDL=pdl,
+    )
 
 
 def parse_variants(text: str) -> list[tuple]:

@@ -136,6 +136,37 @@ def profile_one(engine: DecodeEngine, prompts: list[list[int]], reps: int) -> di
     }
 
 
+def tiles_key(
+    base,
+    *,
+    pre_k: int | None = None,
+    split: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    stages: int | None = None,
+    warps: int | None = None,
+    block_m: int | None = None,
+    **params,
+):
+    """The matrix-vector kernel's key `base` with its tiles overridden (None: base's): K split over `split`
+    programs (K_SPLIT rounded up to BLOCK_K), PRE_K at most the split's length rounded up to a power of
+    two; `params` set as given (benchmarks/decode_products.py's variants too)."""
+    p = dict(base.params)
+    for name, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k), ("BLOCK_M", block_m)):
+        if v:
+            p[name] = v
+    if split:
+        p["K_SPLIT"] = cdiv(cdiv(int(p["K"]), split), p["BLOCK_K"]) * p["BLOCK_K"]
+        p["SPLIT"] = cdiv(int(p["K"]), p["K_SPLIT"])
+    if pre_k or split:
+        p["PRE_K"] = min(pre_k or p["PRE_K"], 1 << max(0, p["K_SPLIT"] - 1).bit_length())
+    if stages:
+        p["num_stages"] = stages
+    if warps:
+        p["num_warps"] = warps
+    return make_key(base.op, base.arch, **{**p, **params})
+
+
 _GEMV_KEY = decode_gemv.gemv_key
 _GEMV_SPLIT = decode_gemv.split
 _MAX_LONG_K = decode_gemv.MAX_LONG_K
@@ -169,18 +200,7 @@ def product_tiles(value: str, spec) -> None:
         if (n, k) not in over or epilogue == decode_gemv.EPI_SWIGLU:
             return base
         pre, split, bn, bk, stages, warps = over[(n, k)]
-        p = dict(base.params)
-        k_split = cdiv(cdiv(k, split), bk) * bk
-        p.update(
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            K_SPLIT=k_split,
-            SPLIT=cdiv(k, k_split),
-            num_stages=stages,
-            num_warps=warps,
-        )
-        p["PRE_K"] = min(pre, 1 << max(0, k_split - 1).bit_length())
-        return make_key(base.op, base.arch, **p)
+        return tiles_key(base, pre_k=pre, split=split, block_n=bn, block_k=bk, stages=stages, warps=warps)
 
     def split_of(n: int, k: int) -> int:  # the dispatcher's and the plan's: partials to the norm where split
         return key("sm_90", n=n, k=k, dtype="bf16")["SPLIT"] if (n, k) in over else _GEMV_SPLIT(n, k)
@@ -235,7 +255,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.no_pdl:
-        from kdistill.kernels import decode_attention, decode_gemv, rmsnorm
+        from kdistill.kernels import decode_attention, rmsnorm
 
         for mod in (decode_attention, decode_gemv, rmsnorm):
             mod.pdl = lambda arch: False
@@ -249,7 +269,8 @@ def main() -> None:
             t = policy(head_dim, q_heads, kv_heads, max_len, wide)
             if not wide:
                 t["SPLIT"] = split
-                t["BLOCK_N"] = block_n[0] if block_n else (128 if split == 128 and head_dim <= 64 else 64)
+                one_tile = split == 128 and head_dim <= decode_attention.ONE_TILE_HEAD  # the policy's rule
+                t["BLOCK_N"] = block_n[0] if block_n else (128 if one_tile else 64)
             return t
 
         decode_attention.tiles = tiles
@@ -283,21 +304,21 @@ def main() -> None:
         info = prepare_kernels(model, max(batches), a.prompt, max_len)
         print(f"{preset}: {info.get('prewarm', info)}", flush=True)
         g = torch.Generator().manual_seed(1)
-        downs = [None] if a.gemv_products is None else a.gemv_products.split(";")
+        variants = [None] if a.gemv_products is None else a.gemv_products.split(";")
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
-            for down in downs:
-                if down is not None:  # other keys: plan, prewarm, seal again
-                    product_tiles(down, spec)
+            for tiles in variants:
+                if tiles is not None:  # other keys: plan, prewarm, seal again
+                    product_tiles(tiles, spec)
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)
-                    print(f"{preset} ({down}): {info.get('prewarm', info)}", flush=True)
+                    print(f"{preset} ({tiles}): {info.get('prewarm', info)}", flush=True)
                 s = Sampling(max_new_tokens=a.new, temperature=a.temperature)
                 eng = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s)
                 row = {
                     "model": preset,
                     "batch": b,
                     "temperature": a.temperature,
-                    **({} if down is None else {"products": down}),
+                    **({} if tiles is None else {"products": tiles}),
                     **profile_one(eng, prompts, a.reps),
                 }
                 floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
@@ -306,7 +327,7 @@ def main() -> None:
                 row["jit_after_prewarm"] = seal.jit_after_prewarm()
                 result["rows"].append(row)
                 print(
-                    f"\n{preset} batch {b}{'' if down is None else f' ({down})'}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
+                    f"\n{preset} batch {b}{'' if tiles is None else f' ({tiles})'}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
                     f"({row['floor_fraction']:.0%}), {row['kernels_per_step']:.0f} kernels, "
                     f"kernels {row['kernel_ms']:.3f} ms, gaps {row['gap_ms']:.3f} ms, "
                     f"jit_after_prewarm {row['jit_after_prewarm']}",
