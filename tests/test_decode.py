@@ -391,14 +391,16 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
         keys = plan_mod.generation_kernels(spec, "sm_90", "bf16", batch=64, prompt_len=8, max_len=64)
         gemv = [k for k in keys if k.op == "decode_gemv"]
         assert {k["BLOCK_M"] for k in gemv} == ({16, 32, 64} if narrow else {16}), preset
-        at16 = [k["PRE_K"] for k in gemv if k["BLOCK_M"] == 16 and k["EPI"] == decode_gemv.EPI_SWIGLU]
-        assert at16 == [512 if narrow else decode_gemv.PRE_K_WIDE_SWIGLU], preset
+        # gate/up's keys: plain, and scaled by the rstd of o_proj's sums of squares (the norm folded in)
+        at16 = [k for k in gemv if k["BLOCK_M"] == 16 and k["EPI"] == decode_gemv.EPI_SWIGLU]
+        assert {k["PRE_K"] for k in at16} == {512 if narrow else decode_gemv.PRE_K_WIDE_SWIGLU}, preset
+        assert sorted(int(k.get("RSTD") or 0) for k in at16) == [0, -(-spec.hidden_size // 16)], preset
         if not narrow:
             continue
         for tile in (32, 64):
             at = [k for k in gemv if k["BLOCK_M"] == tile]
-            swiglu = [k["PRE_K"] for k in at if k["EPI"] == decode_gemv.EPI_SWIGLU]
-            assert swiglu == [decode_gemv.PRE_K_TILE[tile][decode_gemv.EPI_SWIGLU]]
+            swiglu = {k["PRE_K"] for k in at if k["EPI"] == decode_gemv.EPI_SWIGLU}
+            assert swiglu == {decode_gemv.PRE_K_TILE[tile][decode_gemv.EPI_SWIGLU]}
             down = {k for k in at if int(k["K"]) == spec.intermediate_size}
             assert bool(down) == (tile == 32), tile
 

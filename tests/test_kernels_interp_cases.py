@@ -582,6 +582,49 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
     assert int(decode_gemv.counters(x.device, 1).abs().sum()) == 0
 
 
+def case_decode_norm_fold(device="cpu", dtype=torch.float32, rows=3, n=48, k=48, inter=24):
+    """The norm after o_proj inside the products around it: o_proj adds the residual and writes each row's
+    sums of squares by column block (an ADD key; split over K, its last program adds), gate/up, whose
+    weights hold the norm's weight, scales each row by its rstd (an RSTD key): the residual sum equal to
+    the unfused kernels', the SwiGLU output the unfused one's within rounding."""
+    from kdistill import dispatch
+    from kdistill.kernels import decode_gemv, runtime
+
+    g = torch.Generator().manual_seed(n + k + inter + rows)
+    x = torch.randn((rows, k), generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn((n, k), generator=g) / k**0.5).to(device, dtype)
+    residual = torch.randn((rows, 1, n), generator=g).to(device, dtype)
+    nw = (torch.rand(n, generator=g) + 0.5).to(device, dtype)
+    gate_up = (torch.randn((2 * inter, n), generator=g) / n**0.5).to(device, dtype)
+    eps = 1e-6
+    assert dispatch.folds.__doc__  # the engine's switch (it asks runtime.chained and the kernel's serves)
+    with _kernel_mode(), runtime.chained(True):
+        assert dispatch.folds(rows, n, k, inter)
+        with runtime.recording() as rec:
+            summed, ss = dispatch.decode_linear_add_stats(x, w, residual)
+            act = dispatch.decode_linear_scaled(summed, gate_up * nw[None, :], ss, eps, gate_up=True)
+        want_h, want_sum = dispatch.add_rmsnorm(dispatch.decode_linear(x, w)[:, None], residual, nw, eps)
+        want_act = dispatch.decode_linear(want_h[:, 0], gate_up, gate_up=True)
+    gkeys = sorted((key for key in rec.keys() if key.op == "decode_gemv"), key=lambda key: not key.get("ADD"))
+    assert [bool(key.get("ADD")) for key in gkeys] == [True, False]
+    assert gkeys[1]["RSTD"] == ss.shape[0] == -(-n // gkeys[0]["BLOCK_N"])
+    assert not [key for key in rec.keys() if key.op == "rmsnorm_fwd"]  # no norm launch
+    assert summed.shape == (rows, n) and ss.shape[1] == rows
+    if gkeys[0]["SPLIT"] == 1:  # the same product, the same rounding: the same sum
+        assert torch.equal(summed, want_sum[:, 0])
+    else:
+        _close("sum", summed, want_sum[:, 0], dtype)
+    _close("sums of squares", ss.sum(0), summed.float().pow(2).sum(-1), dtype)
+    _close("act", act, want_act, dtype)
+    # the references of both keys compute the same
+    ref_sum, ref_ss = decode_gemv.add_stats_reference(x, w, residual[:, 0], int(gkeys[0]["BLOCK_N"]))
+    _close("reference sum", ref_sum, summed, dtype)
+    _close("reference sums of squares", ref_ss, ss, dtype, scale=10)
+    ref_act = decode_gemv.scaled_reference(summed, gate_up * nw[None, :], ss, eps, swiglu=True)
+    _close("reference act", ref_act, act, dtype)
+    assert int(decode_gemv.counters(x.device, 1).abs().sum()) == 0
+
+
 def case_decode_linear_add_rmsnorm(device="cpu", dtype=torch.float32, rows=3, n=20, k=1536):
     """A small bucket's o_proj or down with the residual add + norm after it: the product split over K
     hands its fp32 partials to the norm kernel, which sums them in split order; the same values as the
@@ -845,6 +888,10 @@ CASES = {
     "decode_gemv_fp32_swiglu_40_rows": (case_decode_gemv, dict(rows=40, n=40, k=48, epilogue="swiglu")),
     "decode_gemv_fp32_bias_40_rows": (case_decode_gemv, dict(rows=40, n=20, k=1536, epilogue="bias")),
     "decode_gemv_fp32_swiglu_72_rows": (case_decode_gemv, dict(rows=72, n=40, k=48, epilogue="swiglu")),
+    # the norm after o_proj inside o_proj (the residual add, sums of squares) and gate/up (the rstd)
+    "decode_norm_fold_fp32": (case_decode_norm_fold, {}),
+    "decode_norm_fold_fp32_split": (case_decode_norm_fold, dict(rows=5, n=32, k=1536, inter=40)),
+    "decode_norm_fold_fp32_16_rows": (case_decode_norm_fold, dict(rows=16, n=80, k=64)),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
     "decode_attention_fp32_rope": (
         case_decode_attention,

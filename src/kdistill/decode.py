@@ -251,9 +251,14 @@ def _layer_tensors(block: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 class DecodeWeights:
-    """The decoder's weights in the decode dtype and layout, refreshed in place (graph-safe)."""
+    """The decoder's weights in the decode dtype and layout, refreshed in place (graph-safe). With `fold`
+    (decode_gemv.FOLD_NORM) each block's gate/up rows hold the post-attention norm's weight folded into their
+    inputs (W diag(w): the engine's own concatenated copy, scaled again at every refresh), and the norm
+    before them runs with `ones` in its place."""
 
-    def __init__(self, model: Decoder, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: Decoder, dtype: torch.dtype, device: torch.device, fold: bool | None = None
+    ) -> None:
         self.spec: ModelSpec = model.spec
         self.dtype, self.device = dtype, device
         # a model's own tensor in the engine's dtype is shared, not copied (a bf16 teacher), unless FSDP
@@ -269,6 +274,20 @@ class DecodeWeights:
             _Layer(**{k: conv(v) if v is not None else None for k, v in _layer_tensors(b).items()})
             for b in body.layers
         ]
+        self.fold = decode_gemv.FOLD_NORM if fold is None else bool(fold)
+        self.ones = torch.ones(self.spec.hidden_size, dtype=dtype, device=device)
+        self._fold()
+
+    def _fold(self) -> None:
+        """Fold each block's post-attention norm weight into its gate/up rows (a copy of the model's, never
+        shared: the concatenation made it), where `fold`."""
+        if self.fold:
+            for layer in self.layers:
+                layer.gate_up.mul_(layer.ln2[None, :])
+
+    def ln2(self, layer: _Layer) -> torch.Tensor:
+        """The post-attention norm's weight as the engine applies it (`ones` where folded)."""
+        return self.ones if self.fold else layer.ln2
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
         out = t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -284,6 +303,7 @@ class DecodeWeights:
         pairs = self._destinations(model)
         if pairs is not None:
             copy_whole(pairs)
+            self._fold()
             return
         body = model.model
         self.embed.copy_(_full(body.embed_tokens.weight))
@@ -294,6 +314,7 @@ class DecodeWeights:
             for name, value in _layer_tensors(block).items():
                 if value is not None:
                     getattr(layer, name).copy_(value)
+        self._fold()
 
     def _destinations(self, model: Decoder) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """(parameter, the view of an engine tensor its whole value fills, of its shape) for every weight
@@ -392,13 +413,20 @@ def forward_tokens(
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         o = attend(i, q, k, v.transpose(1, 2))  # (B, Hq, T, D)
         o = o.transpose(1, 2).reshape(b, t, s.q_size)
-        if step:
-            x, residual = dispatch.decode_linear_add_rmsnorm(o[:, 0], layer.o, residual, layer.ln2, eps)
+        if step and w.fold and dispatch.folds(b, s.hidden_size, s.q_size, s.intermediate_size):
+            # the norm inside the products: o_proj adds the residual and writes the sums of squares,
+            # gate/up (the norm's weight folded into it) scales each row by its rstd
+            summed, ss = dispatch.decode_linear_add_stats(o[:, 0], layer.o, residual)
+            residual = summed.view(residual.shape)
+            act = dispatch.decode_linear_scaled(summed, layer.gate_up, ss, eps, gate_up=True)
+            down = (act, layer.down)
+        elif step:
+            x, residual = dispatch.decode_linear_add_rmsnorm(o[:, 0], layer.o, residual, w.ln2(layer), eps)
             act = dispatch.decode_linear(x[:, 0], layer.gate_up, gate_up=True)
             down = (act, layer.down)
         else:
             a = F.linear(o, layer.o)
-            x, residual = dispatch.add_rmsnorm(a, residual, layer.ln2, eps)
+            x, residual = dispatch.add_rmsnorm(a, residual, w.ln2(layer), eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # halves of one (B, T, 2I)
             delta = F.linear(dispatch.swiglu(gate, up), layer.down)
     if residual is None:

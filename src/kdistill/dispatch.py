@@ -621,6 +621,81 @@ def decode_linear(
     return decode_gemv.decode_gemv_reference(x, weight, bias, gate_up)
 
 
+def folds(rows: int, n: int, k: int, intermediate: int) -> bool:
+    """Whether a decode step folds the norm after o_proj (n outputs of k inputs) into the products around
+    it: the bucket chains (runtime.chained) and the matrix-vector kernel serves both o_proj and gate/up."""
+    return (
+        current().chained
+        and decode_gemv.serves(rows, k, decode_gemv.EPI_NONE, n)
+        and decode_gemv.serves(rows, n, decode_gemv.EPI_SWIGLU, intermediate)
+    )
+
+
+def decode_linear_add_stats(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's o_proj with the residual add of the norm after it: x (B, K), weight (N, K), the
+    residual's B rows of N -> (x @ weight^T + residual (B, N), its sums of squares per row over each
+    column block of the product (column blocks, B) fp32), from which the next product (decode_linear_scaled)
+    computes each row's rstd: the norm has no launch of its own. The matrix-vector kernel's ADD key (a
+    split product's last program adds), or the reference."""
+    rt = current()
+    rows, k = x.shape
+    n = weight.shape[0]
+    x, r2 = x.contiguous(), residual.reshape(rows, n).contiguous()
+    key = decode_gemv.gemv_key(
+        rt.arch, n=n, k=k, dtype=x.dtype, rows=rows, aligned=aligned(x, weight, None), add=True
+    )
+    spec = lambda: decode_gemv.launch(key, x, weight, None, r2)  # noqa: E731
+    if rt.use_kernel(key, x, weight, r2):
+        try:
+            return rt.launch(key, lambda: decode_gemv.run(spec()), spec)
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", spec)
+    return decode_gemv.add_stats_reference(x, weight, r2, int(key["BLOCK_N"]))
+
+
+def decode_linear_scaled(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ss: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    *,
+    gate_up: bool = False,
+) -> torch.Tensor:
+    """decode_linear of rmsnorm(x) without its weight, for x (B, K) un-normed and ss (parts, B) the sums
+    of squares decode_linear_add_stats wrote: the weight holds the norm's weight folded into its inputs
+    (DecodeWeights), each row's products are scaled by rsqrt(sum(ss) / K + eps). The matrix-vector
+    kernel's RSTD key, or the reference."""
+    rt = current()
+    rows, k = x.shape
+    plain = decode_gemv.EPI_BIAS if bias is not None else decode_gemv.EPI_NONE
+    epi = decode_gemv.EPI_SWIGLU if gate_up else plain
+    n = weight.shape[0] // 2 if gate_up else weight.shape[0]
+    x, ss = x.contiguous(), ss.contiguous()
+    key = decode_gemv.gemv_key(
+        rt.arch,
+        n=n,
+        k=k,
+        dtype=x.dtype,
+        epilogue=epi,
+        rows=rows,
+        aligned=aligned(x, weight, bias),
+        rstd=ss.shape[0],
+        eps=eps,
+    )
+    spec = lambda: decode_gemv.launch(key, x, weight, bias, None, ss)  # noqa: E731
+    if rt.use_kernel(key, x, weight, ss):
+        try:
+            return rt.launch(key, lambda: decode_gemv.run(spec()), spec)[0]
+        except Exception as e:
+            rt.kernel_failed(key, e)
+    rt.record(key, "fwd", spec)
+    return decode_gemv.scaled_reference(x, weight, ss, eps, bias, gate_up)
+
+
 def decode_linear_add_rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

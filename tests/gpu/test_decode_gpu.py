@@ -201,6 +201,34 @@ def test_split_partials_summed_by_the_norm_equal_the_products_own_combine(rows, 
     assert split == {parts if parts > 1 else 0}  # a wide product past 16 rows: cuBLAS, nothing split
 
 
+@pytest.mark.parametrize("rows", [1, 16, 32, 64])
+@pytest.mark.parametrize("n,k,inter", [(896, 896, 4864), (1536, 1536, 8960)])  # 0.5B, 1.5B (o_proj split)
+def test_the_norm_folded_into_o_proj_and_gate_up_matches_the_unfused_step(rows, n, k, inter):
+    """o_proj adding the residual and writing its sums of squares, gate/up (the norm's weight folded into
+    its rows) scaling by each row's rstd: the residual sum and the SwiGLU output of the unfused o_proj,
+    add + norm and gate/up, where a chained bucket's kernels serve both products."""
+    g = torch.Generator(device="cuda").manual_seed(n + rows)
+    x = torch.randn((rows, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn((n, k), generator=g, device="cuda") / k**0.5).bfloat16()
+    residual = torch.randn((rows, 1, n), generator=g, device="cuda", dtype=torch.bfloat16)
+    nw = (torch.rand(n, generator=g, device="cuda") + 0.5).bfloat16()
+    gate_up = (torch.randn((2 * inter, n), generator=g, device="cuda") / n**0.5).bfloat16()
+    with dispatch.using(mode="triton", arch="sm_90", strict=True), dispatch.chained(True):
+        if not dispatch.folds(rows, n, k, inter):  # a wide model past 16 rows: cuBLAS, unfolded
+            assert rows > decode_gemv.step_rows(n)
+            return
+        with dispatch.recording() as rec:
+            summed, ss = dispatch.decode_linear_add_stats(x, w, residual)
+            act = dispatch.decode_linear_scaled(summed, gate_up * nw[None, :], ss, 1e-6, gate_up=True)
+        h, want_sum = dispatch.add_rmsnorm(dispatch.decode_linear(x, w)[:, None], residual, nw, 1e-6)
+        want = dispatch.decode_linear(h[:, 0], gate_up, gate_up=True)
+    assert {bool(key.get("ADD")) for key in rec.keys() if key.op == "decode_gemv"} == {True, False}
+    assert not [key for key in rec.keys() if key.op == "rmsnorm_fwd"]
+    err_sum = ((summed.double() - want_sum[:, 0].double()).norm() / want_sum.double().norm()).item()
+    err = ((act.double() - want.double()).norm() / want.double().norm()).item()
+    assert err_sum < 1e-2 and err < 2e-2, (err_sum, err)
+
+
 def _model(preset: str = "qwen2.5-0.5b", layers: int = 4):
     spec = dataclasses.replace(load_spec(preset), num_layers=layers)
     return build_decoder(spec, "cuda", torch.bfloat16, seed=0).eval()

@@ -36,7 +36,9 @@ from kdistill.kernels._triton import cdiv, jit, pdl_release, pdl_wait, tl
 from kdistill.kernels.keys import (
     KernelKey,
     arch_capability,
+    constexpr_value,
     dtype_name,
+    f64_bits,
     launch_options,
     make_key,
     memoized,
@@ -47,6 +49,10 @@ from kdistill.kernels.keys import (
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
+# The post-attention norm inside a small bucket's products (dispatch.folds): o_proj adds the residual
+# and writes each row's sums of squares by column block (an ADD key), gate/up, whose weights hold the
+# norm's weight (decode.DecodeWeights), scales each row by its rstd (an RSTD key); no norm launch.
+FOLD_NORM = True
 MAX_ROWS = 64  # the buckets this kernel serves (16, 32 or 64 rows a tile); larger ones stay on cuBLAS
 ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16: the dot's smallest)
 # A bucket of 17 to 64 rows: the products with a side of at most NARROW (measured on an H200,
@@ -60,7 +66,32 @@ def block_m(rows: int) -> int:
     return next(t for t in ROW_TILES if rows <= t)
 
 
-@jit(do_not_specialize=["M"])
+@jit
+def _row_rstd(
+    SS, rows, rmask, M, K: tl.constexpr, EPS: tl.constexpr, RSTD: tl.constexpr, RSTD_P2: tl.constexpr
+):
+    """Each row's 1 / sqrt(mean(x^2) + eps) from the RSTD partial sums of squares the producer of x wrote
+    (SS (RSTD, M) fp32: one row a column block of it), summed in column-block order."""
+    part = tl.arange(0, RSTD_P2)
+    ss = tl.load(
+        SS + part[:, None] * M + rows[None, :], mask=(part < RSTD)[:, None] & rmask[None, :], other=0.0
+    )
+    return tl.rsqrt(tl.sum(ss, axis=0) / K + EPS)  # (BLOCK_M,)
+
+
+@jit
+def _add_stats(Y, R, SS, y, rows, cols, ymask, yoffs, pid, M, N: tl.constexpr):
+    """The product's output y (fp32) rounded to its dtype plus the residual R, rounded (the residual add
+    of the norm after it: kernels/rmsnorm.py rounds the same way), written to Y; and this column block's
+    sums of squares of it per row, to SS[pid] (the consumer's rstd)."""
+    r = tl.load(R + yoffs, mask=ymask, other=0.0).to(tl.float32)
+    s = (y.to(Y.dtype.element_ty).to(tl.float32) + r).to(Y.dtype.element_ty)
+    tl.store(Y + yoffs, s, mask=ymask)
+    sf = tl.where(ymask, s.to(tl.float32), 0.0)
+    tl.store(SS + pid * M + rows, tl.sum(sf * sf, axis=1), mask=rows < M)
+
+
+@jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["R", "SS"])
 def decode_gemv_kernel(
     X,
     W,
@@ -68,6 +99,8 @@ def decode_gemv_kernel(
     Y,
     P,
     CNT,
+    R,
+    SS,
     M,
     N: tl.constexpr,
     K: tl.constexpr,
@@ -80,6 +113,10 @@ def decode_gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     COMBINE: tl.constexpr,
+    ADD: tl.constexpr = False,
+    RSTD: tl.constexpr = 0,
+    RSTD_P2: tl.constexpr = 1,
+    EPS: tl.constexpr = 0.0,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -119,6 +156,10 @@ def decode_gemv_kernel(
     ymask = rmask[:, None] & cmask[None, :]
     yoffs = rows[:, None] * N + cols64[None, :]
     if SPLIT == 1:
+        if RSTD > 0:  # x is the un-normed residual stream: each row's rstd scales the products
+            rstd = _row_rstd(SS, rows, rmask, M, K, EPS, RSTD, RSTD_P2)
+            acc = acc * rstd[:, None]
+            acc2 = acc2 * rstd[:, None]
         if EPI == 1:
             acc += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if EPI == 2:
@@ -126,7 +167,10 @@ def decode_gemv_kernel(
             u = acc2.to(Y.dtype.element_ty).to(tl.float32)
             act = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
             acc = act * u
-        tl.store(Y + yoffs, acc.to(Y.dtype.element_ty), mask=ymask)
+        if ADD:
+            _add_stats(Y, R, SS, acc, rows, cols, ymask, yoffs, pid, M, N)
+        else:
+            tl.store(Y + yoffs, acc.to(Y.dtype.element_ty), mask=ymask)
     elif not COMBINE:
         # the partials are the output (EPI 0): the next kernel sums them in split order (rmsnorm's PARTS)
         tl.store(P + split.to(tl.int64) * M * N + yoffs, acc, mask=ymask)
@@ -152,13 +196,20 @@ def decode_gemv_kernel(
                     tot2 += tl.load(
                         P + (s * PARTS + 1) * M * N + yoffs, mask=ymask, other=0.0, cache_modifier=".cg"
                     )
+            if RSTD > 0:
+                rstd = _row_rstd(SS, rows, rmask, M, K, EPS, RSTD, RSTD_P2)
+                tot = tot * rstd[:, None]
+                tot2 = tot2 * rstd[:, None]
             if EPI == 1:
                 tot += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if EPI == 2:
                 g = tot.to(Y.dtype.element_ty).to(tl.float32)
                 u = tot2.to(Y.dtype.element_ty).to(tl.float32)
                 tot = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32) * u
-            tl.store(Y + yoffs, tot.to(Y.dtype.element_ty), mask=ymask)
+            if ADD:
+                _add_stats(Y, R, SS, tot, rows, cols, ymask, yoffs, pid, M, N)
+            else:
+                tl.store(Y + yoffs, tot.to(Y.dtype.element_ty), mask=ymask)
             tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
 
 
@@ -177,14 +228,26 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
-def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def launch(
+    key: KernelKey,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    ss: torch.Tensor | None = None,
+):
     """The kernel's (kernel, grid, args, kwargs, (y,)) for x (M, K) contiguous with M <= BLOCK_M, the
     weight (N, K) (EPI 0, 1) or the stacked (2N, K) (EPI 2) contiguous, bias (N,) for EPI 1. A key
-    without COMBINE returns the fp32 partials (SPLIT, M, N) instead of y."""
+    without COMBINE returns the fp32 partials (SPLIT, M, N) instead of y. A key with ADD (a plain
+    product) adds `residual` (M, N) and returns (x W^T + residual, its sums of squares (column blocks,
+    M) fp32): the residual add of the norm after it, whose rstd the next product computes. A key with
+    RSTD takes x un-normed and `ss` (RSTD, M) such sums: each row's products scaled by its rstd (the
+    norm's weight folded into `weight`)."""
     m, k = x.shape
     n, epi, split = int(key["N"]), int(key["EPI"]), int(key["SPLIT"])
     combine = bool(key["COMBINE"])
-    if not combine and (split == 1 or epi != EPI_NONE):
+    add, nss = bool(key.get("ADD")), int(key.get("RSTD") or 0)
+    if not combine and (split == 1 or epi != EPI_NONE or add):
         raise KernelError("decode_gemv: partials as the output need a split plain product (EPI 0)")
     if m > int(key["BLOCK_M"]) or k != int(key["K"]):
         raise KernelError(f"decode_gemv: x {tuple(x.shape)} does not fit the key (<= {key['BLOCK_M']} rows)")
@@ -192,6 +255,10 @@ def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         x.is_contiguous() and weight.is_contiguous()
     ):
         raise KernelError(f"decode_gemv: weight {tuple(weight.shape)} does not fit the key")
+    if add and (residual is None or residual.shape != (m, n) or not residual.is_contiguous()):
+        raise KernelError(f"decode_gemv: an add key needs a contiguous ({m}, {n}) residual")
+    if nss and (ss is None or ss.shape != (nss, m) or ss.dtype != torch.float32 or not ss.is_contiguous()):
+        raise KernelError(f"decode_gemv: an rstd key needs ({nss}, {m}) fp32 sums of squares")
     y = torch.empty((m, n) if combine else (0,), dtype=torch_dtype(key["dtype"]), device=x.device)
     col_blocks = cdiv(n, int(key["BLOCK_N"]))
     cnt = counters(x.device, col_blocks)
@@ -201,7 +268,9 @@ def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         )
     else:
         parts = cnt.view(torch.float32)  # not read or written without a split
-    args = (x, weight, bias if epi == EPI_BIAS else weight, y, parts, cnt, m)
+    ss_out = torch.empty((col_blocks, m), dtype=torch.float32, device=x.device) if add else None
+    sums = ss_out if add else ss if nss else cnt.view(torch.float32)  # unread without ADD or RSTD
+    args = (x, weight, bias if epi == EPI_BIAS else weight, y, parts, cnt, residual if add else y, sums, m)
     kwargs = dict(
         N=n,
         K=k,
@@ -214,8 +283,12 @@ def launch(key: KernelKey, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         BLOCK_K=int(key["BLOCK_K"]),
         PDL=pdl_constexpr(key),
         COMBINE=combine,
+        **({"ADD": True} if add else {}),
+        **({"RSTD": nss, "RSTD_P2": int(key["RSTD_P2"]), "EPS": constexpr_value(key["EPS"])} if nss else {}),
         **launch_options(key),
     )
+    if add:
+        return decode_gemv_kernel, (col_blocks, split), args, kwargs, (y, ss_out)
     out = y if combine else parts.view(split, m, n)
     return decode_gemv_kernel, (col_blocks, split), args, kwargs, (out,)
 
@@ -236,6 +309,38 @@ def decode_gemv_reference(
         gate, up = y.chunk(2, dim=-1)
         return F.silu(gate) * up
     return y
+
+
+def add_stats_reference(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an ADD key computes: (x W^T rounded + residual, rounded; its sums of squares per row over each
+    block_n columns, (column blocks, M) fp32)."""
+    y = F.linear(x, weight)
+    s = (y.float() + residual.float()).to(y.dtype)
+    m, n = s.shape
+    sf = F.pad(s.float(), (0, cdiv(n, block_n) * block_n - n))
+    return s, sf.pow(2).view(m, -1, block_n).sum(-1).t().contiguous()
+
+
+def scaled_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ss: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    swiglu: bool = False,
+) -> torch.Tensor:
+    """What an RSTD key computes: x (un-normed) W^T with each row scaled by rsqrt(sum(ss) / K + eps) in
+    fp32, then the bias or the SwiGLU (gate and up rounded first, as the unfused path)."""
+    rstd = torch.rsqrt(ss.sum(0) / x.shape[1] + eps)
+    y = F.linear(x.float(), weight.float()) * rstd[:, None]
+    if bias is not None:
+        y = y + bias.float()
+    if swiglu:
+        g, u = (t.to(x.dtype).float() for t in y.chunk(2, dim=-1))
+        y = F.silu(g).to(x.dtype).float() * u
+    return y.to(x.dtype)
 
 
 # -- tile policy and key functions --------------------------------------------------------------
@@ -326,11 +431,16 @@ def gemv_key(
     combine: bool = True,
     rows: int = 1,
     aligned: Sequence[bool] | None = None,
+    add: bool = False,
+    rstd: int = 0,
+    eps: float = 0.0,
 ) -> KernelKey:
     """The kernel for an (n, k) weight in `dtype` (n: the output width; the stacked weight of the SwiGLU
     epilogue has 2n rows). combine False: a split plain product's output is its fp32 partials, summed
     by the next kernel (a residual add + RMSNorm with PARTS = SPLIT). rows: the bucket's (its row tile,
-    block_m). aligned: X, W, BIAS."""
+    block_m). aligned: X, W, BIAS. add: a plain product that adds the residual and writes its sums of
+    squares (split as a product whose partials the next kernel sums, its last program combining them);
+    rstd: a product whose input is un-normed, scaled by the rstd of `rstd` such sums (norm eps `eps`)."""
     return make_key(
         GEMV.op,
         arch,
@@ -343,7 +453,9 @@ def gemv_key(
         PDL=pdl(arch),
         num_warps=4,
         num_stages=3,
-        **tiles(n=n, k=k, epilogue=epilogue, rows=rows, arch=arch, combine=combine),
+        **tiles(n=n, k=k, epilogue=epilogue, rows=rows, arch=arch, combine=combine and not add),
+        **({"ADD": True} if add else {}),
+        **({"RSTD": int(rstd), "RSTD_P2": next_pow2(rstd), "EPS": f64_bits(eps)} if rstd else {}),
     )
 
 
@@ -376,13 +488,17 @@ def step_rows(hidden: int) -> int:
 
 # -- registered description ---------------------------------------------------------------------
 def _warm(key: KernelKey, device: Any) -> tuple:
-    """Two rows, aligned as `key` says, through the launcher."""
+    """Two rows, aligned as `key` says, through the launcher (with a residual or sums of squares where
+    the key adds or scales)."""
     al = [c == "A" for c in str(key["align"])]
     n, k, epi, dt = int(key["N"]), int(key["K"]), int(key["EPI"]), key["dtype"]
     x = tensor((2, k), dt, device, al[0])
     w = tensor((2 * n if epi == EPI_SWIGLU else n, k), dt, device, al[1])
     bias = tensor((n,), dt, device, al[2]) if epi == EPI_BIAS else None
-    return launch(key, x, w, bias)
+    residual = tensor((2, n), dt, device, True) if key.get("ADD") else None
+    nss = int(key.get("RSTD") or 0)
+    ss = torch.ones((nss, 2), dtype=torch.float32, device=device) if nss else None
+    return launch(key, x, w, bias, residual, ss)
 
 
 def plan(
@@ -396,12 +512,14 @@ def plan(
     qkv_bias: bool,
     dtype: str,
     rows: int = 1,
+    eps: float = 1e-6,
 ) -> set[KernelKey]:
     """Keys of the decode step's products this kernel serves: q/k/v (with its bias), o_proj, gate/up
     with its SwiGLU, down (one key per product and row tile: every bucket of at most 16 rows launches
     the same binary, and an engine of any batch size decodes a few prompts in such a bucket; an engine
     of more rows, `rows`, also has the larger buckets' tiles where serves says so). o_proj and down feed
-    a residual add + RMSNorm: split, their partials go to it (combine False) in the step (runtime.chained)."""
+    a residual add + RMSNorm: split, their partials go to it (combine False) in the step (runtime.chained);
+    with FOLD_NORM, o_proj's ADD key and gate/up's RSTD key (norm eps `eps`) instead of the norm between."""
     del grad
     products = (
         (q_size + 2 * kv_size, hidden, EPI_BIAS if qkv_bias else EPI_NONE),
@@ -419,6 +537,26 @@ def plan(
         for n, k, epi in products[1::2]:  # o_proj, down
             if serves(tile, k, epi, n) and split(n, k) > 1:
                 keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, combine=False, rows=tile))
+        if (
+            FOLD_NORM
+            and serves(tile, q_size, EPI_NONE, hidden)
+            and serves(tile, hidden, EPI_SWIGLU, intermediate)
+        ):
+            add = gemv_key(arch, n=hidden, k=q_size, dtype=dtype, rows=tile, add=True)  # o_proj + the add
+            keys.add(add)
+            parts = cdiv(hidden, int(add["BLOCK_N"]))
+            keys.add(  # gate/up scaled by the rstd from o_proj's sums of squares
+                gemv_key(
+                    arch,
+                    n=intermediate,
+                    k=hidden,
+                    dtype=dtype,
+                    epilogue=EPI_SWIGLU,
+                    rows=tile,
+                    rstd=parts,
+                    eps=eps,
+                )
+            )
     return keys
 
 
@@ -434,6 +572,8 @@ GEMV = Kernel(
         "Y": "dtype",
         "P": "fp32",
         "CNT": "i32",
+        "R": "dtype",
+        "SS": "fp32",
     },
     outputs=("Y", "P", "CNT"),
 )

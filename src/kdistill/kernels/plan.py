@@ -389,6 +389,7 @@ def generation_kernels(
         qkv_bias=spec.attention_bias,
         dtype=dt,
         rows=batch,
+        eps=spec.rms_eps,
     )
     out.add(
         library.sdpa_key(

@@ -94,6 +94,17 @@ class Kernel:
         self.__dict__["_signature"] = (self.fn, sig)
         return sig
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The jit function's constexprs that have a default value: name -> value (what a launch that
+        does not pass them binds, so a key may leave them out)."""
+        fn = getattr(self.fn, "fn", self.fn)
+        return {
+            p.name: p.default
+            for p in inspect.signature(fn).parameters.values()
+            if p.default is not inspect.Parameter.empty and "constexpr" in str(p.annotation)
+        }
+
     def _read_signature(self) -> tuple[Arg, ...]:
         names, constexpr, dns, dnsoa = jit_names(self.fn)
         out = []
@@ -138,12 +149,15 @@ class Kernel:
         constexprs: dict[str, Any] = {}
         attrs: dict[tuple[int, ...], list[list[Any]]] = {}
         align = key.get("align")
+        defaults = self.defaults
         ptr = 0
         for i, a in enumerate(self.signature):
             if a.kind == "constexpr":
                 sig[a.name] = "constexpr"
                 if key.get(a.name) is not None:
                     constexprs[a.name] = constexpr_value(key[a.name])
+                elif a.name in defaults:  # a constexpr with a default may be left out of a key
+                    constexprs[a.name] = defaults[a.name]
             elif a.kind == "ptr":
                 sig[a.name] = "*" + self._dtype(key, a.name)
                 if a.specialized:
