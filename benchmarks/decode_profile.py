@@ -253,6 +253,13 @@ def main() -> None:
         "at any width up to 16 rows: MAX_LONG_K lifted); several: each batch size runs once per value, one after the other "
         "(an A/B in one process)",
     )
+    ap.add_argument(
+        "--fold-norm",
+        default=None,
+        help="V[,V...]: kernels/decode_gemv.py's FOLD_NORM (0: no norm folded into the products, 1: the norm "
+        "after o_proj, 2: also the norm after the down); several: each batch size runs once per value, one "
+        "after the other (an A/B in one process)",
+    )
     a = ap.parse_args()
     if a.no_pdl:
         from kdistill.kernels import decode_attention, rmsnorm
@@ -305,10 +312,17 @@ def main() -> None:
         print(f"{preset}: {info.get('prewarm', info)}", flush=True)
         g = torch.Generator().manual_seed(1)
         variants = [None] if a.gemv_products is None else a.gemv_products.split(";")
+        if a.fold_norm is not None:  # each products value once per FOLD_NORM value
+            variants = [(t, int(f)) for t in variants for f in a.fold_norm.split(",")]
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
-                if tiles is not None:  # other keys: plan, prewarm, seal again
+                if isinstance(tiles, tuple):
+                    tiles, decode_gemv.FOLD_NORM = tiles
+                    product_tiles(tiles or "policy", spec)
+                    info = prepare_kernels(model, max(batches), a.prompt, max_len)
+                    print(f"{preset} (fold {decode_gemv.FOLD_NORM}): {info.get('prewarm', info)}", flush=True)
+                elif tiles is not None:  # other keys: plan, prewarm, seal again
                     product_tiles(tiles, spec)
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)
                     print(f"{preset} ({tiles}): {info.get('prewarm', info)}", flush=True)
@@ -319,6 +333,7 @@ def main() -> None:
                     "batch": b,
                     "temperature": a.temperature,
                     **({} if tiles is None else {"products": tiles}),
+                    **({} if a.fold_norm is None else {"fold_norm": decode_gemv.FOLD_NORM}),
                     **profile_one(eng, prompts, a.reps),
                 }
                 floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
@@ -327,7 +342,8 @@ def main() -> None:
                 row["jit_after_prewarm"] = seal.jit_after_prewarm()
                 result["rows"].append(row)
                 print(
-                    f"\n{preset} batch {b}{'' if tiles is None else f' ({tiles})'}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
+                    f"\n{preset} batch {b}{'' if tiles is None else f' ({tiles})'}"
+                    f"{'' if a.fold_norm is None else f' (fold {decode_gemv.FOLD_NORM})'}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
                     f"({row['floor_fraction']:.0%}), {row['kernels_per_step']:.0f} kernels, "
                     f"kernels {row['kernel_ms']:.3f} ms, gaps {row['gap_ms']:.3f} ms, "
                     f"jit_after_prewarm {row['jit_after_prewarm']}",

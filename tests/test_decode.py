@@ -412,6 +412,7 @@ def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_th
     are in the plan, and the engine's tokens are the reference forward's."""
     from kdistill.kernels import decode_gemv
 
+    assert decode_gemv.FOLD_NORM == 2
     model = load_model(
         make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32, intermediate_size=1024)
     ).eval()
@@ -426,7 +427,13 @@ def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_th
     plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=4, prompt_len=4, max_len=16)
     assert triton <= plan, triton - plan
     assert {k["PARTS"] for k in triton if k.op == "rmsnorm_fwd"} == {0, splits}
-    assert {k["COMBINE"] for k in triton if k.op == "decode_gemv" and k["K"] == 1024} == {False}
+    downs = {k for k in triton if k.op == "decode_gemv" and k["K"] == 1024}
+    # the last block's down: partials to the final norm; the others' (the norm after them folded into
+    # the next q/k/v): their own combine adds the residual (decode_gemv.FOLD_NORM 2)
+    assert {(k["COMBINE"], bool(k.get("ADD")), k["SPLIT"]) for k in downs} == {
+        (False, False, splits),
+        (True, True, splits),
+    }
     assert got == generate_ids(model, rows, Sampling(max_new_tokens=3))
     with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
         DecodeEngine(model, batch_size=72, max_len=16, sampling=Sampling(max_new_tokens=2)).generate(

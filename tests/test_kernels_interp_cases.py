@@ -582,11 +582,14 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
     assert int(decode_gemv.counters(x.device, 1).abs().sum()) == 0
 
 
-def case_decode_norm_fold(device="cpu", dtype=torch.float32, rows=3, n=48, k=48, inter=24):
-    """The norm after o_proj inside the products around it: o_proj adds the residual and writes each row's
-    sums of squares by column block (an ADD key; split over K, its last program adds), gate/up, whose
-    weights hold the norm's weight, scales each row by its rstd (an RSTD key): the residual sum equal to
-    the unfused kernels', the SwiGLU output the unfused one's within rounding."""
+def case_decode_norm_fold(
+    device="cpu", dtype=torch.float32, rows=3, n=48, k=48, inter=24, consumer="gate_up"
+):
+    """A norm inside the products around it: the product before it (o_proj; the down) adds the residual
+    and writes each row's sums of squares by column block (an ADD key; split over K, its last program
+    adds), the product after it (gate/up; q/k/v with its bias: `inter` outputs), whose weights hold the
+    norm's weight, scales each row by its rstd (an RSTD key): the residual sum equal to the unfused
+    kernels', the output the unfused one's within rounding, no norm launch."""
     from kdistill import dispatch
     from kdistill.kernels import decode_gemv, runtime
 
@@ -595,19 +598,22 @@ def case_decode_norm_fold(device="cpu", dtype=torch.float32, rows=3, n=48, k=48,
     w = (torch.randn((n, k), generator=g) / k**0.5).to(device, dtype)
     residual = torch.randn((rows, 1, n), generator=g).to(device, dtype)
     nw = (torch.rand(n, generator=g) + 0.5).to(device, dtype)
-    gate_up = (torch.randn((2 * inter, n), generator=g) / n**0.5).to(device, dtype)
+    swiglu = consumer == "gate_up"
+    wc = (torch.randn(((2 if swiglu else 1) * inter, n), generator=g) / n**0.5).to(device, dtype)
+    bias = None if swiglu else torch.randn(inter, generator=g).to(device, dtype)
+    epi = decode_gemv.EPI_SWIGLU if swiglu else decode_gemv.EPI_BIAS
     eps = 1e-6
-    assert dispatch.folds.__doc__  # the engine's switch (it asks runtime.chained and the kernel's serves)
     with _kernel_mode(), runtime.chained(True):
-        assert dispatch.folds(rows, n, k, inter)
+        assert dispatch.folds(rows, n, k, inter, epi)
         with runtime.recording() as rec:
             summed, ss = dispatch.decode_linear_add_stats(x, w, residual)
-            act = dispatch.decode_linear_scaled(summed, gate_up * nw[None, :], ss, eps, gate_up=True)
+            out = dispatch.decode_linear_scaled(summed, wc * nw[None, :], ss, eps, bias, gate_up=swiglu)
         want_h, want_sum = dispatch.add_rmsnorm(dispatch.decode_linear(x, w)[:, None], residual, nw, eps)
-        want_act = dispatch.decode_linear(want_h[:, 0], gate_up, gate_up=True)
+        want = dispatch.decode_linear(want_h[:, 0], wc, bias, gate_up=swiglu)
     gkeys = sorted((key for key in rec.keys() if key.op == "decode_gemv"), key=lambda key: not key.get("ADD"))
     assert [bool(key.get("ADD")) for key in gkeys] == [True, False]
     assert gkeys[1]["RSTD"] == ss.shape[0] == -(-n // gkeys[0]["BLOCK_N"])
+    assert gkeys[1]["EPI"] == epi
     assert not [key for key in rec.keys() if key.op == "rmsnorm_fwd"]  # no norm launch
     assert summed.shape == (rows, n) and ss.shape[1] == rows
     if gkeys[0]["SPLIT"] == 1:  # the same product, the same rounding: the same sum
@@ -615,13 +621,13 @@ def case_decode_norm_fold(device="cpu", dtype=torch.float32, rows=3, n=48, k=48,
     else:
         _close("sum", summed, want_sum[:, 0], dtype)
     _close("sums of squares", ss.sum(0), summed.float().pow(2).sum(-1), dtype)
-    _close("act", act, want_act, dtype)
+    _close("out", out, want, dtype)
     # the references of both keys compute the same
     ref_sum, ref_ss = decode_gemv.add_stats_reference(x, w, residual[:, 0], int(gkeys[0]["BLOCK_N"]))
     _close("reference sum", ref_sum, summed, dtype)
     _close("reference sums of squares", ref_ss, ss, dtype, scale=10)
-    ref_act = decode_gemv.scaled_reference(summed, gate_up * nw[None, :], ss, eps, swiglu=True)
-    _close("reference act", ref_act, act, dtype)
+    ref_out = decode_gemv.scaled_reference(summed, wc * nw[None, :], ss, eps, bias, swiglu=swiglu)
+    _close("reference out", ref_out, out, dtype)
     assert int(decode_gemv.counters(x.device, 1).abs().sum()) == 0
 
 
@@ -690,7 +696,7 @@ def case_embed_rmsnorm(
     _close("y", y, ref, dtype)
 
 
-def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16, temperature=0.0):
+def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16, temperature=0.0, layers=1):
     """The decode engine's tokens with the kernels equal the reference ops' (slot refill, a stop token,
     a head size the decode-attention kernel takes; from 32 on, with RoPE inside it), greedy or sampled
     (the same uniforms: the sampler kernel's inverse CDF picks the reference's tokens)."""
@@ -703,7 +709,7 @@ def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16, temperatu
 
     d = make_tiny_model(
         tempfile.mkdtemp(), family="qwen2", tied=False, hidden_size=32, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=head_dim, intermediate_size=48, num_hidden_layers=1,
+        num_key_value_heads=1, head_dim=head_dim, intermediate_size=48, num_hidden_layers=layers,
     )  # fmt: skip
     model = load_model(d, device, dtype).eval()
     prompts = [[5, 9, 17, 3], [40, 41], [7, 8, 9, 10, 11, 12]]
@@ -863,6 +869,8 @@ CASES = {
     "forward_at_multi_fp32_rope_kernel_first": (case_forward_at_multi, dict(head_dim=16)),
     "decode_engine_fp32": (case_decode_engine, {}),
     "decode_engine_fp32_sampled": (case_decode_engine, dict(head_dim=32, temperature=0.8)),
+    # two blocks: the norm after the first block's down inside it and the second block's q/k/v
+    "decode_engine_fp32_two_blocks": (case_decode_engine, dict(layers=2)),
     # the sampler and bookkeeping kernel: greedy (a tie across chunks), sampled (the inverse CDF)
     "decode_sample_fp32_greedy": (case_decode_sample, {}),
     "decode_sample_bf16_greedy": (case_decode_sample, dict(dtype=torch.bfloat16, rows=5)),
@@ -892,6 +900,11 @@ CASES = {
     "decode_norm_fold_fp32": (case_decode_norm_fold, {}),
     "decode_norm_fold_fp32_split": (case_decode_norm_fold, dict(rows=5, n=32, k=1536, inter=40)),
     "decode_norm_fold_fp32_16_rows": (case_decode_norm_fold, dict(rows=16, n=80, k=64)),
+    # the norm after the down: the down (K split over 4, its last program adding) then q/k/v with its bias
+    "decode_norm_fold_fp32_down_qkv": (
+        case_decode_norm_fold,
+        dict(rows=4, n=32, k=2048, inter=24, consumer="qkv"),
+    ),
     "decode_engine_fp32_rope_in_attention": (case_decode_engine, dict(head_dim=32)),
     "decode_attention_fp32_rope": (
         case_decode_attention,

@@ -253,8 +253,9 @@ def _layer_tensors(block: nn.Module) -> dict[str, torch.Tensor | None]:
 class DecodeWeights:
     """The decoder's weights in the decode dtype and layout, refreshed in place (graph-safe). With `fold`
     (decode_gemv.FOLD_NORM) each block's gate/up rows hold the post-attention norm's weight folded into their
-    inputs (W diag(w): the engine's own concatenated copy, scaled again at every refresh), and the norm
-    before them runs with `ones` in its place."""
+    inputs (W diag(w): the engine's own concatenated copy, scaled again at every refresh), and with
+    `fold` 2 each block's q/k/v rows its input norm's weight; a folded norm runs with `ones` in its
+    place."""
 
     def __init__(
         self, model: Decoder, dtype: torch.dtype, device: torch.device, fold: bool | None = None
@@ -274,20 +275,27 @@ class DecodeWeights:
             _Layer(**{k: conv(v) if v is not None else None for k, v in _layer_tensors(b).items()})
             for b in body.layers
         ]
-        self.fold = decode_gemv.FOLD_NORM if fold is None else bool(fold)
+        self.fold = decode_gemv.FOLD_NORM if fold is None else int(fold)
         self.ones = torch.ones(self.spec.hidden_size, dtype=dtype, device=device)
         self._fold()
 
     def _fold(self) -> None:
-        """Fold each block's post-attention norm weight into its gate/up rows (a copy of the model's, never
-        shared: the concatenation made it), where `fold`."""
-        if self.fold:
-            for layer in self.layers:
+        """Fold each block's post-attention norm weight into its gate/up rows (`fold` >= 1) and its input
+        norm weight into its q/k/v rows (`fold` 2): the engine's copies (never shared: the concatenations
+        made them)."""
+        for layer in self.layers:
+            if self.fold >= 1:
                 layer.gate_up.mul_(layer.ln2[None, :])
+            if self.fold >= 2:
+                layer.qkv.mul_(layer.ln1[None, :])
+
+    def ln1(self, layer: _Layer) -> torch.Tensor:
+        """The input norm's weight as the engine applies it (`ones` where folded into q/k/v)."""
+        return self.ones if self.fold >= 2 else layer.ln1
 
     def ln2(self, layer: _Layer) -> torch.Tensor:
-        """The post-attention norm's weight as the engine applies it (`ones` where folded)."""
-        return self.ones if self.fold else layer.ln2
+        """The post-attention norm's weight as the engine applies it (`ones` where folded into gate/up)."""
+        return self.ones if self.fold >= 1 else layer.ln2
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
         out = t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -386,18 +394,30 @@ def forward_tokens(
     delta = None if gathered else F.embedding(ids, w.embed)  # (B, T, H)
     residual = None
     down = None  # step: the last block's down product (input, weight), left to the next add + norm
+    qkv_n = s.q_size + 2 * s.kv_size
+    qkv_epi = decode_gemv.EPI_BIAS if s.attention_bias else decode_gemv.EPI_NONE
     for i, layer in enumerate(w.layers):
+        ss = None  # the sums of squares of a folded input norm (the down's): q/k/v scales by their rstd
         if gathered and residual is None:
-            h, residual = dispatch.embed_rmsnorm(ids[:, 0], w.embed, layer.ln1, eps)
+            h, residual = dispatch.embed_rmsnorm(ids[:, 0], w.embed, w.ln1(layer), eps)
             h, residual = h.view(b, 1, -1), residual.view(b, 1, -1)
         elif residual is None:
             residual = delta
-            h = dispatch.rmsnorm(delta, layer.ln1, eps)
+            h = dispatch.rmsnorm(delta, w.ln1(layer), eps)
+        elif (
+            down is not None
+            and w.fold >= 2
+            and dispatch.folds(b, s.hidden_size, s.intermediate_size, qkv_n, qkv_epi)
+        ):
+            summed, ss = dispatch.decode_linear_add_stats(*down, residual)
+            h, residual = summed[:, None], summed.view(residual.shape)
         elif down is not None:
-            h, residual = dispatch.decode_linear_add_rmsnorm(*down, residual, layer.ln1, eps)
+            h, residual = dispatch.decode_linear_add_rmsnorm(*down, residual, w.ln1(layer), eps)
         else:
-            h, residual = dispatch.add_rmsnorm(delta, residual, layer.ln1, eps)
-        if step:  # (B, 1, H): the products at B rows
+            h, residual = dispatch.add_rmsnorm(delta, residual, w.ln1(layer), eps)
+        if ss is not None:  # h un-normed: each row scaled by its rstd (the norm's weight in q/k/v's rows)
+            qkv = dispatch.decode_linear_scaled(h[:, 0], layer.qkv, ss, eps, layer.qkv_bias)[:, None]
+        elif step:  # (B, 1, H): the products at B rows
             qkv = dispatch.decode_linear(h[:, 0], layer.qkv, layer.qkv_bias)[:, None]
         else:
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (B, T, q + 2 kv)
@@ -413,7 +433,11 @@ def forward_tokens(
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         o = attend(i, q, k, v.transpose(1, 2))  # (B, Hq, T, D)
         o = o.transpose(1, 2).reshape(b, t, s.q_size)
-        if step and w.fold and dispatch.folds(b, s.hidden_size, s.q_size, s.intermediate_size):
+        if (
+            step
+            and w.fold
+            and dispatch.folds(b, s.hidden_size, s.q_size, s.intermediate_size, decode_gemv.EPI_SWIGLU)
+        ):
             # the norm inside the products: o_proj adds the residual and writes the sums of squares,
             # gate/up (the norm's weight folded into it) scales each row by its rstd
             summed, ss = dispatch.decode_linear_add_stats(o[:, 0], layer.o, residual)

@@ -621,20 +621,22 @@ def decode_linear(
     return decode_gemv.decode_gemv_reference(x, weight, bias, gate_up)
 
 
-def folds(rows: int, n: int, k: int, intermediate: int) -> bool:
-    """Whether a decode step folds the norm after o_proj (n outputs of k inputs) into the products around
-    it: the bucket chains (runtime.chained) and the matrix-vector kernel serves both o_proj and gate/up."""
+def folds(rows: int, n: int, k: int, consumer_n: int, consumer_epilogue: int) -> bool:
+    """Whether a decode step folds the norm after a product of n outputs and k inputs (o_proj, down) into
+    it and the product after the norm (consumer_n outputs of n inputs with decode_gemv's epilogue
+    consumer_epilogue: gate/up, q/k/v): the bucket chains (runtime.chained) and the matrix-vector kernel
+    serves both."""
     return (
         current().chained
         and decode_gemv.serves(rows, k, decode_gemv.EPI_NONE, n)
-        and decode_gemv.serves(rows, n, decode_gemv.EPI_SWIGLU, intermediate)
+        and decode_gemv.serves(rows, n, consumer_epilogue, consumer_n)
     )
 
 
 def decode_linear_add_stats(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's o_proj with the residual add of the norm after it: x (B, K), weight (N, K), the
+    """A decode step's o_proj or down with the residual add of the norm after it: x (B, K), weight (N, K), the
     residual's B rows of N -> (x @ weight^T + residual (B, N), its sums of squares per row over each
     column block of the product (column blocks, B) fp32), from which the next product (decode_linear_scaled)
     computes each row's rstd: the norm has no launch of its own. The matrix-vector kernel's ADD key (a

@@ -202,26 +202,36 @@ def test_split_partials_summed_by_the_norm_equal_the_products_own_combine(rows, 
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32, 64])
-@pytest.mark.parametrize("n,k,inter", [(896, 896, 4864), (1536, 1536, 8960)])  # 0.5B, 1.5B (o_proj split)
-def test_the_norm_folded_into_o_proj_and_gate_up_matches_the_unfused_step(rows, n, k, inter):
-    """o_proj adding the residual and writing its sums of squares, gate/up (the norm's weight folded into
-    its rows) scaling by each row's rstd: the residual sum and the SwiGLU output of the unfused o_proj,
-    add + norm and gate/up, where a chained bucket's kernels serve both products."""
-    g = torch.Generator(device="cuda").manual_seed(n + rows)
+@pytest.mark.parametrize(
+    "n,k,inter,swiglu",
+    [
+        (896, 896, 4864, True),  # 0.5B: o_proj, gate/up
+        (1536, 1536, 8960, True),  # 1.5B (o_proj split: its last program adds)
+        (896, 4864, 1152, False),  # 0.5B: the down (split), the next q/k/v with its bias
+        (1536, 8960, 2048, False),  # 1.5B: the long-K down, q/k/v
+    ],
+)
+def test_a_norm_folded_into_the_products_around_it_matches_the_unfused_step(rows, n, k, inter, swiglu):
+    """The product before the norm adding the residual and writing its sums of squares, the product after
+    it (the norm's weight folded into its rows) scaling by each row's rstd: the residual sum and the
+    output of the unfused product, add + norm and product, where a chained bucket's kernels serve both."""
+    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
     x = torch.randn((rows, k), generator=g, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn((n, k), generator=g, device="cuda") / k**0.5).bfloat16()
     residual = torch.randn((rows, 1, n), generator=g, device="cuda", dtype=torch.bfloat16)
     nw = (torch.rand(n, generator=g, device="cuda") + 0.5).bfloat16()
-    gate_up = (torch.randn((2 * inter, n), generator=g, device="cuda") / n**0.5).bfloat16()
+    wc = (torch.randn(((2 if swiglu else 1) * inter, n), generator=g, device="cuda") / n**0.5).bfloat16()
+    bias = None if swiglu else torch.randn(inter, generator=g, device="cuda", dtype=torch.bfloat16)
+    epi = decode_gemv.EPI_SWIGLU if swiglu else decode_gemv.EPI_BIAS
     with dispatch.using(mode="triton", arch="sm_90", strict=True), dispatch.chained(True):
-        if not dispatch.folds(rows, n, k, inter):  # a wide model past 16 rows: cuBLAS, unfolded
+        if not dispatch.folds(rows, n, k, inter, epi):  # a wide model past 16 rows: cuBLAS, unfolded
             assert rows > decode_gemv.step_rows(n)
             return
         with dispatch.recording() as rec:
             summed, ss = dispatch.decode_linear_add_stats(x, w, residual)
-            act = dispatch.decode_linear_scaled(summed, gate_up * nw[None, :], ss, 1e-6, gate_up=True)
+            act = dispatch.decode_linear_scaled(summed, wc * nw[None, :], ss, 1e-6, bias, gate_up=swiglu)
         h, want_sum = dispatch.add_rmsnorm(dispatch.decode_linear(x, w)[:, None], residual, nw, 1e-6)
-        want = dispatch.decode_linear(h[:, 0], gate_up, gate_up=True)
+        want = dispatch.decode_linear(h[:, 0], wc, bias, gate_up=swiglu)
     assert {bool(key.get("ADD")) for key in rec.keys() if key.op == "decode_gemv"} == {True, False}
     assert not [key for key in rec.keys() if key.op == "rmsnorm_fwd"]
     err_sum = ((summed.double() - want_sum[:, 0].double()).norm() / want_sum.double().norm()).item()

@@ -49,10 +49,12 @@ from kdistill.kernels.keys import (
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
 EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
-# The post-attention norm inside a small bucket's products (dispatch.folds): o_proj adds the residual
-# and writes each row's sums of squares by column block (an ADD key), gate/up, whose weights hold the
-# norm's weight (decode.DecodeWeights), scales each row by its rstd (an RSTD key); no norm launch.
-FOLD_NORM = True
+# A block's norms inside a small bucket's products (dispatch.folds): the product before the norm adds the
+# residual and writes each row's sums of squares by column block (an ADD key), the product after it,
+# whose weights hold the norm's weight (decode.DecodeWeights), scales each row by its rstd (an RSTD key);
+# no norm launch. 1: the norm after o_proj (o_proj, gate/up); 2: also the norm after the down (down,
+# the next block's q/k/v); 0: none.
+FOLD_NORM = 2
 MAX_ROWS = 64  # the buckets this kernel serves (16, 32 or 64 rows a tile); larger ones stay on cuBLAS
 ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16: the dot's smallest)
 # A bucket of 17 to 64 rows: the products with a side of at most NARROW (measured on an H200,
@@ -519,7 +521,8 @@ def plan(
     the same binary, and an engine of any batch size decodes a few prompts in such a bucket; an engine
     of more rows, `rows`, also has the larger buckets' tiles where serves says so). o_proj and down feed
     a residual add + RMSNorm: split, their partials go to it (combine False) in the step (runtime.chained);
-    with FOLD_NORM, o_proj's ADD key and gate/up's RSTD key (norm eps `eps`) instead of the norm between."""
+    with FOLD_NORM, the ADD key of the product before a folded norm and the RSTD key (norm eps `eps`) of
+    the product after it."""
     del grad
     products = (
         (q_size + 2 * kv_size, hidden, EPI_BIAS if qkv_bias else EPI_NONE),
@@ -537,26 +540,27 @@ def plan(
         for n, k, epi in products[1::2]:  # o_proj, down
             if serves(tile, k, epi, n) and split(n, k) > 1:
                 keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, combine=False, rows=tile))
-        if (
-            FOLD_NORM
-            and serves(tile, q_size, EPI_NONE, hidden)
-            and serves(tile, hidden, EPI_SWIGLU, intermediate)
-        ):
-            add = gemv_key(arch, n=hidden, k=q_size, dtype=dtype, rows=tile, add=True)  # o_proj + the add
-            keys.add(add)
-            parts = cdiv(hidden, int(add["BLOCK_N"]))
-            keys.add(  # gate/up scaled by the rstd from o_proj's sums of squares
-                gemv_key(
-                    arch,
-                    n=intermediate,
-                    k=hidden,
-                    dtype=dtype,
-                    epilogue=EPI_SWIGLU,
-                    rows=tile,
-                    rstd=parts,
-                    eps=eps,
+        qkv_n, qkv_epi = products[0][0], products[0][2]
+        folded = ((q_size, intermediate, EPI_SWIGLU),) * (FOLD_NORM >= 1) + (  # o_proj + add, gate/up
+            (intermediate, qkv_n, qkv_epi),  # the down + the add, then the next block's q/k/v
+        ) * (FOLD_NORM >= 2)
+        for k, consumer_n, epi in folded:
+            if serves(tile, k, EPI_NONE, hidden) and serves(tile, hidden, epi, consumer_n):
+                add = gemv_key(arch, n=hidden, k=k, dtype=dtype, rows=tile, add=True)
+                keys.add(add)
+                parts = cdiv(hidden, int(add["BLOCK_N"]))
+                keys.add(  # scaled by the rstd from the sums of squares the add wrote
+                    gemv_key(
+                        arch,
+                        n=consumer_n,
+                        k=hidden,
+                        dtype=dtype,
+                        epilogue=epi,
+                        rows=tile,
+                        rstd=parts,
+                        eps=eps,
+                    )
                 )
-            )
     return keys
 
 
