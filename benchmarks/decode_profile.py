@@ -56,6 +56,24 @@ def replay_ms(graph, reps: int) -> float:
     return statistics.median(times)
 
 
+def _fold_name() -> str | int:
+    """decode_gemv.FOLD_NORM as --fold-norm names it."""
+    return "policy" if decode_gemv.FOLD_NORM is None else decode_gemv.FOLD_NORM
+
+
+def burst_ms(graph, replays: int = 200) -> float:
+    """Mean ms of a replay over `replays` back to back between two CUDA events: the steps' throughput as
+    generation sees it (no host round trip between them, so no launch latency in it)."""
+    graph.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(replays):
+        graph.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / replays
+
+
 def kernels_of(graph, steps: int) -> list[tuple[str, float, float, float]]:
     """(name, µs, start µs, end µs) of every kernel the profiler saw over `steps` replays, in the order
     they started."""
@@ -116,6 +134,7 @@ def profile_one(engine: DecodeEngine, prompts: list[list[int]], reps: int) -> di
     st = engine.slots
     assert st is not None and st.graph is not None, "the step was not captured"
     step = replay_ms(st.graph, reps)
+    burst = burst_ms(st.graph)
     steps = 5
     ks = kernels_of(st.graph, steps)
     groups: dict[str, list[float]] = defaultdict(list)
@@ -128,6 +147,7 @@ def profile_one(engine: DecodeEngine, prompts: list[list[int]], reps: int) -> di
     kernel_ms = sum(k[1] for k in ks) / steps / 1e3
     return {
         "step_ms": step,
+        "burst_ms": burst,
         "kernels_per_step": len(ks) / steps,
         "kernel_ms": kernel_ms,
         "gap_ms": step - kernel_ms,
@@ -256,9 +276,9 @@ def main() -> None:
     ap.add_argument(
         "--fold-norm",
         default=None,
-        help="V[,V...]: kernels/decode_gemv.py's FOLD_NORM (0: no norm folded into the products, 1: the norm "
-        "after o_proj, 2: also the norm after the down); several: each batch size runs once per value, one "
-        "after the other (an A/B in one process)",
+        help="V[,V...]: kernels/decode_gemv.py's FOLD_NORM (policy: the norms whose product before them is "
+        "not split, 0: no norm folded into the products, 1: the norm after o_proj, 2: also the norm after the "
+        "down); several: each batch size runs once per value, one after the other (an A/B in one process)",
     )
     a = ap.parse_args()
     if a.no_pdl:
@@ -313,7 +333,8 @@ def main() -> None:
         g = torch.Generator().manual_seed(1)
         variants = [None] if a.gemv_products is None else a.gemv_products.split(";")
         if a.fold_norm is not None:  # each products value once per FOLD_NORM value
-            variants = [(t, int(f)) for t in variants for f in a.fold_norm.split(",")]
+            levels = [None if f == "policy" else int(f) for f in a.fold_norm.split(",")]
+            variants = [(t, f) for t in variants for f in levels]
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
@@ -321,7 +342,7 @@ def main() -> None:
                     tiles, decode_gemv.FOLD_NORM = tiles
                     product_tiles(tiles or "policy", spec)
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)
-                    print(f"{preset} (fold {decode_gemv.FOLD_NORM}): {info.get('prewarm', info)}", flush=True)
+                    print(f"{preset} (fold {_fold_name()}): {info.get('prewarm', info)}", flush=True)
                 elif tiles is not None:  # other keys: plan, prewarm, seal again
                     product_tiles(tiles, spec)
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)
@@ -333,7 +354,7 @@ def main() -> None:
                     "batch": b,
                     "temperature": a.temperature,
                     **({} if tiles is None else {"products": tiles}),
-                    **({} if a.fold_norm is None else {"fold_norm": decode_gemv.FOLD_NORM}),
+                    **({} if a.fold_norm is None else {"fold_norm": _fold_name()}),
                     **profile_one(eng, prompts, a.reps),
                 }
                 floor = (eng.weights.nbytes() + kv_bytes(spec, b, a.prompt + a.new)) / bw
@@ -343,8 +364,8 @@ def main() -> None:
                 result["rows"].append(row)
                 print(
                     f"\n{preset} batch {b}{'' if tiles is None else f' ({tiles})'}"
-                    f"{'' if a.fold_norm is None else f' (fold {decode_gemv.FOLD_NORM})'}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
-                    f"({row['floor_fraction']:.0%}), {row['kernels_per_step']:.0f} kernels, "
+                    f"{'' if a.fold_norm is None else f' (fold {_fold_name()})'}: step {row['step_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms "
+                    f"({row['floor_fraction']:.0%}), back to back {row['burst_ms']:.3f} ms, {row['kernels_per_step']:.0f} kernels, "
                     f"kernels {row['kernel_ms']:.3f} ms, gaps {row['gap_ms']:.3f} ms, "
                     f"jit_after_prewarm {row['jit_after_prewarm']}",
                     flush=True,

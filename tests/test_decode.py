@@ -391,10 +391,12 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
         keys = plan_mod.generation_kernels(spec, "sm_90", "bf16", batch=64, prompt_len=8, max_len=64)
         gemv = [k for k in keys if k.op == "decode_gemv"]
         assert {k["BLOCK_M"] for k in gemv} == ({16, 32, 64} if narrow else {16}), preset
-        # gate/up's keys: plain, and scaled by the rstd of o_proj's sums of squares (the norm folded in)
+        # gate/up's keys: plain, and at 0.5B (its o_proj not split, the norm after it folded) scaled by
+        # the rstd of o_proj's sums of squares; the 1.5B's o_proj is split: its norm stays a launch
         at16 = [k for k in gemv if k["BLOCK_M"] == 16 and k["EPI"] == decode_gemv.EPI_SWIGLU]
         assert {k["PRE_K"] for k in at16} == {512 if narrow else decode_gemv.PRE_K_WIDE_SWIGLU}, preset
-        assert sorted(int(k.get("RSTD") or 0) for k in at16) == [0, -(-spec.hidden_size // 16)], preset
+        rstd = [-(-spec.hidden_size // 16)] if narrow else []
+        assert sorted(int(k.get("RSTD") or 0) for k in at16) == [0, *rstd], preset
         if not narrow:
             continue
         for tile in (32, 64):
@@ -405,14 +407,16 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
             assert bool(down) == (tile == 32), tile
 
 
-def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_them(tmp_path):
+@pytest.mark.parametrize("fold", [None, 2])
+def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_them(tmp_path, monkeypatch, fold):
     """o_proj and down split over K in a small bucket's step (runtime.chained): their fp32 partials go to
     the residual add + norm after them (a key without the product's own combine, a norm key summing
-    that many parts); a bucket past 64 rows runs cuBLAS's products, its norms sum no partials. Both
-    are in the plan, and the engine's tokens are the reference forward's."""
+    that many parts), unless that norm is folded into the products around it (FOLD_NORM 2; the policy
+    leaves a split product's norm where it is); a bucket past 64 rows runs cuBLAS's products, its norms
+    sum no partials. Both are in the plan, and the engine's tokens are the reference forward's."""
     from kdistill.kernels import decode_gemv
 
-    assert decode_gemv.FOLD_NORM == 2
+    monkeypatch.setattr(decode_gemv, "FOLD_NORM", fold)
     model = load_model(
         make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32, intermediate_size=1024)
     ).eval()
@@ -428,11 +432,13 @@ def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_th
     assert triton <= plan, triton - plan
     assert {k["PARTS"] for k in triton if k.op == "rmsnorm_fwd"} == {0, splits}
     downs = {k for k in triton if k.op == "decode_gemv" and k["K"] == 1024}
-    # the last block's down: partials to the final norm; the others' (the norm after them folded into
-    # the next q/k/v): their own combine adds the residual (decode_gemv.FOLD_NORM 2)
+    # the last block's down: partials to the final norm; with the norm after the down folded (FOLD_NORM
+    # 2) the others' own combine adds the residual for the next q/k/v
+    folded = decode_gemv.norm_folds(model.spec.hidden_size, model.spec.q_size, model.spec.intermediate_size)
+    assert folded[1] == (fold == 2)
     assert {(k["COMBINE"], bool(k.get("ADD")), k["SPLIT"]) for k in downs} == {
         (False, False, splits),
-        (True, True, splits),
+        *([(True, True, splits)] if fold == 2 else []),
     }
     assert got == generate_ids(model, rows, Sampling(max_new_tokens=3))
     with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:

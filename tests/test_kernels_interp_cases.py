@@ -716,8 +716,10 @@ def case_decode_engine(device="cpu", dtype=torch.float32, head_dim=16, temperatu
     s = Sampling(max_new_tokens=4, temperature=temperature, seed=5)
     want = DecodeEngine(model, batch_size=2, max_len=16, sampling=s, stop_ids={3}).generate(prompts)
     with _kernel_mode():
-        got = DecodeEngine(model, batch_size=2, max_len=16, sampling=s, stop_ids={3}).generate(prompts)
+        eng = DecodeEngine(model, batch_size=2, max_len=16, sampling=s, stop_ids={3})
+        got = eng.generate(prompts)
     assert got == want, (got, want)
+    assert eng.weights.fold_post and eng.weights.fold_input  # no product split: both norms folded
 
 
 def case_decode_sample(device="cpu", dtype=torch.float32, rows=6, vocab=5000, temperature=0.0):

@@ -251,14 +251,14 @@ def _layer_tensors(block: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 class DecodeWeights:
-    """The decoder's weights in the decode dtype and layout, refreshed in place (graph-safe). With `fold`
-    (decode_gemv.FOLD_NORM) each block's gate/up rows hold the post-attention norm's weight folded into their
-    inputs (W diag(w): the engine's own concatenated copy, scaled again at every refresh), and with
-    `fold` 2 each block's q/k/v rows its input norm's weight; a folded norm runs with `ones` in its
-    place."""
+    """The decoder's weights in the decode dtype and layout, refreshed in place (graph-safe). Where the step
+    folds a block's norms (decode_gemv.norm_folds, or the level `fold`: 0 none, 1 the post-attention
+    norm, 2 both), each block's gate/up rows hold the post-attention norm's weight folded into their
+    inputs (W diag(w): the engine's own concatenated copy, scaled again at every refresh), and its q/k/v
+    rows its input norm's weight; a folded norm runs with `ones` in its place."""
 
     def __init__(
-        self, model: Decoder, dtype: torch.dtype, device: torch.device, fold: bool | None = None
+        self, model: Decoder, dtype: torch.dtype, device: torch.device, fold: int | None = None
     ) -> None:
         self.spec: ModelSpec = model.spec
         self.dtype, self.device = dtype, device
@@ -275,27 +275,29 @@ class DecodeWeights:
             _Layer(**{k: conv(v) if v is not None else None for k, v in _layer_tensors(b).items()})
             for b in body.layers
         ]
-        self.fold = decode_gemv.FOLD_NORM if fold is None else int(fold)
+        s = self.spec
+        folds = decode_gemv.norm_folds(s.hidden_size, s.q_size, s.intermediate_size)
+        self.fold_post, self.fold_input = folds if fold is None else (int(fold) >= 1, int(fold) >= 2)
         self.ones = torch.ones(self.spec.hidden_size, dtype=dtype, device=device)
         self._fold()
 
     def _fold(self) -> None:
-        """Fold each block's post-attention norm weight into its gate/up rows (`fold` >= 1) and its input
-        norm weight into its q/k/v rows (`fold` 2): the engine's copies (never shared: the concatenations
-        made them)."""
+        """Fold each block's post-attention norm weight into its gate/up rows (`fold_post`) and its input
+        norm weight into its q/k/v rows (`fold_input`): the engine's copies (never shared: the
+        concatenations made them)."""
         for layer in self.layers:
-            if self.fold >= 1:
+            if self.fold_post:
                 layer.gate_up.mul_(layer.ln2[None, :])
-            if self.fold >= 2:
+            if self.fold_input:
                 layer.qkv.mul_(layer.ln1[None, :])
 
     def ln1(self, layer: _Layer) -> torch.Tensor:
         """The input norm's weight as the engine applies it (`ones` where folded into q/k/v)."""
-        return self.ones if self.fold >= 2 else layer.ln1
+        return self.ones if self.fold_input else layer.ln1
 
     def ln2(self, layer: _Layer) -> torch.Tensor:
         """The post-attention norm's weight as the engine applies it (`ones` where folded into gate/up)."""
-        return self.ones if self.fold >= 1 else layer.ln2
+        return self.ones if self.fold_post else layer.ln2
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
         out = t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -406,7 +408,7 @@ def forward_tokens(
             h = dispatch.rmsnorm(delta, w.ln1(layer), eps)
         elif (
             down is not None
-            and w.fold >= 2
+            and w.fold_input
             and dispatch.folds(b, s.hidden_size, s.intermediate_size, qkv_n, qkv_epi)
         ):
             summed, ss = dispatch.decode_linear_add_stats(*down, residual)
@@ -435,7 +437,7 @@ def forward_tokens(
         o = o.transpose(1, 2).reshape(b, t, s.q_size)
         if (
             step
-            and w.fold
+            and w.fold_post
             and dispatch.folds(b, s.hidden_size, s.q_size, s.intermediate_size, decode_gemv.EPI_SWIGLU)
         ):
             # the norm inside the products: o_proj adds the residual and writes the sums of squares,

@@ -52,9 +52,10 @@ EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
 # A block's norms inside a small bucket's products (dispatch.folds): the product before the norm adds the
 # residual and writes each row's sums of squares by column block (an ADD key), the product after it,
 # whose weights hold the norm's weight (decode.DecodeWeights), scales each row by its rstd (an RSTD key);
-# no norm launch. 1: the norm after o_proj (o_proj, gate/up); 2: also the norm after the down (down,
-# the next block's q/k/v); 0: none.
-FOLD_NORM = 2
+# no norm launch. Which norms: None (the policy, norm_folds) those whose product before them is not
+# split; for experiments (benchmarks/decode_profile.py --fold-norm) 0: none, 1: the norm after o_proj
+# (o_proj, gate/up), 2: also the norm after the down (down, the next block's q/k/v).
+FOLD_NORM: int | None = None
 MAX_ROWS = 64  # the buckets this kernel serves (16, 32 or 64 rows a tile); larger ones stay on cuBLAS
 ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16: the dot's smallest)
 # A bucket of 17 to 64 rows: the products with a side of at most NARROW (measured on an H200,
@@ -472,6 +473,17 @@ def split(n: int, k: int) -> int:
     return tiles(n=n, k=k, epilogue=EPI_NONE, combine=False)["SPLIT"]
 
 
+def norm_folds(hidden: int, q_size: int, intermediate: int) -> tuple[bool, bool]:
+    """Whether a model's decode step folds the norm after o_proj and the norm after the down into the
+    products around them: FOLD_NORM's level where set, else each norm whose product before it is not
+    split. A split product would combine its own partials before it adds (its last program, on the
+    critical path), which costs about what the norm's launch did: measured on an H200 (benchmarks/
+    NOTES.md), Qwen2.5-0.5B's unsplit o_proj folded -2 to -4% a step, the 1.5B's split o_proj +1 to +3%."""
+    if FOLD_NORM is not None:
+        return FOLD_NORM >= 1, FOLD_NORM >= 2
+    return split(hidden, q_size) == 1, split(hidden, intermediate) == 1
+
+
 def serves(rows: int, k: int, epilogue: int, n: int) -> bool:
     """Where the engine's step uses this kernel instead of cuBLAS for an (n, k) product (measured,
     benchmarks/decode_products.py): buckets of at most 16 rows, and of 17 to MAX_ROWS where n or k is at
@@ -521,8 +533,8 @@ def plan(
     the same binary, and an engine of any batch size decodes a few prompts in such a bucket; an engine
     of more rows, `rows`, also has the larger buckets' tiles where serves says so). o_proj and down feed
     a residual add + RMSNorm: split, their partials go to it (combine False) in the step (runtime.chained);
-    with FOLD_NORM, the ADD key of the product before a folded norm and the RSTD key (norm eps `eps`) of
-    the product after it."""
+    for each norm folded (norm_folds), the ADD key of the product before it and the RSTD key (norm eps
+    `eps`) of the product after it."""
     del grad
     products = (
         (q_size + 2 * kv_size, hidden, EPI_BIAS if qkv_bias else EPI_NONE),
@@ -541,9 +553,10 @@ def plan(
             if serves(tile, k, epi, n) and split(n, k) > 1:
                 keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, combine=False, rows=tile))
         qkv_n, qkv_epi = products[0][0], products[0][2]
-        folded = ((q_size, intermediate, EPI_SWIGLU),) * (FOLD_NORM >= 1) + (  # o_proj + add, gate/up
+        post, pre = norm_folds(hidden, q_size, intermediate)
+        folded = ((q_size, intermediate, EPI_SWIGLU),) * post + (  # o_proj + add, gate/up
             (intermediate, qkv_n, qkv_epi),  # the down + the add, then the next block's q/k/v
-        ) * (FOLD_NORM >= 2)
+        ) * pre
         for k, consumer_n, epi in folded:
             if serves(tile, k, EPI_NONE, hidden) and serves(tile, hidden, epi, consumer_n):
                 add = gemv_key(arch, n=hidden, k=k, dtype=dtype, rows=tile, add=True)
