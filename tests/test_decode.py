@@ -408,7 +408,9 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
 
 
 @pytest.mark.parametrize("fold", [None, 2])
-def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_them(tmp_path, monkeypatch, fold):
+def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_them(
+    tmp_path, monkeypatch, fold
+):
     """o_proj and down split over K in a small bucket's step (runtime.chained): their fp32 partials go to
     the residual add + norm after them (a key without the product's own combine, a norm key summing
     that many parts), unless that norm is folded into the products around it (FOLD_NORM 2; the policy

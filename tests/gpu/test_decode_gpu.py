@@ -226,7 +226,8 @@ def test_a_norm_folded_into_the_products_around_it_matches_the_unfused_step(rows
     with dispatch.using(mode="triton", arch="sm_90", strict=True), dispatch.chained(True):
         if not dispatch.folds(rows, n, k, inter, epi):  # a product the kernel leaves to cuBLAS: unfolded
             assert not (
-                decode_gemv.serves(rows, k, decode_gemv.EPI_NONE, n) and decode_gemv.serves(rows, n, epi, inter)
+                decode_gemv.serves(rows, k, decode_gemv.EPI_NONE, n)
+                and decode_gemv.serves(rows, n, epi, inter)
             )
             return
         with dispatch.recording() as rec:
