@@ -395,14 +395,17 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
         # the rstd of o_proj's sums of squares; the 1.5B's o_proj is split: its norm stays a launch
         at16 = [k for k in gemv if k["BLOCK_M"] == 16 and k["EPI"] == decode_gemv.EPI_SWIGLU]
         assert {k["PRE_K"] for k in at16} == {512 if narrow else decode_gemv.PRE_K_WIDE_SWIGLU}, preset
-        rstd = [-(-spec.hidden_size // 16)] if narrow else []
-        assert sorted(int(k.get("RSTD") or 0) for k in at16) == [0, *rstd], preset
+        rstd_16 = [-(-spec.hidden_size // 16)] if narrow else []
+        assert sorted(int(k.get("RSTD") or 0) for k in at16) == [0, *rstd_16], preset
         if not narrow:
             continue
         for tile in (32, 64):
             at = [k for k in gemv if k["BLOCK_M"] == tile]
             swiglu = {k["PRE_K"] for k in at if k["EPI"] == decode_gemv.EPI_SWIGLU}
             assert swiglu == {decode_gemv.PRE_K_TILE[tile][decode_gemv.EPI_SWIGLU]}
+            # folded up to FOLD_ROWS rows: gate/up's rstd key beside its plain one
+            rstd = {int(k.get("RSTD") or 0) for k in at if k["EPI"] == decode_gemv.EPI_SWIGLU}
+            assert rstd == ({0, *rstd_16} if tile <= decode_gemv.FOLD_ROWS else {0}), tile
             down = {k for k in at if int(k["K"]) == spec.intermediate_size}
             assert bool(down) == (tile == 32), tile
 
@@ -448,6 +451,15 @@ def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_th
             rows * 24
         )
     assert {k["PARTS"] for k in rec.keys() if k.op == "rmsnorm_fwd"} == {0}
+    # a bucket of 33-64 rows still runs the kernel's products but folds no norm (FOLD_ROWS): the
+    # folded weights follow a norm of weight one, the tokens the reference forward's
+    with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:
+        eng = DecodeEngine(model, batch_size=40, max_len=16, sampling=Sampling(max_new_tokens=2))
+        got = eng.generate(rows * 14)
+    assert eng.weights.fold_post  # gate/up's rows hold the norm's weight
+    gemv = [k for k in rec.keys() if k.op == "decode_gemv"]
+    assert {k["BLOCK_M"] for k in gemv} == {64} and not [k for k in gemv if k.get("RSTD") or k.get("ADD")]
+    assert got == generate_ids(model, rows * 14, Sampling(max_new_tokens=2))
 
 
 # -- generate --out ------------------------------------------------------------------------------

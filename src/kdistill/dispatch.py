@@ -625,9 +625,10 @@ def folds(rows: int, n: int, k: int, consumer_n: int, consumer_epilogue: int) ->
     """Whether a decode step folds the norm after a product of n outputs and k inputs (o_proj, down) into
     it and the product after the norm (consumer_n outputs of n inputs with decode_gemv's epilogue
     consumer_epilogue: gate/up, q/k/v): the bucket chains (runtime.chained) and the matrix-vector kernel
-    serves both."""
+    serves both, in a bucket of at most decode_gemv.FOLD_ROWS rows."""
     return (
         current().chained
+        and rows <= decode_gemv.FOLD_ROWS
         and decode_gemv.serves(rows, k, decode_gemv.EPI_NONE, n)
         and decode_gemv.serves(rows, n, consumer_epilogue, consumer_n)
     )

@@ -56,6 +56,7 @@ EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
 # split; for experiments (benchmarks/decode_profile.py --fold-norm) 0: none, 1: the norm after o_proj
 # (o_proj, gate/up), 2: also the norm after the down (down, the next block's q/k/v).
 FOLD_NORM: int | None = None
+FOLD_ROWS = 32  # buckets of at most this many rows fold (Qwen2.5-0.5B at 64 rows: +0.8% a step folded)
 MAX_ROWS = 64  # the buckets this kernel serves (16, 32 or 64 rows a tile); larger ones stay on cuBLAS
 ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16: the dot's smallest)
 # A bucket of 17 to 64 rows: the products with a side of at most NARROW (measured on an H200,
@@ -475,8 +476,8 @@ def split(n: int, k: int) -> int:
 
 def norm_folds(hidden: int, q_size: int, intermediate: int) -> tuple[bool, bool]:
     """Whether a model's decode step folds the norm after o_proj and the norm after the down into the
-    products around them: FOLD_NORM's level where set, else each norm whose product before it is not
-    split. A split product would combine its own partials before it adds (its last program, on the
+    products around them (in buckets of at most FOLD_ROWS rows, dispatch.folds): FOLD_NORM's level
+    where set, else each norm whose product before it is not split. A split product would combine its own partials before it adds (its last program, on the
     critical path), which costs about what the norm's launch did: measured on an H200 (benchmarks/
     NOTES.md), Qwen2.5-0.5B's unsplit o_proj folded -2 to -4% a step, the 1.5B's split o_proj +1 to +3%."""
     if FOLD_NORM is not None:
@@ -553,7 +554,7 @@ def plan(
             if serves(tile, k, epi, n) and split(n, k) > 1:
                 keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, combine=False, rows=tile))
         qkv_n, qkv_epi = products[0][0], products[0][2]
-        post, pre = norm_folds(hidden, q_size, intermediate)
+        post, pre = norm_folds(hidden, q_size, intermediate) if tile <= FOLD_ROWS else (False, False)
         folded = ((q_size, intermediate, EPI_SWIGLU),) * post + (  # o_proj + add, gate/up
             (intermediate, qkv_n, qkv_epi),  # the down + the add, then the next block's q/k/v
         ) * pre
