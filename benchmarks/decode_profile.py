@@ -213,9 +213,17 @@ def product_tiles(value: str, spec) -> None:
         over[shapes[name]] = [pre, split, bn, *(rest + [128, 3, 4][len(rest) :])[:3]]
     decode_gemv.MAX_LONG_K = 1 << 30  # every plain product served up to 16 rows
 
-    def key(arch, *, n, k, dtype, epilogue=decode_gemv.EPI_NONE, combine=True, rows=1, aligned=None):
+    def key(arch, *, n, k, dtype, epilogue=decode_gemv.EPI_NONE, combine=True, rows=1, aligned=None, **fold):
         base = _GEMV_KEY(
-            arch, n=n, k=k, dtype=dtype, epilogue=epilogue, combine=combine, rows=rows, aligned=aligned
+            arch,
+            n=n,
+            k=k,
+            dtype=dtype,
+            epilogue=epilogue,
+            combine=combine,
+            rows=rows,
+            aligned=aligned,
+            **fold,
         )
         if (n, k) not in over or epilogue == decode_gemv.EPI_SWIGLU:
             return base
