@@ -156,21 +156,25 @@ def test_the_generation_phase_at_8192_new_tokens_is_the_engines_kv_cache_at_roll
     assert estimate_memory(t, s, few)["total"] < estimate_memory(t, s, cfg)["total"]
 
 
-def test_a_small_prefill_keeps_its_graphs_pool_in_the_memory_plan(tmp_path):
+def test_a_small_prefill_keeps_its_graphs_pool_in_the_memory_plan(tmp_path, monkeypatch):
     """On a GPU the engine captures a prefill of at most PREFILL_GRAPH_TOKENS padded tokens, whose pool
     then stays allocated: a kept term of the plan, one per writing engine; a larger prefill stays eager."""
-    from kdistill.memory import PREFILL_GRAPH_TOKENS, engine_prefill_bytes
+    from kdistill import memory
+    from kdistill.memory import engine_prefill_bytes
+
 
     t, s = make_spec(hidden=64, vocab=384, layers=4), make_spec(hidden=64, vocab=384, layers=2)
     cfg = _conversation_cfg(tmp_path, on_policy=1.0)
     prompt = cfg.data.seq_len + 1 - cfg.kd.max_new_tokens
     rows = cfg.kd.rollout_slots(cfg.schedule.batch_size * cfg.schedule.grad_accum)
+    assert rows * prompt <= memory.PREFILL_GRAPH_TOKENS, (rows, prompt)  # 4 rows of 65 prompt tokens
+    # the limit at this prefill's size, so that the tiny config's longer prompts cross it
+    monkeypatch.setattr(memory, "PREFILL_GRAPH_TOKENS", rows * prompt)
     plan = estimate_memory(t, s, cfg)
-    assert rows * prompt <= PREFILL_GRAPH_TOKENS, (rows, prompt)  # 4 rows of 65 prompt tokens
     assert plan["decode_engine_prefill_graphs"] == engine_prefill_bytes(s, rows * prompt)
     big = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, max_new_tokens=8))  # long prompts
     big_prompt = big.data.seq_len + 1 - 8
-    assert rows * big_prompt > PREFILL_GRAPH_TOKENS, (rows, big_prompt)
+    assert rows * big_prompt > memory.PREFILL_GRAPH_TOKENS, (rows, big_prompt)
     assert "decode_engine_prefill_graphs" not in estimate_memory(t, s, big)
     assert "decode_engine_prefill_graphs" not in estimate_memory(t, s, cfg, "cpu")
 

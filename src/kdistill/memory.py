@@ -614,9 +614,10 @@ def kv_cache_bytes(spec: ModelSpec, rows: int, max_len: int, act_bytes: int) -> 
 
 PREFILL_TOKENS = 16384  # padded prompt tokens a decode engine prefills at once (DecodeEngine's default)
 # padded prompt tokens of a prefill the decode engine captures as a graph on a GPU (its pool stays
-# allocated beside the engine's cache; kdistill.decode): 16 prompts of 128 tokens (an eager prefill of
-# them: ~19 ms of host work for ~3.4 ms on the device, Qwen2.5-0.5B on an H200, NOTES.md round fourteen)
-PREFILL_GRAPH_TOKENS = 2048
+# allocated beside the engine's cache; kdistill.decode): every group the engine prefills at once (an
+# eager prefill of 16 prompts of 128 tokens: ~19 ms of host work for ~3.4 ms on the device, Qwen2.5-0.5B
+# on an H200, NOTES.md round fourteen; of 32 and 128 prompts, NOTES.md round twenty-five)
+PREFILL_GRAPH_TOKENS = PREFILL_TOKENS
 
 
 def engine_prefill_bytes(spec: ModelSpec, tokens: int) -> int:
