@@ -162,7 +162,6 @@ def test_a_small_prefill_keeps_its_graphs_pool_in_the_memory_plan(tmp_path, monk
     from kdistill import memory
     from kdistill.memory import engine_prefill_bytes
 
-
     t, s = make_spec(hidden=64, vocab=384, layers=4), make_spec(hidden=64, vocab=384, layers=2)
     cfg = _conversation_cfg(tmp_path, on_policy=1.0)
     prompt = cfg.data.seq_len + 1 - cfg.kd.max_new_tokens
