@@ -1,0 +1,193 @@
+"""How fast a matrix-vector product streams its weights when each SM holds one or two programs: plain
+loads against TMA loads (a host tensor descriptor, which Triton's pipeline stages through shared memory
+behind mbarriers), both in one flat persistent loop over (column block, K chunk) with the epilogue at a
+block's last chunk (the loop shape of round fourteen's one-launch block, NOTES.md).
+
+The question it answers before a block without kernel boundaries is built: can one program per SM
+stream near the card's bandwidth? Round fourteen's one-launch block streamed 1.5 TB/s with plain loads
+and one program per SM, where the matrix-vector kernel with several programs per SM reached 2.3.
+
+    python3 benchmarks/stream_probe.py --json benchmarks/results/stream_probe.json
+    TRITON_INTERPRET=1 python3 benchmarks/stream_probe.py --device cpu --tiny   # a CPU check of the kernel
+
+y (M, N) = x (M, K) W^T at 16 rows for the presets' gate/up and down weights; each config is 50
+launches captured in a CUDA graph, replayed: TB/s = the weight's bytes over a launch's time, the output
+checked against torch's product; torch's product (cuBLAS) timed the same way beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from importlib.metadata import version
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host tensor descriptors: plain loads only
+    TensorDescriptor = None
+
+SHAPES = {  # name: (N, K) of the weight
+    "0.5b_gate_up": (2 * 4864, 896),
+    "0.5b_down": (896, 4864),
+    "1.5b_gate_up": (2 * 8960, 1536),
+    "1.5b_down": (1536, 8960),
+}
+
+
+@triton.jit
+def stream_kernel(
+    X,
+    W,
+    w_desc,
+    Y,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PROGS: tl.constexpr,
+    STAGES: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    KT: tl.constexpr = K // BLOCK_K
+    TILES: tl.constexpr = N // BLOCK_N
+    mine = (TILES - pid + PROGS - 1) // PROGS  # this program's column blocks: pid, pid + PROGS, ...
+    rows = tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for i in tl.range(0, mine * KT, num_stages=STAGES):
+        t = pid + (i // KT) * PROGS
+        k0 = (i % KT) * BLOCK_K
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * K + ks[None, :], mask=rmask[:, None], other=0.0)
+        if TMA:
+            w = w_desc.load([t * BLOCK_N, k0])
+        else:
+            cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            w = tl.load(W + cols[:, None] * K + ks[None, :])
+        acc = tl.dot(x, tl.trans(w), acc)
+        if i % KT == KT - 1:  # the block's last chunk: its output, then the next block from zero
+            cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(Y + rows[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=rmask[:, None])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+
+
+def launch(
+    x: torch.Tensor, w: torch.Tensor, progs: int, stages: int, block_k: int, tma: bool, block_n: int = 16
+):
+    """The kernel over x (M <= 16, K) and w (N, K), both contiguous; N and K whole tiles."""
+    m, k = x.shape
+    n = w.shape[0]
+    if n % block_n or k % block_k or m > 16:
+        raise ValueError(
+            f"stream_probe: ({n}, {k}) is not whole {block_n} x {block_k} tiles, or {m} > 16 rows"
+        )
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    desc = TensorDescriptor.from_tensor(w, [block_n, block_k]) if tma else w
+    grid = (min(progs, n // block_n),)
+    stream_kernel[grid](
+        x, w, desc, y, m, N=n, K=k, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PROGS=grid[0],
+        STAGES=stages, TMA=tma,
+    )  # fmt: skip
+    return y
+
+
+def graph_us(fn, launches: int = 50, replays: int = 5) -> float:
+    """µs of one call of fn, from `launches` calls captured in a CUDA graph and replayed (median)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / launches)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--per-sm", default="1,2", help="programs per SM, comma-separated")
+    ap.add_argument("--stages", default="4,8")
+    ap.add_argument("--block-k", default="64,128")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--tiny", action="store_true", help="small weights (a CPU check under TRITON_INTERPRET=1)"
+    )
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    gpu = dev.type == "cuda"
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else 4
+    dtype = torch.bfloat16 if gpu else torch.float32
+    shapes = {"tiny": (64, 256)} if a.tiny else {s: SHAPES[s] for s in a.shapes.split(",")}
+    variants = [False] + ([True] if TensorDescriptor is not None else [])
+    out: dict = {
+        "argv": " ".join(["python3", "benchmarks/stream_probe.py", *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name(dev) if gpu else "cpu",
+        "sms": sms,
+        "versions": {"torch": torch.__version__, "triton": version("triton")},
+        "rows": [],
+    }
+    g = torch.Generator().manual_seed(0)
+    for name, (n, k) in shapes.items():
+        x = torch.randn((a.rows, k), generator=g).to(dev, dtype)
+        w = (torch.randn((n, k), generator=g) / k**0.5).to(dev, dtype)
+        want = (x.float() @ w.float().t()).to(dtype)
+        nbytes = w.numel() * w.element_size()
+        if gpu:
+            us = graph_us(lambda x=x, w=w: x @ w.t())
+            out["rows"].append({"shape": name, "provider": "torch", "us": us, "tb_s": nbytes / us / 1e6})
+            print(
+                f"{name:14s} torch                         {us:7.2f} us  {nbytes / us / 1e6:5.2f} TB/s",
+                flush=True,
+            )
+        for per_sm, stages, block_k, tma in itertools.product(
+            (int(v) for v in a.per_sm.split(",")),
+            (int(v) for v in a.stages.split(",")),
+            (int(v) for v in a.block_k.split(",")),
+            variants,
+        ):
+            cfg = dict(progs=per_sm * sms, stages=stages, block_k=min(block_k, k), tma=tma)
+            row = {"shape": name, "provider": "tma" if tma else "plain", "per_sm": per_sm, **cfg}
+            try:
+                y = launch(x, w, **cfg)
+                err = ((y.float() - want.float()).norm() / want.float().norm()).item()
+                row["rel_err"] = err
+                if err > 2e-2:
+                    raise RuntimeError(f"relative error {err:.3g}")
+                if gpu:
+                    row["us"] = graph_us(lambda x=x, w=w, cfg=cfg: launch(x, w, **cfg))
+                    row["tb_s"] = nbytes / row["us"] / 1e6
+            except Exception as e:  # a config the compiler or the card refuses: recorded, the sweep goes on
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            out["rows"].append(row)
+            took = f"{row['us']:7.2f} us  {row['tb_s']:5.2f} TB/s" if "us" in row else row.get("error", "ok")
+            print(
+                f"{name:14s} {row['provider']:5s} {per_sm}/SM stages {stages} BLOCK_K {block_k:3d}  {took}",
+                flush=True,
+            )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
