@@ -27,6 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # run as a script (benchmarks/ on the path) or as a module
+    from cuda_timing import median_seconds
+except ImportError:
+    from benchmarks.cuda_timing import median_seconds
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # a Triton without host tensor descriptors: plain loads only
@@ -108,15 +113,7 @@ def graph_us(fn, launches: int = 50, replays: int = 5) -> float:
     with torch.cuda.graph(g):
         for _ in range(launches):
             fn()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / launches)
-    return sorted(times)[len(times) // 2]
+    return median_seconds(g.replay, replays, warmup=0) * 1e6 / launches
 
 
 def main() -> None:

@@ -252,14 +252,12 @@ def _layer_tensors(block: nn.Module) -> dict[str, torch.Tensor | None]:
 
 class DecodeWeights:
     """The decoder's weights in the decode dtype and layout, refreshed in place (graph-safe). Where the step
-    folds a block's norms (decode_gemv.norm_folds, or the level `fold`: 0 none, 1 the post-attention
-    norm, 2 both), each block's gate/up rows hold the post-attention norm's weight folded into their
-    inputs (W diag(w): the engine's own concatenated copy, scaled again at every refresh), and its q/k/v
-    rows its input norm's weight; a folded norm runs with `ones` in its place."""
+    folds a block's norms (decode_gemv.norm_folds), each block's gate/up rows hold the post-attention
+    norm's weight folded into their inputs (W diag(w): the engine's own concatenated copy, scaled again at
+    every refresh), and its q/k/v rows its input norm's weight; a folded norm runs with `ones` in its
+    place."""
 
-    def __init__(
-        self, model: Decoder, dtype: torch.dtype, device: torch.device, fold: int | None = None
-    ) -> None:
+    def __init__(self, model: Decoder, dtype: torch.dtype, device: torch.device) -> None:
         self.spec: ModelSpec = model.spec
         self.dtype, self.device = dtype, device
         # a model's own tensor in the engine's dtype is shared, not copied (a bf16 teacher), unless FSDP
@@ -276,8 +274,7 @@ class DecodeWeights:
             for b in body.layers
         ]
         s = self.spec
-        folds = decode_gemv.norm_folds(s.hidden_size, s.q_size, s.intermediate_size)
-        self.fold_post, self.fold_input = folds if fold is None else (int(fold) >= 1, int(fold) >= 2)
+        self.fold_post, self.fold_input = decode_gemv.norm_folds(s.hidden_size, s.q_size, s.intermediate_size)
         self.ones = torch.ones(self.spec.hidden_size, dtype=dtype, device=device)
         self._fold()
 
