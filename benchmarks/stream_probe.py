@@ -11,7 +11,8 @@ and one program per SM, where the matrix-vector kernel with several programs per
     TRITON_INTERPRET=1 python3 benchmarks/stream_probe.py --device cpu --tiny   # a CPU check of the kernel
 
 y (M, N) = x (M, K) W^T at 16 rows for the presets' gate/up and down weights; each config is 50
-launches captured in a CUDA graph, replayed: TB/s = the weight's bytes over a launch's time, the output
+launches captured in a CUDA graph, replayed, each over one of several copies of the weight that together
+span 256 MB (so no launch finds its weight in L2): TB/s = the weight's bytes over a launch's time, the output
 checked against torch's product; torch's product (cuBLAS) timed the same way beside them.
 """
 
@@ -36,6 +37,8 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # a Triton without host tensor descriptors: plain loads only
     TensorDescriptor = None
+
+L2_SPAN = 256 << 20  # bytes of weight copies a launch cycles through: several times an L2
 
 SHAPES = {  # name: (N, K) of the weight
     "0.5b_gate_up": (2 * 4864, 896),
@@ -105,14 +108,15 @@ def launch(
     return y
 
 
-def graph_us(fn, launches: int = 50, replays: int = 5) -> float:
-    """µs of one call of fn, from `launches` calls captured in a CUDA graph and replayed (median)."""
-    fn()
+def graph_us(fn, copies: int, launches: int = 50, replays: int = 5) -> float:
+    """µs of one call of fn(i), from `launches` calls captured in a CUDA graph and replayed (median);
+    call i reads weight copy i % copies, so that a copy is out of L2 by the time it is read again."""
+    fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
+        for i in range(launches):
+            fn(i % copies)
     return median_seconds(g.replay, replays, warmup=0) * 1e6 / launches
 
 
@@ -146,10 +150,12 @@ def main() -> None:
     for name, (n, k) in shapes.items():
         x = torch.randn((a.rows, k), generator=g).to(dev, dtype)
         w = (torch.randn((n, k), generator=g) / k**0.5).to(dev, dtype)
-        want = (x.float() @ w.float().t()).to(dtype)
         nbytes = w.numel() * w.element_size()
+        # copies of the weight beyond the L2 (H100/H200: 50 MB): every launch streams from HBM
+        ws = [w] + [w.clone() for _ in range(-(-L2_SPAN // nbytes) - 1)] if gpu else [w]
+        want = (x.float() @ w.float().t()).to(dtype)
         if gpu:
-            us = graph_us(lambda x=x, w=w: x @ w.t())
+            us = graph_us(lambda i, x=x, ws=ws: x @ ws[i].t(), len(ws))
             out["rows"].append({"shape": name, "provider": "torch", "us": us, "tb_s": nbytes / us / 1e6})
             print(
                 f"{name:14s} torch                         {us:7.2f} us  {nbytes / us / 1e6:5.2f} TB/s",
@@ -170,7 +176,7 @@ def main() -> None:
                 if err > 2e-2:
                     raise RuntimeError(f"relative error {err:.3g}")
                 if gpu:
-                    row["us"] = graph_us(lambda x=x, w=w, cfg=cfg: launch(x, w, **cfg))
+                    row["us"] = graph_us(lambda i, x=x, ws=ws, cfg=cfg: launch(x, ws[i], **cfg), len(ws))
                     row["tb_s"] = nbytes / row["us"] / 1e6
             except Exception as e:  # a config the compiler or the card refuses: recorded, the sweep goes on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
