@@ -38,6 +38,14 @@ try:
 except ImportError:  # a Triton without host tensor descriptors: plain loads only
     TensorDescriptor = None
 
+try:  # the Gluon kernel (Triton with triton.experimental.gluon; runs on sm_90 and newer)
+    try:
+        import stream_probe_gluon as gluon_probe
+    except ImportError:
+        from benchmarks import stream_probe_gluon as gluon_probe
+except Exception:  # a Triton without Gluon, or one whose Gluon API this kernel does not match
+    gluon_probe = None
+
 L2_SPAN = 256 << 20  # bytes of weight copies a launch cycles through: several times an L2
 
 SHAPES = {  # name: (N, K) of the weight
@@ -127,6 +135,14 @@ def main() -> None:
     ap.add_argument("--per-sm", default="1,2", help="programs per SM, comma-separated")
     ap.add_argument("--stages", default="4,8")
     ap.add_argument("--block-k", default="64,128")
+    ap.add_argument(
+        "--providers",
+        default="plain,tma,gluon,gluon-copy",
+        help="plain / tma: the Triton loop; gluon: TMA ring + warpgroup MMA; gluon-copy: its copies alone",
+    )
+    ap.add_argument(
+        "--gluon-tiles", default="64x128,128x64,128x128", help="BLOCK_NxBLOCK_K of the Gluon kernel"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
         "--tiny", action="store_true", help="small weights (a CPU check under TRITON_INTERPRET=1)"
@@ -138,7 +154,14 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else 4
     dtype = torch.bfloat16 if gpu else torch.float32
     shapes = {"tiny": (64, 256)} if a.tiny else {s: SHAPES[s] for s in a.shapes.split(",")}
-    variants = [False] + ([True] if TensorDescriptor is not None else [])
+    providers = a.providers.split(",")
+    variants = [v for v, name in ((False, "plain"), (True, "tma")) if name in providers]
+    if TensorDescriptor is None:
+        variants = [v for v in variants if not v]
+    gluon_runs = [p for p in ("gluon", "gluon-copy") if p in providers]
+    if gluon_runs and (gluon_probe is None or not gpu):
+        print("stream_probe: the Gluon kernel needs a GPU of sm_90 or newer and Triton's Gluon: skipped")
+        gluon_runs = []
     out: dict = {
         "argv": " ".join(["python3", "benchmarks/stream_probe.py", *sys.argv[1:]]),
         "device": torch.cuda.get_device_name(dev) if gpu else "cpu",
@@ -186,6 +209,41 @@ def main() -> None:
                 f"{name:14s} {row['provider']:5s} {per_sm}/SM stages {stages} BLOCK_K {block_k:3d}  {took}",
                 flush=True,
             )
+        for prov, per_sm, stages, tile in itertools.product(
+            gluon_runs,
+            (int(v) for v in a.per_sm.split(",")),
+            (int(v) for v in a.stages.split(",")),
+            a.gluon_tiles.split(","),
+        ):
+            block_n, block_k = (int(v) for v in tile.split("x"))
+            block_k = min(block_k, k)
+            mma = prov == "gluon"
+            cfg = dict(progs=per_sm * sms, stages=stages, block_n=block_n, block_k=block_k, mma=mma)
+            row = {"shape": name, "provider": prov, "per_sm": per_sm, **cfg}
+            row["smem"] = gluon_probe.smem_bytes(stages, block_n, block_k)
+            if row["smem"] * per_sm > 220 * 1024:
+                row["error"] = f"{row['smem']} bytes of shared memory a program: over the SM's"
+            else:
+                try:
+                    if mma:
+                        y = gluon_probe.launch_gluon(x, w, **cfg)
+                        err = ((y - want.float()).norm() / want.float().norm()).item()
+                        row["rel_err"] = err
+                        if err > 2e-2:
+                            raise RuntimeError(f"relative error {err:.3g}")
+                    ybuf = torch.zeros((a.rows, n), dtype=torch.float32, device=dev)
+                    row["us"] = graph_us(
+                        lambda i, x=x, ws=ws, cfg=cfg, ybuf=ybuf: gluon_probe.launch_gluon(
+                            x, ws[i], y=ybuf, **cfg
+                        ),
+                        len(ws),
+                    )
+                    row["tb_s"] = nbytes / row["us"] / 1e6
+                except Exception as e:  # recorded, the sweep goes on
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            out["rows"].append(row)
+            took = f"{row['us']:7.2f} us  {row['tb_s']:5.2f} TB/s" if "us" in row else row.get("error", "ok")
+            print(f"{name:14s} {prov:10s} {per_sm}/SM stages {stages} tile {tile:8s} {took}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
