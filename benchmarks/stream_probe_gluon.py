@@ -94,7 +94,7 @@ def gluon_stream_kernel(
                 cols = (item // KT) * BLOCK_N + cols0
                 ptrs = Y + rows[None, :] * N + cols[:, None]
                 mask = (rows[None, :] < M) & (cols[:, None] < N)
-                gl.atomic_add(ptrs, acc, mask=mask)
+                gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")  # acq_rel would serialise them
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(j))
 
