@@ -288,6 +288,14 @@ def main() -> None:
         "not split, 0: no norm folded into the products, 1: the norm after o_proj, 2: also the norm after the "
         "down); several: each batch size runs once per value, one after the other (an A/B in one process)",
     )
+    ap.add_argument(
+        "--narrow",
+        default=None,
+        help="V[,V...] with V NARROW[:LONG_ROWS]: kernels/decode_gemv.py's NARROW (buckets of 17 to 64 rows on "
+        "the matrix-vector kernel, and chained, where a product has a side of at most NARROW) and LONG_ROWS "
+        "(buckets up to which the long-K tile serves); several: each batch size runs once per value (an A/B in one "
+        "process)",
+    )
     a = ap.parse_args()
     if a.no_pdl:
         from kdistill.kernels import decode_attention, rmsnorm
@@ -343,10 +351,18 @@ def main() -> None:
         if a.fold_norm is not None:  # each products value once per FOLD_NORM value
             levels = [None if f == "policy" else int(f) for f in a.fold_norm.split(",")]
             variants = [(t, f) for t in variants for f in levels]
+        if a.narrow is not None:  # each value once per NARROW[:LONG_ROWS] value
+            variants = [("narrow", v) for v in a.narrow.split(",")]
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
-                if isinstance(tiles, tuple):
+                if isinstance(tiles, tuple) and tiles[0] == "narrow":
+                    narrow, *long_rows = (int(v) for v in tiles[1].split(":"))
+                    decode_gemv.NARROW, decode_gemv.LONG_ROWS = narrow, (long_rows or [16])[0]
+                    tiles = f"narrow {tiles[1]}"
+                    info = prepare_kernels(model, max(batches), a.prompt, max_len)
+                    print(f"{preset} ({tiles}): {info.get('prewarm', info)}", flush=True)
+                elif isinstance(tiles, tuple):
                     tiles, decode_gemv.FOLD_NORM = tiles
                     product_tiles(tiles or "policy", spec)
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)

@@ -63,6 +63,7 @@ ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16
 # benchmarks/decode_products.py: Qwen2.5-0.5B's, 896 wide, on par with cuBLAS or faster; 1.5B's, 1,536
 # wide, all slower), plain ones past 32 rows only up to NARROW inputs (0.5B's down at 64 rows slower).
 NARROW = 1024
+LONG_ROWS = 16  # buckets of at most this many rows take the long-K tile past MAX_PLAIN_K inputs
 
 
 def block_m(rows: int) -> int:
@@ -358,6 +359,7 @@ PRE_K_TILE = {16: PRE_K, 32: {**PRE_K, EPI_SWIGLU: 128}, 64: {**PRE_K, EPI_SWIGL
 # 1,536 inputs, batch 4 1.481 -> 1.417 ms a step with 256 against 512, 1.448 with 128; the 0.5B's 896
 # inputs keep 512: 0.758 -> 0.829 ms with 256)
 PRE_K_WIDE_SWIGLU = 256
+WIDE_SWIGLU_K = 1024  # SwiGLU products of more inputs than this take PRE_K_WIDE_SWIGLU
 # Archs with tensor memory (sm_100 to sm_110): a tile of 64 rows takes the tcgen05 dot, which Triton
 # builds with at most 512 prefetched inputs (more: "blockN must be less than or equal to 512")
 TMEM_MAX_PRE_K = 512
@@ -409,7 +411,7 @@ def tiles(
         split = cdiv(k, k_split)
     tile = block_m(rows)
     cap = LONG_PRE_K if long_k else PRE_K_TILE[tile][epilogue]
-    if epilogue == EPI_SWIGLU and k > NARROW:
+    if epilogue == EPI_SWIGLU and k > WIDE_SWIGLU_K:
         cap = min(cap, PRE_K_WIDE_SWIGLU)
     if tile >= 64 and tensor_memory(arch):
         cap = min(cap, TMEM_MAX_PRE_K)
@@ -491,7 +493,7 @@ def serves(rows: int, k: int, epilogue: int, n: int) -> bool:
     most NARROW; q/k/v with its bias, o_proj and gate/up with its SwiGLU at any width, down up to
     MAX_PLAIN_K inputs (MAX_LONG_K up to 16 rows, past 32 rows NARROW)."""
     fits = rows <= ROW_TILES[0] or (rows <= MAX_ROWS and min(n, k) <= NARROW)
-    plain_k = MAX_LONG_K if rows <= ROW_TILES[0] else MAX_PLAIN_K if rows <= ROW_TILES[1] else NARROW
+    plain_k = MAX_LONG_K if rows <= LONG_ROWS else MAX_PLAIN_K if rows <= ROW_TILES[1] else NARROW
     return fits and supported(k) and (epilogue == EPI_SWIGLU or k <= plain_k)
 
 
