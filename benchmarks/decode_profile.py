@@ -195,16 +195,17 @@ _MAX_LONG_K = decode_gemv.MAX_LONG_K
 def product_tiles(value: str, spec) -> None:
     """Put a block's products on the matrix-vector kernel at the tiles `value` names ('policy': the
     policy's and its cuBLAS limit), as PRODUCT=PRE_K:SPLIT:BLOCK_N[:BLOCK_K:num_stages:num_warps] joined
-    by '+', PRODUCT one of qkv, o_proj, down (at any width up to 16 rows: MAX_LONG_K lifted), through the key function
+    by '+', PRODUCT one of qkv, o_proj, down, gate_up (at any width up to 16 rows: MAX_LONG_K lifted), through the key function
     every launch, the plan and the prewarm call."""
     decode_gemv.gemv_key, decode_gemv.split = _GEMV_KEY, _GEMV_SPLIT
     decode_gemv.MAX_LONG_K = _MAX_LONG_K
     if value == "policy":
         return
-    shapes = {  # product -> (n, k) of a plain or biased product
+    shapes = {  # product -> (n, k) of a plain or biased product, or of the SwiGLU's (gate_up)
         "qkv": (spec.q_size + 2 * spec.kv_size, spec.hidden_size),
         "o_proj": (spec.hidden_size, spec.q_size),
         "down": (spec.hidden_size, spec.intermediate_size),
+        "gate_up": (spec.intermediate_size, spec.hidden_size),
     }
     over: dict[tuple[int, int], list[int]] = {}
     for item in value.split("+"):
@@ -225,7 +226,8 @@ def product_tiles(value: str, spec) -> None:
             aligned=aligned,
             **fold,
         )
-        if (n, k) not in over or epilogue == decode_gemv.EPI_SWIGLU:
+        swiglu = epilogue == decode_gemv.EPI_SWIGLU
+        if (n, k) not in over or swiglu != ((n, k) == shapes["gate_up"]) or fold:
             return base
         pre, split, bn, bk, stages, warps = over[(n, k)]
         return tiles_key(base, pre_k=pre, split=split, block_n=bn, block_k=bk, stages=stages, warps=warps)
@@ -291,10 +293,11 @@ def main() -> None:
     ap.add_argument(
         "--narrow",
         default=None,
-        help="V[,V...] with V NARROW[:LONG_ROWS]: kernels/decode_gemv.py's NARROW (buckets of 17 to 64 rows on "
-        "the matrix-vector kernel, and chained, where a product has a side of at most NARROW) and LONG_ROWS "
-        "(buckets up to which the long-K tile serves); several: each batch size runs once per value (an A/B in one "
-        "process)",
+        help="V[,V...] with V NARROW[:LONG_ROWS[:WIDE_SWIGLU_ROWS]][@PRODUCTS]: kernels/decode_gemv.py's NARROW "
+        "(buckets of 17 to 64 rows on the matrix-vector kernel, and chained, where a product has a side of at most "
+        "NARROW), LONG_ROWS (buckets up to which the long-K tile serves), WIDE_SWIGLU_ROWS (buckets up to which a "
+        "SwiGLU of more than WIDE_SWIGLU_K inputs is served) and --gemv-products' tiles; several: each batch size "
+        "runs once per value (an A/B in one process)",
     )
     a = ap.parse_args()
     if a.no_pdl:
@@ -357,8 +360,12 @@ def main() -> None:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
                 if isinstance(tiles, tuple) and tiles[0] == "narrow":
-                    narrow, *long_rows = (int(v) for v in tiles[1].split(":"))
-                    decode_gemv.NARROW, decode_gemv.LONG_ROWS = narrow, (long_rows or [16])[0]
+                    limits, _, prods = tiles[1].partition("@")
+                    narrow, *rows_ = (int(v) for v in limits.split(":"))
+                    decode_gemv.NARROW = narrow
+                    decode_gemv.LONG_ROWS = rows_[0] if rows_ else 16
+                    decode_gemv.WIDE_SWIGLU_ROWS = rows_[1] if len(rows_) > 1 else decode_gemv.MAX_ROWS
+                    product_tiles(prods or "policy", spec)
                     tiles = f"narrow {tiles[1]}"
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)
                     print(f"{preset} ({tiles}): {info.get('prewarm', info)}", flush=True)

@@ -360,6 +360,7 @@ PRE_K_TILE = {16: PRE_K, 32: {**PRE_K, EPI_SWIGLU: 128}, 64: {**PRE_K, EPI_SWIGL
 # inputs keep 512: 0.758 -> 0.829 ms with 256)
 PRE_K_WIDE_SWIGLU = 256
 WIDE_SWIGLU_K = 1024  # SwiGLU products of more inputs than this take PRE_K_WIDE_SWIGLU
+WIDE_SWIGLU_ROWS = MAX_ROWS  # and are served in buckets of at most this many rows
 # Archs with tensor memory (sm_100 to sm_110): a tile of 64 rows takes the tcgen05 dot, which Triton
 # builds with at most 512 prefetched inputs (more: "blockN must be less than or equal to 512")
 TMEM_MAX_PRE_K = 512
@@ -494,7 +495,9 @@ def serves(rows: int, k: int, epilogue: int, n: int) -> bool:
     MAX_PLAIN_K inputs (MAX_LONG_K up to 16 rows, past 32 rows NARROW)."""
     fits = rows <= ROW_TILES[0] or (rows <= MAX_ROWS and min(n, k) <= NARROW)
     plain_k = MAX_LONG_K if rows <= LONG_ROWS else MAX_PLAIN_K if rows <= ROW_TILES[1] else NARROW
-    return fits and supported(k) and (epilogue == EPI_SWIGLU or k <= plain_k)
+    if epilogue == EPI_SWIGLU:
+        return fits and supported(k) and (k <= WIDE_SWIGLU_K or rows <= WIDE_SWIGLU_ROWS)
+    return fits and supported(k) and k <= plain_k
 
 
 def step_rows(hidden: int) -> int:
