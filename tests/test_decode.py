@@ -347,6 +347,22 @@ def test_a_narrow_models_bucket_of_17_to_64_rows_runs_a_32_or_64_row_tile_and_it
     assert [decode_gemv.block_m(r) for r in (16, 17, 32, 33, 64)] == [16, 32, 32, 64, 64]
 
 
+def _one_block_model(tmp_path, width: int, intermediate: int):
+    """A one-block Qwen2 model `width` wide (64-wide heads, one key/value head)."""
+    return load_model(
+        make_tiny_model(
+            tmp_path,
+            family="qwen2",
+            hidden_size=width,
+            intermediate_size=intermediate,
+            num_attention_heads=width // 64,
+            num_key_value_heads=1,
+            head_dim=64,
+            num_hidden_layers=1,
+        )
+    ).eval()
+
+
 def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchained(tmp_path):
     """The larger tiles serve narrow products only (a side of at most decode_gemv.NARROW_32 at 32 rows,
     NARROW at 64): a model wider than that decodes a bucket of 17 to 32 rows with the library GEMM, its
@@ -355,18 +371,7 @@ def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchain
     from kdistill.kernels import decode_gemv
 
     width = decode_gemv.NARROW_32 + 64
-    model = load_model(
-        make_tiny_model(
-            tmp_path,
-            family="qwen2",
-            hidden_size=width,
-            intermediate_size=width + 64,
-            num_attention_heads=width // 64,
-            num_key_value_heads=1,
-            head_dim=64,
-            num_hidden_layers=1,
-        )
-    ).eval()
+    model = _one_block_model(tmp_path, width, width + 64)
     rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(20)]
     for batch, tile in ((32, None), (16, 16)):
         triton, plan = _engine_keys(model, rows, batch, 8)
@@ -386,18 +391,7 @@ def test_a_model_of_up_to_narrow_32_wide_chains_its_buckets_of_17_to_32_rows_not
     from kdistill.kernels import decode_gemv
 
     width = decode_gemv.NARROW + 64
-    model = load_model(
-        make_tiny_model(
-            tmp_path,
-            family="qwen2",
-            hidden_size=width,
-            intermediate_size=decode_gemv.MAX_PLAIN_K + 128,
-            num_attention_heads=width // 64,
-            num_key_value_heads=1,
-            head_dim=64,
-            num_hidden_layers=1,
-        )
-    ).eval()
+    model = _one_block_model(tmp_path, width, decode_gemv.MAX_PLAIN_K + 128)
     rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(40)]
     for batch, n, tile in ((32, 20, 32), (64, 40, None)):
         triton, _ = _engine_keys(model, rows[:n], batch, 8)
