@@ -360,9 +360,9 @@ PRE_K = {EPI_NONE: 1024, EPI_BIAS: 1024, EPI_SWIGLU: 512}  # at most, loaded bef
 # the larger tiles' SwiGLU prefetch (measured, 0.5B's gate/up: at 32 rows 128 inputs, 9.2 us a launch
 # against 28.7 at 512; at 64 rows 64 inputs, 8.7 us against 12.7 at 128)
 PRE_K_TILE = {16: PRE_K, 32: {**PRE_K, EPI_SWIGLU: 128}, 64: {**PRE_K, EPI_SWIGLU: 64}}
-# the 16-row tile's SwiGLU over more than WIDE_SWIGLU_K inputs (measured inside the step on an H200: Qwen2.5-1.5B,
-# 1,536 inputs, batch 4 1.481 -> 1.417 ms a step with 256 against 512, 1.448 with 128; the 0.5B's 896
-# inputs keep 512: 0.758 -> 0.829 ms with 256)
+# the 16-row tile's SwiGLU over more than WIDE_SWIGLU_K inputs (measured inside the step on an H200:
+# Qwen2.5-1.5B, 1,536 inputs, batch 4 1.481 -> 1.417 ms a step with 256 against 512, 1.448 with 128; the
+# 0.5B's 896 inputs keep 512: 0.758 -> 0.829 ms with 256)
 PRE_K_WIDE_SWIGLU = 256
 # SwiGLU products of more inputs than this take PRE_K_WIDE_SWIGLU at 16 rows and 64 columns a program at
 # 32 (Qwen2.5-1.5B's gate/up at 32 rows, inside the step on an H200: 26.3 -> 20.8 us a block with 64
@@ -400,8 +400,8 @@ def tiles(
     """The bucket's row tile (block_m, its prefetch PRE_K_TILE, at most TMEM_MAX_PRE_K at 64 rows on an
     arch with tensor memory, at most PRE_K_WIDE_SWIGLU for a SwiGLU over more than WIDE_SWIGLU_K inputs);
     32 columns a program with the SwiGLU epilogue (two weight tiles each; 64 in the 32-row tile past
-    WIDE_SWIGLU_K inputs), else 16 (LONG_BLOCK_N past MAX_PLAIN_K inputs); plain products with few column blocks split K (at least MIN_SPLIT_K inputs a
-    split) into as many parts as keep them within PROGRAMS programs (more than fit at once and the last
+    WIDE_SWIGLU_K inputs), else 16 (LONG_BLOCK_N past MAX_PLAIN_K inputs); plain products with few
+    column blocks split K (at least MIN_SPLIT_K inputs a split) into as many parts as keep them within PROGRAMS programs (more than fit at once and the last
     ones run alone after the others), where their partials go to the next kernel (combine False: the
     norm after o_proj and down sums them) or K is past MAX_PLAIN_K: a product the next kernel reads as
     it is (q/k/v, read by the attention) is not split, since its last-arriving program's combine would
