@@ -401,9 +401,10 @@ def tiles(
     arch with tensor memory, at most PRE_K_WIDE_SWIGLU for a SwiGLU over more than WIDE_SWIGLU_K inputs);
     32 columns a program with the SwiGLU epilogue (two weight tiles each; 64 in the 32-row tile past
     WIDE_SWIGLU_K inputs), else 16 (LONG_BLOCK_N past MAX_PLAIN_K inputs); plain products with few
-    column blocks split K (at least MIN_SPLIT_K inputs a split) into as many parts as keep them within PROGRAMS programs (more than fit at once and the last
-    ones run alone after the others), where their partials go to the next kernel (combine False: the
-    norm after o_proj and down sums them) or K is past MAX_PLAIN_K: a product the next kernel reads as
+    column blocks split K (at least MIN_SPLIT_K inputs a split) into as many parts as keep them within
+    PROGRAMS programs (more than fit at once and the last ones run alone after the others), where their
+    partials go to the next kernel (combine False: the norm after o_proj and down sums them) or K is
+    past MAX_PLAIN_K: a product the next kernel reads as
     it is (q/k/v, read by the attention) is not split, since its last-arriving program's combine would
     sit on that kernel's path (measured inside the step on an H200: Qwen2.5-1.5B's q/k/v unsplit, the
     block's attention ends ~1-2 us sooner); the first PRE_K inputs' weights loaded before the wait for
