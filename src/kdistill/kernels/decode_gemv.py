@@ -404,9 +404,8 @@ def tiles(
     column blocks split K (at least MIN_SPLIT_K inputs a split) into as many parts as keep them within
     PROGRAMS programs (more than fit at once and the last ones run alone after the others), where their
     partials go to the next kernel (combine False: the norm after o_proj and down sums them) or K is
-    past MAX_PLAIN_K: a product the next kernel reads as
-    it is (q/k/v, read by the attention) is not split, since its last-arriving program's combine would
-    sit on that kernel's path (measured inside the step on an H200: Qwen2.5-1.5B's q/k/v unsplit, the
+    past MAX_PLAIN_K: a product the next kernel reads as it is (q/k/v, read by the attention) is not
+    split, since its last-arriving program's combine would sit on that kernel's path (measured inside the step on an H200: Qwen2.5-1.5B's q/k/v unsplit, the
     block's attention ends ~1-2 us sooner); the first PRE_K inputs' weights loaded before the wait for
     the previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
     twelve; round fifteen measured wider and longer tiles, and a split SwiGLU, inside the step: none
