@@ -190,13 +190,15 @@ def tiles_key(
 _GEMV_KEY = decode_gemv.gemv_key
 _GEMV_SPLIT = decode_gemv.split
 _MAX_LONG_K = decode_gemv.MAX_LONG_K
+# the policy's bucket limits (--narrow's defaults)
+_LIMITS = (decode_gemv.NARROW, decode_gemv.LONG_ROWS, decode_gemv.WIDE_SWIGLU_ROWS, decode_gemv.NARROW_32)
 
 
 def product_tiles(value: str, spec) -> None:
     """Put a block's products on the matrix-vector kernel at the tiles `value` names ('policy': the
     policy's and its cuBLAS limit), as PRODUCT=PRE_K:SPLIT:BLOCK_N[:BLOCK_K:num_stages:num_warps] joined
-    by '+', PRODUCT one of qkv, o_proj, down, gate_up (at any width up to 16 rows: MAX_LONG_K lifted), through the key function
-    every launch, the plan and the prewarm call."""
+    by '+', PRODUCT one of qkv, o_proj, down, gate_up (at any width up to 16 rows: MAX_LONG_K lifted), through
+    the key function every launch, the plan and the prewarm call."""
     decode_gemv.gemv_key, decode_gemv.split = _GEMV_KEY, _GEMV_SPLIT
     decode_gemv.MAX_LONG_K = _MAX_LONG_K
     if value == "policy":
@@ -293,11 +295,13 @@ def main() -> None:
     ap.add_argument(
         "--narrow",
         default=None,
-        help="V[,V...] with V NARROW[:LONG_ROWS[:WIDE_SWIGLU_ROWS]][@PRODUCTS]: kernels/decode_gemv.py's NARROW "
-        "(buckets of 17 to 64 rows on the matrix-vector kernel, and chained, where a product has a side of at most "
-        "NARROW), LONG_ROWS (buckets up to which the long-K tile serves), WIDE_SWIGLU_ROWS (buckets up to which a "
-        "SwiGLU of more than WIDE_SWIGLU_K inputs is served) and --gemv-products' tiles; several: each batch size "
-        "runs once per value (an A/B in one process)",
+        help="V[,V...] with V NARROW[:LONG_ROWS[:WIDE_SWIGLU_ROWS[:NARROW_32]]][@PRODUCTS]: kernels/decode_gemv.py's "
+        "NARROW (buckets of 17 to 64 rows on the matrix-vector kernel, and chained, where a product has a side of at "
+        "most NARROW), LONG_ROWS (buckets up to which the long-K tile serves), WIDE_SWIGLU_ROWS (buckets up to which "
+        "a SwiGLU of more than WIDE_SWIGLU_K inputs is served), NARROW_32 (the side up to which buckets of 17 to 32 "
+        "rows are served; 0: none beyond NARROW) and --gemv-products' tiles (a field left out: the policy's); "
+        "several: each batch size runs once per value (an A/B in one process; replaces --gemv-products and "
+        "--fold-norm)",
     )
     a = ap.parse_args()
     if a.no_pdl:
@@ -354,17 +358,20 @@ def main() -> None:
         if a.fold_norm is not None:  # each products value once per FOLD_NORM value
             levels = [None if f == "policy" else int(f) for f in a.fold_norm.split(",")]
             variants = [(t, f) for t in variants for f in levels]
-        if a.narrow is not None:  # each value once per NARROW[:LONG_ROWS] value
+        if a.narrow is not None:  # each batch once per bucket-limits value
             variants = [("narrow", v) for v in a.narrow.split(",")]
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
                 if isinstance(tiles, tuple) and tiles[0] == "narrow":
                     limits, _, prods = tiles[1].partition("@")
-                    narrow, *rows_ = (int(v) for v in limits.split(":"))
-                    decode_gemv.NARROW = narrow
-                    decode_gemv.LONG_ROWS = rows_[0] if rows_ else 16
-                    decode_gemv.WIDE_SWIGLU_ROWS = rows_[1] if len(rows_) > 1 else decode_gemv.MAX_ROWS
+                    given = [int(v) for v in limits.split(":")]
+                    (
+                        decode_gemv.NARROW,
+                        decode_gemv.LONG_ROWS,
+                        decode_gemv.WIDE_SWIGLU_ROWS,
+                        decode_gemv.NARROW_32,
+                    ) = given + list(_LIMITS[len(given) :])
                     product_tiles(prods or "policy", spec)
                     tiles = f"narrow {tiles[1]}"
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)
