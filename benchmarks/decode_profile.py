@@ -190,21 +190,24 @@ def tiles_key(
 _GEMV_KEY = decode_gemv.gemv_key
 _GEMV_SPLIT = decode_gemv.split
 _MAX_LONG_K = decode_gemv.MAX_LONG_K
+# the policy's bucket limits (--narrow's defaults)
+_LIMITS = (decode_gemv.NARROW, decode_gemv.LONG_ROWS, decode_gemv.WIDE_SWIGLU_ROWS, decode_gemv.NARROW_32)
 
 
 def product_tiles(value: str, spec) -> None:
     """Put a block's products on the matrix-vector kernel at the tiles `value` names ('policy': the
     policy's and its cuBLAS limit), as PRODUCT=PRE_K:SPLIT:BLOCK_N[:BLOCK_K:num_stages:num_warps] joined
-    by '+', PRODUCT one of qkv, o_proj, down (at any width up to 16 rows: MAX_LONG_K lifted), through the key function
-    every launch, the plan and the prewarm call."""
+    by '+', PRODUCT one of qkv, o_proj, down, gate_up (at any width up to 16 rows: MAX_LONG_K lifted), through
+    the key function every launch, the plan and the prewarm call."""
     decode_gemv.gemv_key, decode_gemv.split = _GEMV_KEY, _GEMV_SPLIT
     decode_gemv.MAX_LONG_K = _MAX_LONG_K
     if value == "policy":
         return
-    shapes = {  # product -> (n, k) of a plain or biased product
+    shapes = {  # product -> (n, k) of a plain or biased product, or of the SwiGLU's (gate_up)
         "qkv": (spec.q_size + 2 * spec.kv_size, spec.hidden_size),
         "o_proj": (spec.hidden_size, spec.q_size),
         "down": (spec.hidden_size, spec.intermediate_size),
+        "gate_up": (spec.intermediate_size, spec.hidden_size),
     }
     over: dict[tuple[int, int], list[int]] = {}
     for item in value.split("+"):
@@ -225,7 +228,8 @@ def product_tiles(value: str, spec) -> None:
             aligned=aligned,
             **fold,
         )
-        if (n, k) not in over or epilogue == decode_gemv.EPI_SWIGLU:
+        swiglu = epilogue == decode_gemv.EPI_SWIGLU
+        if (n, k) not in over or swiglu != ((n, k) == shapes["gate_up"]) or fold:
             return base
         pre, split, bn, bk, stages, warps = over[(n, k)]
         return tiles_key(base, pre_k=pre, split=split, block_n=bn, block_k=bk, stages=stages, warps=warps)
@@ -288,6 +292,17 @@ def main() -> None:
         "not split, 0: no norm folded into the products, 1: the norm after o_proj, 2: also the norm after the "
         "down); several: each batch size runs once per value, one after the other (an A/B in one process)",
     )
+    ap.add_argument(
+        "--narrow",
+        default=None,
+        help="V[,V...] with V NARROW[:LONG_ROWS[:WIDE_SWIGLU_ROWS[:NARROW_32]]][@PRODUCTS]: kernels/decode_gemv.py's "
+        "NARROW (buckets of 17 to 64 rows on the matrix-vector kernel, and chained, where a product has a side of at "
+        "most NARROW), LONG_ROWS (buckets up to which the long-K tile serves), WIDE_SWIGLU_ROWS (buckets up to which "
+        "a SwiGLU of more than WIDE_SWIGLU_K inputs is served), NARROW_32 (the side up to which buckets of 17 to 32 "
+        "rows are served; 0: none beyond NARROW) and --gemv-products' tiles (a field left out: the policy's); "
+        "several: each batch size runs once per value (an A/B in one process; replaces --gemv-products and "
+        "--fold-norm)",
+    )
     a = ap.parse_args()
     if a.no_pdl:
         from kdistill.kernels import decode_attention, rmsnorm
@@ -343,10 +358,25 @@ def main() -> None:
         if a.fold_norm is not None:  # each products value once per FOLD_NORM value
             levels = [None if f == "policy" else int(f) for f in a.fold_norm.split(",")]
             variants = [(t, f) for t in variants for f in levels]
+        if a.narrow is not None:  # each batch once per bucket-limits value
+            variants = [("narrow", v) for v in a.narrow.split(",")]
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
-                if isinstance(tiles, tuple):
+                if isinstance(tiles, tuple) and tiles[0] == "narrow":
+                    limits, _, prods = tiles[1].partition("@")
+                    given = [int(v) for v in limits.split(":")]
+                    (
+                        decode_gemv.NARROW,
+                        decode_gemv.LONG_ROWS,
+                        decode_gemv.WIDE_SWIGLU_ROWS,
+                        decode_gemv.NARROW_32,
+                    ) = given + list(_LIMITS[len(given) :])
+                    product_tiles(prods or "policy", spec)
+                    tiles = f"narrow {tiles[1]}"
+                    info = prepare_kernels(model, max(batches), a.prompt, max_len)
+                    print(f"{preset} ({tiles}): {info.get('prewarm', info)}", flush=True)
+                elif isinstance(tiles, tuple):
                     tiles, decode_gemv.FOLD_NORM = tiles
                     product_tiles(tiles or "policy", spec)
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)

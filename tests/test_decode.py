@@ -347,25 +347,31 @@ def test_a_narrow_models_bucket_of_17_to_64_rows_runs_a_32_or_64_row_tile_and_it
     assert [decode_gemv.block_m(r) for r in (16, 17, 32, 33, 64)] == [16, 32, 32, 64, 64]
 
 
-def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchained(tmp_path):
-    """The larger tiles serve narrow products only (a side of at most decode_gemv.NARROW): a model wider
-    than that decodes a bucket of 17 to 32 rows with the library GEMM, its norms and attention
-    unchained, and plans no larger tile; its 16-row buckets still run the kernel chained."""
-    from kdistill.kernels import decode_gemv
-
-    width = decode_gemv.NARROW + 64
-    model = load_model(
+def _one_block_model(tmp_path, width: int, intermediate: int):
+    """A one-block Qwen2 model `width` wide (64-wide heads, one key/value head)."""
+    return load_model(
         make_tiny_model(
             tmp_path,
             family="qwen2",
             hidden_size=width,
-            intermediate_size=width + 64,
+            intermediate_size=intermediate,
             num_attention_heads=width // 64,
             num_key_value_heads=1,
             head_dim=64,
             num_hidden_layers=1,
         )
     ).eval()
+
+
+def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchained(tmp_path):
+    """The larger tiles serve narrow products only (a side of at most decode_gemv.NARROW_32 at 32 rows,
+    NARROW at 64): a model wider than that decodes a bucket of 17 to 32 rows with the library GEMM, its
+    norms and attention unchained, and plans no larger tile; its 16-row buckets still run the kernel
+    chained."""
+    from kdistill.kernels import decode_gemv
+
+    width = decode_gemv.NARROW_32 + 64
+    model = _one_block_model(tmp_path, width, width + 64)
     rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(20)]
     for batch, tile in ((32, None), (16, 16)):
         triton, plan = _engine_keys(model, rows, batch, 8)
@@ -375,13 +381,38 @@ def test_a_wide_models_bucket_of_17_to_32_rows_stays_on_the_library_gemm_unchain
         steps = {k["PDL"] for k in triton if k.op == "decode_attn_split"}
         assert steps == ({False} if tile is None else {True})
     assert decode_gemv.step_rows(width) == 16 and decode_gemv.step_rows(896) == decode_gemv.MAX_ROWS
+    assert decode_gemv.step_rows(1536) == 32  # Qwen2.5-1.5B: chained up to 32 rows
+
+
+def test_a_model_of_up_to_narrow_32_wide_chains_its_buckets_of_17_to_32_rows_not_64(tmp_path):
+    """Wider than NARROW but at most NARROW_32 (Qwen2.5-1.5B's 1,536): a bucket of 17 to 32 rows runs the
+    kernel's 32-row tile chained, its down past MAX_PLAIN_K inputs on the long-K tile; a bucket of 33 to
+    64 rows stays on the library GEMM, unchained."""
+    from kdistill.kernels import decode_gemv
+
+    width = decode_gemv.NARROW + 64
+    model = _one_block_model(tmp_path, width, decode_gemv.MAX_PLAIN_K + 128)
+    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(40)]
+    for batch, n, tile in ((32, 20, 32), (64, 40, None)):
+        triton, _ = _engine_keys(model, rows[:n], batch, 8)
+        launched = {k["BLOCK_M"] for k in triton if k.op == "decode_gemv"}
+        assert launched == (set() if tile is None else {tile}), batch
+        steps = {k["PDL"] for k in triton if k.op == "decode_attn_split"}
+        assert steps == ({False} if tile is None else {True}), batch
+        if tile:
+            down = [
+                k for k in triton if k.op == "decode_gemv" and int(k["K"]) == model.spec.intermediate_size
+            ]
+            assert down and all(k["BLOCK_N"] == decode_gemv.LONG_BLOCK_N for k in down)
+    assert decode_gemv.step_rows(width) == 32
 
 
 def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swiglu_prefetch():
     """Planned from the configs alone: an engine of 64 rows for Qwen2.5-0.5B (896 wide) holds the 32-
     and 64-row tiles of its block products (gate/up's first-inputs prefetch PRE_K_TILE; down, 4,864
-    inputs, not at 64 rows), for 1.5B (1,536 wide) only the 16-row tile, whose gate/up prefetches fewer
-    inputs than the 0.5B's (PRE_K_WIDE_SWIGLU: more than NARROW inputs)."""
+    inputs, not at 64 rows), for 1.5B (1,536 wide) the 16- and 32-row tiles: its 16-row gate/up
+    prefetches fewer inputs than the 0.5B's (PRE_K_WIDE_SWIGLU: more than WIDE_SWIGLU_K inputs), its
+    32-row gate/up takes 64 columns a program, its down (8,960 inputs) the long-K tile at both."""
     from kdistill.kernels import decode_gemv
     from kdistill.models.presets import PRESETS
     from kdistill.models.spec import spec_from_hf_config
@@ -390,7 +421,7 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
         spec = spec_from_hf_config(PRESETS[preset])
         keys = plan_mod.generation_kernels(spec, "sm_90", "bf16", batch=64, prompt_len=8, max_len=64)
         gemv = [k for k in keys if k.op == "decode_gemv"]
-        assert {k["BLOCK_M"] for k in gemv} == ({16, 32, 64} if narrow else {16}), preset
+        assert {k["BLOCK_M"] for k in gemv} == ({16, 32, 64} if narrow else {16, 32}), preset
         # gate/up's keys: plain, and at 0.5B (its o_proj not split, the norm after it folded) scaled by
         # the rstd of o_proj's sums of squares; the 1.5B's o_proj is split: its norm stays a launch
         at16 = [k for k in gemv if k["BLOCK_M"] == 16 and k["EPI"] == decode_gemv.EPI_SWIGLU]
@@ -398,6 +429,11 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
         rstd_16 = [-(-spec.hidden_size // 16)] if narrow else []
         assert sorted(int(k.get("RSTD") or 0) for k in at16) == [0, *rstd_16], preset
         if not narrow:
+            at32 = [k for k in gemv if k["BLOCK_M"] == 32]
+            assert {k["BLOCK_N"] for k in at32 if k["EPI"] == decode_gemv.EPI_SWIGLU} == {64}
+            down = [k for k in gemv if int(k["K"]) == spec.intermediate_size]
+            assert {k["BLOCK_N"] for k in down} == {decode_gemv.LONG_BLOCK_N}
+            assert {k["BLOCK_M"] for k in down} == {16, 32}
             continue
         for tile in (32, 64):
             at = [k for k in gemv if k["BLOCK_M"] == tile]

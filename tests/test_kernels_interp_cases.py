@@ -560,7 +560,9 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
             with _kernel_mode(), runtime.recording() as rec:
                 got = dispatch.decode_linear(x, w, bias, gate_up=epilogue == "swiglu")
             tiles = [key["BLOCK_M"] for key in rec.keys() if key.op == "decode_gemv"]
-            if epilogue == "swiglu" and k > decode_gemv.NARROW and rows <= 16:  # the wide SwiGLU's prefetch
+            if (
+                epilogue == "swiglu" and k > decode_gemv.WIDE_SWIGLU_K and rows <= 16
+            ):  # the wide SwiGLU's prefetch
                 assert [key["PRE_K"] for key in rec.keys() if key.op == "decode_gemv"] == [
                     decode_gemv.PRE_K_WIDE_SWIGLU
                 ]
@@ -575,6 +577,8 @@ def case_decode_gemv(device="cpu", dtype=torch.float32, rows=3, n=40, k=48, epil
                 long_k = code[epilogue] != decode_gemv.EPI_SWIGLU and k > decode_gemv.MAX_PLAIN_K
                 assert (key["SPLIT"] > 1) == long_k, key
                 assert key["BLOCK_N"] == (decode_gemv.LONG_BLOCK_N if long_k else key["BLOCK_N"])
+                wide_swiglu = epilogue == "swiglu" and k > decode_gemv.WIDE_SWIGLU_K and key["BLOCK_M"] == 32
+                assert (key["BLOCK_N"] == 64) == (long_k or wide_swiglu), key
     assert got.shape == (rows, n) and got.dtype == dtype
     _close("y", got, y, dtype)
 
@@ -937,6 +941,13 @@ CASES = {
     "decode_linear_add_rmsnorm_fp32_32_rows": (case_decode_linear_add_rmsnorm, dict(rows=27, n=40, k=2048)),
     # a SwiGLU over more than NARROW inputs: fewer inputs loaded before the wait, the rest in the loop
     "decode_gemv_fp32_swiglu_wide": (case_decode_gemv, dict(rows=5, n=40, k=1104, epilogue="swiglu")),
+    # and at 17 to 32 rows: 64 columns a program (two column blocks here, the second masked)
+    "decode_gemv_fp32_swiglu_wide_24_rows": (
+        case_decode_gemv,
+        dict(rows=24, n=80, k=1104, epilogue="swiglu"),
+    ),
+    # plain products past MAX_PLAIN_K inputs at 17 to 32 rows: the long-K tile with 32 rows a program
+    "decode_gemv_fp32_long_k_24_rows": (case_decode_gemv, dict(rows=24, n=72, k=5248, epilogue="none")),
     # the SwiGLU epilogue applied by the last of a column block's K splits (the policy keeps it whole)
     "decode_gemv_fp32_swiglu_split": (
         case_decode_gemv,

@@ -154,7 +154,7 @@ def test_t_token_step_equals_one_token_steps_on_the_device():
         (896, 896, "none"),
         (1152, 896, "bias"),
         (896, 4864, "none"),  # K split over 4 programs
-        (1536, 8960, "none"),  # past MAX_PLAIN_K: the long-K tile up to 16 rows (K split), then cuBLAS
+        (1536, 8960, "none"),  # past MAX_PLAIN_K: the long-K tile up to 32 rows (K split), then cuBLAS
         (2048, 1536, "bias"),  # read as it is by the attention: not split
     ],
 )
@@ -252,20 +252,27 @@ def _ragged(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen2.5-1.5b"])  # the 1.5B: the long-K down
+@pytest.mark.parametrize(
+    "preset,batch",
+    # the 1.5B: the long-K down; at 32 rows its chained 32-row step (gate/up on 64 columns a program)
+    [("qwen2.5-0.5b", 4), ("qwen2.5-1.5b", 4), ("qwen2.5-1.5b", 32)],
+)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_graph_step_equals_eager_step_for_every_row(temperature, preset):
+def test_graph_step_equals_eager_step_for_every_row(temperature, preset, batch):
     """The captured step's tokens are the eager step's, greedy and sampled (the sampler kernel draws from
     the same uniforms), with refilled slots and ragged stops; nothing compiles after the prewarm."""
     model = _model(preset)
-    prepare_kernels(model, 4, 64, 400)
-    prompts = _ragged(model.spec.vocab_size, [17, 130, 64, 300, 5, 77, 250, 33, 9, 190])
+    prepare_kernels(model, batch, 64, 400)
+    lens = [17, 130, 64, 300, 5, 77, 250, 33, 9, 190]
+    prompts = _ragged(model.spec.vocab_size, lens * (batch // 4))
     # a stop token that decoding meets: rows end at different steps and slots are refilled
     s = Sampling(max_new_tokens=48, temperature=temperature, seed=11)
-    probe = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, cuda_graphs="off").generate(prompts)
+    probe = DecodeEngine(model, batch_size=batch, max_len=400, sampling=s, cuda_graphs="off").generate(
+        prompts
+    )
     stop = {probe[0][5], probe[3][20]}
-    graph = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="on")
-    eager = DecodeEngine(model, batch_size=4, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="off")
+    graph = DecodeEngine(model, batch_size=batch, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="on")
+    eager = DecodeEngine(model, batch_size=batch, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="off")
     a, b = graph.generate(prompts), eager.generate(prompts)
     assert a == b
     assert len({len(r) for r in a}) > 1  # ragged completions: some rows stopped early

@@ -61,8 +61,14 @@ MAX_ROWS = 64  # the buckets this kernel serves (16, 32 or 64 rows a tile); larg
 ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16: the dot's smallest)
 # A bucket of 17 to 64 rows: the products with a side of at most NARROW (measured on an H200,
 # benchmarks/decode_products.py: Qwen2.5-0.5B's, 896 wide, on par with cuBLAS or faster; 1.5B's, 1,536
-# wide, all slower), plain ones past 32 rows only up to NARROW inputs (0.5B's down at 64 rows slower).
+# wide, all slower alone; chained at 32 rows, below, faster), plain ones past 32 rows only up to NARROW
+# inputs (0.5B's down at 64 rows slower).
 NARROW = 1024
+# A bucket of 17 to 32 rows also where a product has a side of at most NARROW_32 (Qwen2.5-1.5B, 1,536 wide:
+# its step chained at 32 rows, the down on the long-K tile, gate/up on 64 columns a program; measured
+# inside the step on an H200, batch 32 1.78 -> 1.65 ms; at 64 rows the same chain was slower, 1.92 -> 2.19)
+NARROW_32 = 1536
+LONG_ROWS = 32  # buckets of at most this many rows take the long-K tile past MAX_PLAIN_K inputs
 
 
 def block_m(rows: int) -> int:
@@ -354,10 +360,16 @@ PRE_K = {EPI_NONE: 1024, EPI_BIAS: 1024, EPI_SWIGLU: 512}  # at most, loaded bef
 # the larger tiles' SwiGLU prefetch (measured, 0.5B's gate/up: at 32 rows 128 inputs, 9.2 us a launch
 # against 28.7 at 512; at 64 rows 64 inputs, 8.7 us against 12.7 at 128)
 PRE_K_TILE = {16: PRE_K, 32: {**PRE_K, EPI_SWIGLU: 128}, 64: {**PRE_K, EPI_SWIGLU: 64}}
-# the 16-row tile's SwiGLU over more than NARROW inputs (measured inside the step on an H200: Qwen2.5-1.5B,
-# 1,536 inputs, batch 4 1.481 -> 1.417 ms a step with 256 against 512, 1.448 with 128; the 0.5B's 896
-# inputs keep 512: 0.758 -> 0.829 ms with 256)
+# the 16-row tile's SwiGLU over more than WIDE_SWIGLU_K inputs (measured inside the step on an H200:
+# Qwen2.5-1.5B, 1,536 inputs, batch 4 1.481 -> 1.417 ms a step with 256 against 512, 1.448 with 128; the
+# 0.5B's 896 inputs keep 512: 0.758 -> 0.829 ms with 256)
 PRE_K_WIDE_SWIGLU = 256
+# SwiGLU products of more inputs than this take PRE_K_WIDE_SWIGLU at 16 rows and 64 columns a program at
+# 32 (Qwen2.5-1.5B's gate/up at 32 rows, inside the step on an H200: 26.3 -> 20.8 us a block with 64
+# columns, 24.7 with 16, 30-42 with 256-512 inputs before the wait); they are served in buckets of at most
+# WIDE_SWIGLU_ROWS rows (an experiment's knob: benchmarks/decode_profile.py --narrow)
+WIDE_SWIGLU_K = 1024
+WIDE_SWIGLU_ROWS = MAX_ROWS
 # Archs with tensor memory (sm_100 to sm_110): a tile of 64 rows takes the tcgen05 dot, which Triton
 # builds with at most 512 prefetched inputs (more: "blockN must be less than or equal to 512")
 TMEM_MAX_PRE_K = 512
@@ -386,30 +398,32 @@ def tiles(
     *, n: int, k: int, epilogue: int, rows: int = 1, arch: str = "sm_90", combine: bool = True
 ) -> dict[str, int]:
     """The bucket's row tile (block_m, its prefetch PRE_K_TILE, at most TMEM_MAX_PRE_K at 64 rows on an
-    arch with tensor memory, at most PRE_K_WIDE_SWIGLU for a SwiGLU over more than NARROW inputs); 32
-    columns a program with the SwiGLU epilogue (two weight tiles each), else 16 (LONG_BLOCK_N past
-    MAX_PLAIN_K inputs); plain products with few column blocks split K (at least MIN_SPLIT_K inputs a
-    split) into as many parts as keep them within PROGRAMS programs (more than fit at once and the last
-    ones run alone after the others), where their partials go to the next kernel (combine False: the
-    norm after o_proj and down sums them) or K is past MAX_PLAIN_K: a product the next kernel reads as
-    it is (q/k/v, read by the attention) is not split, since its last-arriving program's combine would
-    sit on that kernel's path (measured inside the step on an H200: Qwen2.5-1.5B's q/k/v unsplit, the
+    arch with tensor memory, at most PRE_K_WIDE_SWIGLU for a SwiGLU over more than WIDE_SWIGLU_K inputs);
+    32 columns a program with the SwiGLU epilogue (two weight tiles each; 64 in the 32-row tile past
+    WIDE_SWIGLU_K inputs), else 16 (LONG_BLOCK_N past MAX_PLAIN_K inputs); plain products with few
+    column blocks split K (at least MIN_SPLIT_K inputs a split) into as many parts as keep them within
+    PROGRAMS programs (more than fit at once and the last ones run alone after the others), where their
+    partials go to the next kernel (combine False: the norm after o_proj and down sums them) or K is
+    past MAX_PLAIN_K: a product the next kernel reads as it is (q/k/v, read by the attention) is not
+    split, since its last-arriving program's combine would sit on that kernel's path (measured inside the step on an H200: Qwen2.5-1.5B's q/k/v unsplit, the
     block's attention ends ~1-2 us sooner); the first PRE_K inputs' weights loaded before the wait for
     the previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
     twelve; round fifteen measured wider and longer tiles, and a split SwiGLU, inside the step: none
     faster). The SwiGLU epilogue stays in one program a column block: the kernel also takes it split
     (the last program to arrive applies it), which measured slower."""
     long_k = epilogue != EPI_SWIGLU and k > MAX_PLAIN_K
+    tile = block_m(rows)
     block_n = 32 if epilogue == EPI_SWIGLU else (LONG_BLOCK_N if long_k else 16)
+    if epilogue == EPI_SWIGLU and tile == ROW_TILES[1] and k > WIDE_SWIGLU_K:
+        block_n = 64
     split, k_split = 1, k
     if epilogue != EPI_SWIGLU and (not combine or long_k):
         programs = LONG_PROGRAMS if long_k else PROGRAMS
         want = max(1, min(programs // cdiv(n, block_n), k // MIN_SPLIT_K))
         k_split = cdiv(cdiv(k, want), 128) * 128
         split = cdiv(k, k_split)
-    tile = block_m(rows)
     cap = LONG_PRE_K if long_k else PRE_K_TILE[tile][epilogue]
-    if epilogue == EPI_SWIGLU and k > NARROW:
+    if epilogue == EPI_SWIGLU and k > WIDE_SWIGLU_K:
         cap = min(cap, PRE_K_WIDE_SWIGLU)
     if tile >= 64 and tensor_memory(arch):
         cap = min(cap, TMEM_MAX_PRE_K)
@@ -487,18 +501,28 @@ def norm_folds(hidden: int, q_size: int, intermediate: int) -> tuple[bool, bool]
 
 def serves(rows: int, k: int, epilogue: int, n: int) -> bool:
     """Where the engine's step uses this kernel instead of cuBLAS for an (n, k) product (measured,
-    benchmarks/decode_products.py): buckets of at most 16 rows, and of 17 to MAX_ROWS where n or k is at
-    most NARROW; q/k/v with its bias, o_proj and gate/up with its SwiGLU at any width, down up to
-    MAX_PLAIN_K inputs (MAX_LONG_K up to 16 rows, past 32 rows NARROW)."""
-    fits = rows <= ROW_TILES[0] or (rows <= MAX_ROWS and min(n, k) <= NARROW)
-    plain_k = MAX_LONG_K if rows <= ROW_TILES[0] else MAX_PLAIN_K if rows <= ROW_TILES[1] else NARROW
-    return fits and supported(k) and (epilogue == EPI_SWIGLU or k <= plain_k)
+    benchmarks/decode_products.py and decode_profile.py): buckets of at most 16 rows, of 17 to MAX_ROWS
+    where n or k is at most NARROW, and of 17 to 32 where it is at most NARROW_32; q/k/v with its bias,
+    o_proj and gate/up with its SwiGLU at any width (a SwiGLU of more than WIDE_SWIGLU_K inputs up to
+    WIDE_SWIGLU_ROWS rows), down up to MAX_PLAIN_K inputs (MAX_LONG_K up to LONG_ROWS rows, past 32 rows
+    NARROW)."""
+    side = min(n, k)
+    fits = (
+        rows <= ROW_TILES[0]
+        or (rows <= MAX_ROWS and side <= NARROW)
+        or (rows <= ROW_TILES[1] and side <= NARROW_32)
+    )
+    plain_k = MAX_LONG_K if rows <= LONG_ROWS else MAX_PLAIN_K if rows <= ROW_TILES[1] else NARROW
+    if epilogue == EPI_SWIGLU:
+        return fits and supported(k) and (k <= WIDE_SWIGLU_K or rows <= WIDE_SWIGLU_ROWS)
+    return fits and supported(k) and k <= plain_k
 
 
 def step_rows(hidden: int) -> int:
     """The largest bucket whose decode step runs on this kernel (and chains, runtime.chained) for a model
-    `hidden` wide: every block product has a side of `hidden` (serves)."""
-    return MAX_ROWS if hidden <= NARROW else ROW_TILES[0]
+    `hidden` wide: every block product has a side of `hidden` (serves; a product it leaves to cuBLAS, the
+    0.5B's down at 64 rows, sits in the chain unchained)."""
+    return MAX_ROWS if hidden <= NARROW else ROW_TILES[1] if hidden <= NARROW_32 else ROW_TILES[0]
 
 
 # -- registered description ---------------------------------------------------------------------
