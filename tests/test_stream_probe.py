@@ -36,3 +36,17 @@ def test_the_triton_loop_gives_the_product_under_the_interpreter():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith("tiny")]
     assert len(lines) == 2 and all(line.endswith(" ok") for line in lines), r.stdout
+
+
+def test_the_one_launch_block_probe_compiles_for_sm_90_with_the_next_weights_issued_ahead():
+    pytest.importorskip("triton.experimental.gluon", reason="a Triton without Gluon")
+    from benchmarks import block_probe_gluon
+
+    built = block_probe_gluon.build(stages=3)
+    (one_tma, one_mma, _), (bar_tma, bar_mma, _), (pre_tma, pre_mma, _) = (
+        built["one"],
+        built["barrier"],
+        built["prefetch"],
+    )
+    assert one_mma > 0 and bar_mma == pre_mma == 4 * one_mma  # a block's four products
+    assert pre_tma > bar_tma > one_tma  # the next product's weights issued before each barrier
