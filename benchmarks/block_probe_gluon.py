@@ -34,16 +34,15 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 try:  # run as a script (benchmarks/ on the path) or as a module
-    from cuda_timing import median_seconds
+    from stream_probe import graph_us
+    from stream_probe_gluon import tma_load
 except ImportError:
-    from benchmarks.cuda_timing import median_seconds
-
-# Triton 3.6's name for a TMA load; later releases call it async_load
-tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    from benchmarks.stream_probe import graph_us
+    from benchmarks.stream_probe_gluon import tma_load
 
 _HIDDEN, _INTER, _QKV = 896, 4864, 1152  # Qwen2.5-0.5B
 _A_ROWS = _QKV + _HIDDEN + 2 * _INTER  # W_a's rows a block: q/k/v, o_proj, gate/up (the 896-input ones)
@@ -286,12 +285,7 @@ def main() -> None:
             "prefetch": lambda st=stages: (bar.zero_(), launch(bufs, progs, st, "prefetch")),
         }
         for way, fn in ways.items():
-            fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            us = median_seconds(g.replay, a.reps, warmup=2) * 1e6 / LAYERS
+            us = graph_us(lambda i, fn=fn: fn(), 1, launches=1, replays=a.reps) / LAYERS
             out["rows"].append({"way": way, "stages": stages, "us_per_block": us})
             print(f"stages {stages} {way:9s} {us:7.2f} us a block", flush=True)
     if a.json:
