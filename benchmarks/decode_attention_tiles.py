@@ -49,11 +49,20 @@ def variant_key(
     stages: int | None,
     pdl: bool,
     block_n: int | None = None,
+    rows: int = 1,
 ):
-    """The engine's split key for the cache with the tiles overridden (None: the policy's)."""
+    """The engine's split key for the cache and a step of `rows` rows with the tiles overridden (None: the
+    policy's)."""
     d, hq, hkv = heads(preset)
     base = attn.split_key(
-        "sm_90", head_dim=d, q_heads=hq, kv_heads=hkv, dtype="bf16", max_len=slots, rope=True
+        "sm_90",
+        head_dim=d,
+        q_heads=hq,
+        kv_heads=hkv,
+        dtype="bf16",
+        max_len=slots,
+        rope=True,
+        split_min=attn.min_split(rows),
     )
     p = dict(base.params)
     if split:
@@ -118,7 +127,7 @@ def main() -> None:
                     if split and split > slots:
                         continue
                     for pdl in (False, True) if b <= a.pdl_batch else (False,):
-                        key = variant_key(preset, slots, split, warps, stages, pdl, block_n)
+                        key = variant_key(preset, slots, split, warps, stages, pdl, block_n, rows=b)
                         tag = f"{vname}{'-pdl' if pdl else ''}"
 
                         def one(kc, key=key, x=(q, pos, kn, vn, cos, sin)):

@@ -315,9 +315,9 @@ def main() -> None:
         split, *block_n = (int(v) for v in a.attn_split.split(","))
         policy = decode_attention.tiles
 
-        def tiles(head_dim, q_heads, kv_heads, max_len=256, wide=False):
-            t = policy(head_dim, q_heads, kv_heads, max_len, wide)
-            if not wide:
+        def tiles(head_dim, q_heads, kv_heads, max_len=256, split_min=0):
+            t = policy(head_dim, q_heads, kv_heads, max_len, split_min)
+            if split_min < decode_attention.WIDE_SPLIT:  # a step of at most WIDE_ROWS rows
                 t["SPLIT"] = split
                 one_tile = split == 128 and head_dim <= decode_attention.ONE_TILE_HEAD  # the policy's rule
                 t["BLOCK_N"] = block_n[0] if block_n else (128 if one_tile else 64)

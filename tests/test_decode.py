@@ -309,21 +309,28 @@ def test_the_steps_embedding_lookup_is_inside_its_first_norm_and_planned(tmp_pat
     )
 
 
-def test_a_wide_steps_attention_reads_longer_splits_and_its_plan_holds_them(tmp_path):
+def test_a_steps_attention_reads_longer_splits_as_its_rows_grow_and_its_plan_holds_them(tmp_path):
     """A step of more than WIDE_ROWS rows reads its cache in splits of at least WIDE_SPLIT keys (programs
-    enough without short splits); the plan for an engine of that batch holds the key, and an engine of
-    at most WIDE_ROWS rows never launches it."""
+    enough without short splits), chained or not (a narrow model chains 64 rows), a step of MID_ROWS in
+    splits of at least MID_SPLIT, a step of at most 16 rows in the cache's own (64 keys for a short
+    cache); the plan for an engine of each batch holds the keys of every bucket it may run, and an engine
+    of fewer rows never launches the longer splits."""
     from kdistill.kernels import decode_attention
 
     model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
-    wide = decode_attention.WIDE_ROWS + 1
-    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(wide)]
+    batches = (64, decode_attention.WIDE_ROWS + 1, decode_attention.MID_ROWS[1], decode_attention.MID_ROWS[0])
+    rows = [sample_ids(model.spec.vocab_size, 1, 3, seed=i)[0].tolist() for i in range(max(batches) + 1)]
     splits = {}
-    for batch in (wide, decode_attention.WIDE_ROWS):
-        triton, _ = _engine_keys(model, rows, batch, 16)
+    for batch in batches:
+        triton, plan = _engine_keys(model, rows[: batch + 1], batch, 16)
         splits[batch] = {k["SPLIT"] for k in triton if k.op == "decode_attn_split"}
-    assert splits[wide] == {decode_attention.WIDE_SPLIT}
-    assert splits[decode_attention.WIDE_ROWS] == {decode_attention.split_len(16)}
+        assert splits[batch] == {decode_attention.split_len(16, batch)}
+        planned = {k["SPLIT"] for k in plan if k.op == "decode_attn_split"}
+        buckets = {min(batch, 1 << i) for i in range(batch.bit_length() + 1)}  # its smaller buckets too
+        assert planned == {decode_attention.split_len(16, r) for r in buckets}
+    assert splits[64] == splits[decode_attention.WIDE_ROWS + 1] == {decode_attention.WIDE_SPLIT}
+    assert splits[decode_attention.MID_ROWS[1]] == {decode_attention.MID_SPLIT}
+    assert splits[decode_attention.MID_ROWS[0]] == {64} == {decode_attention.split_len(16)}
 
 
 def test_a_narrow_models_bucket_of_17_to_64_rows_runs_a_32_or_64_row_tile_and_its_plan_holds_it(tmp_path):

@@ -391,6 +391,7 @@ def case_decode_attention(
     rope=False,
     chained=False,
     wide=False,
+    mid=False,
     positions=(0, 37, 256),
 ):
     """One token per row over a static cache: rows whose newest slot is 0, inside the first split, on
@@ -399,7 +400,8 @@ def case_decode_attention(
     rotates both at the row's position. chained: the key of a small bucket's step on an arch with
     programmatic dependent launch, whose split reads its first tile of cached keys before the wait.
     wide: the key of a step of more than WIDE_ROWS rows (the threshold lowered to this case's rows),
-    whose splits run several tiles of keys. positions: the first rows' newest slots (the last row's is
+    whose splits run several tiles of keys. mid: the key of a step of 17 to 64 rows (the bound lowered to
+    this case's rows), whose splits take at least MID_SPLIT keys. positions: the first rows' newest slots (the last row's is
     the cache's end)."""
     from unittest import mock
 
@@ -437,10 +439,14 @@ def case_decode_attention(
         runtime.chained(chained),
         runtime.recording() as rec,
         mock.patch.object(decode_kernel, "WIDE_ROWS", b - 1 if wide else decode_kernel.WIDE_ROWS),
+        mock.patch.object(decode_kernel, "MID_ROWS", (b - 1, b) if mid else decode_kernel.MID_ROWS),
     ):
         got = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
+        split = decode_kernel.split_len(m, b)  # under the lowered bounds
     assert [k["PDL"] for k in rec.keys()] == [chained]
-    assert [k["SPLIT"] for k in rec.keys()] == [decode_kernel.split_len(m, wide)]
+    assert [k["SPLIT"] for k in rec.keys()] == [split]
+    bound = decode_kernel.WIDE_SPLIT if wide else decode_kernel.MID_SPLIT if mid else 0
+    assert split == max(decode_kernel.split_len(m), bound)
     assert got.dtype == dtype and got.shape == (b, hq, d)
     _close("o", got, want, dtype)
     # the new key and value are in the cache, nothing else changed
@@ -926,6 +932,18 @@ CASES = {
     "decode_attention_fp32_rope_wide": (
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, wide=True),
+    ),
+    # a step of 17 to 64 rows: splits of 128 keys, one tile of 128 for a 64-wide head; chained
+    "decode_attention_fp32_rope_mid_chained": (
+        case_decode_attention,
+        dict(
+            dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, chained=True, mid=True, positions=(0, 127, 128)
+        ),
+    ),
+    # a narrow model's wide step, chained: its first tile before the wait, three tiles in flight
+    "decode_attention_fp32_rope_wide_chained": (
+        case_decode_attention,
+        dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, wide=True, chained=True),
     ),
     # a wide step over a cache one split holds: the output written directly (no parts, no count)
     "decode_attention_fp32_rope_wide_one_split": (

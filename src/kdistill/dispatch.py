@@ -517,7 +517,7 @@ def decode_attention(
         max_len=m,
         rope=rope,
         chained=rt.chained,
-        wide=not rt.chained and decode_kernel.wide(q.shape[0]),
+        split_min=decode_kernel.min_split(q.shape[0]),
         aligned=aligned(q, k_cache, v_cache, pos, k_new, v_new, cos, sin),
     )
     split = lambda: decode_kernel.launch(key, q, k_cache, v_cache, pos, k_new, v_new, cos, sin)  # noqa: E731

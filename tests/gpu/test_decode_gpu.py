@@ -45,7 +45,7 @@ def test_a_wide_steps_decode_attention_matches_reference(hq, hkv, d, m):
     pos = [0, m - 1, 255, 256, 63, 64] + torch.randint(0, m, (rows - 6,)).tolist()
     with dispatch.recording() as rec:
         _attention_matches_reference(hq, hkv, d, m, torch.bfloat16, True, False, pos)
-    assert [k["SPLIT"] for k in rec.keys()] == [decode_attention.split_len(m, wide=True)]
+    assert [k["SPLIT"] for k in rec.keys()] == [decode_attention.split_len(m, rows)]
 
 
 def _attention_matches_reference(hq, hkv, d, m, dtype, rope, chained, positions):

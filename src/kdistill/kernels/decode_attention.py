@@ -20,8 +20,10 @@ the new key's score and value, and its loop over cached tiles feeds the loads st
 (which lets Triton's pipeline stage them). The number of splits is a runtime grid size
 (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head counts and the
 tiles are in the key. A step of more than WIDE_ROWS rows has programs enough without
-short splits: its key takes splits of at least WIDE_SPLIT keys (split_len), fewer parts to combine. In
-a small bucket's decode step (runtime.chained) it launches with programmatic dependent launch
+short splits: its key takes splits of at least WIDE_SPLIT keys (split_len), fewer parts to combine; a
+step of 17 to 32 rows (MID_ROWS) at least MID_SPLIT (half the programs of a short cache's 64-key
+splits: the launches after the attention are placed sooner); a wide split over a short cache keeps
+three tiles in flight (num_stages). In a small bucket's decode step (runtime.chained) it launches with programmatic dependent launch
 (keys.pdl) and reads its first tile of cached keys and values before the wait for the previous kernel
 (key PRELOAD).
 
@@ -624,19 +626,30 @@ MAX_SPLITS = 64  # the combine holds at most this many parts of a row: longer ca
 
 
 SHORT_CACHE = 1024  # slots up to which a split is one tile of keys
-WIDE_ROWS = 64  # a step of more rows than this is wide: its splits take at least WIDE_SPLIT keys
+WIDE_ROWS = 32  # a step of more rows than this is wide: its splits take at least WIDE_SPLIT keys
 WIDE_SPLIT = 256
+MID_ROWS = (16, 32)  # a step of more rows than the first and at most the second: at least MID_SPLIT keys
+MID_SPLIT = 128
 
 
-def split_len(max_len: int, wide: bool = False) -> int:
+def min_split(rows: int) -> int:
+    """The fewest keys a split of a one-token step of `rows` rows takes (0: no bound beyond the cache's)."""
+    if rows > WIDE_ROWS:
+        return WIDE_SPLIT
+    return MID_SPLIT if MID_ROWS[0] < rows <= MID_ROWS[1] else 0
+
+
+def split_len(max_len: int, rows: int = 1) -> int:
     """Keys a split takes: 64 (one tile: each program runs one iteration, so a short cache still
     spreads over many programs) for caches of up to SHORT_CACHE slots, 128 past that, and longer where
-    a cache of max_len slots would need more than MAX_SPLITS parts. A wide step (more than WIDE_ROWS
-    rows) has programs enough without short splits: at least WIDE_SPLIT keys, fewer parts to write and
-    combine (benchmarks/decode_attention_tiles.py measures the choices; benchmarks/NOTES.md has the
-    numbers)."""
+    a cache of max_len slots would need more than MAX_SPLITS parts; at least `min_split(rows)` for a
+    step of `rows` rows. A wide step (more than WIDE_ROWS rows) has programs enough without short
+    splits: at least WIDE_SPLIT keys, fewer parts to write and combine; a step of 17 to 32 rows at least
+    MID_SPLIT, whose fewer programs let the launches after the attention be placed sooner
+    (benchmarks/decode_attention_tiles.py and decode_profile.py --attn-split measure the choices;
+    benchmarks/NOTES.md has the numbers)."""
     base = max(64 if max_len <= SHORT_CACHE else 128, next_pow2(-(-int(max_len) // MAX_SPLITS)))
-    return max(base, WIDE_SPLIT) if wide else base
+    return max(base, min_split(rows))
 
 
 def wide(rows: int) -> bool:
@@ -648,17 +661,20 @@ ONE_TILE_HEAD = 64  # heads at most this wide read a split of 128 keys as one ti
 
 
 def tiles(
-    head_dim: int, q_heads: int, kv_heads: int, max_len: int = 256, wide: bool = False
+    head_dim: int, q_heads: int, kv_heads: int, max_len: int = 256, split_min: int = 0
 ) -> dict[str, int]:
     """The G query heads of a kv head padded to >= 16 rows (the dot's smallest tile), 64 keys a tile
     (a split of 128 keys one tile of 128 where the head is at most ONE_TILE_HEAD wide: measured faster
-    for a 64-wide head, slower for a 128-wide one, whose tile's registers double), `split_len(max_len,
-    wide)` keys a split."""
-    split = split_len(max_len, wide)
+    for a 64-wide head, slower for a 128-wide one, whose tile's registers double), `split_len(max_len)`
+    keys a split, at least split_min (min_split of the step's rows), and the loop's pipeline depth."""
+    split = max(split_len(max_len), split_min)
     return {
         "BLOCK_G": max(16, next_pow2(q_heads // kv_heads)),
         "BLOCK_N": 128 if split == 128 and head_dim <= ONE_TILE_HEAD else 64,
         "SPLIT": split,
+        # a wide step's split over a short cache: three tiles in flight (measured faster at 64 and 128
+        # rows over 256 slots; over 1,152 slots two)
+        "num_stages": 3 if split_min >= WIDE_SPLIT and max_len <= SHORT_CACHE else 2,
     }
 
 
@@ -735,13 +751,13 @@ def split_key(
     max_len: int,
     rope: bool = False,
     chained: bool = False,
-    wide: bool = False,
+    split_min: int = 0,
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
-    """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len);
-    rope: q and the new key arrive unrotated (the kernel applies RoPE); chained: inside a small bucket's
-    decode step (runtime.chained: programmatic dependent launch where the arch has it); wide: a step of
-    more than WIDE_ROWS rows (longer splits). aligned: Q, K, V, POS, KN, VN, COS, SIN (without rope the
+    """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len, at
+    least split_min: min_split of the step's rows, so the key stays a function of its arguments); rope: q and the new key arrive unrotated (the kernel applies RoPE);
+    chained: inside a small bucket's decode step (runtime.chained: programmatic dependent launch where
+    the arch has it). aligned: Q, K, V, POS, KN, VN, COS, SIN (without rope the
     tables' flags are the outputs', always aligned)."""
     return make_key(
         SPLIT_K.op,
@@ -752,8 +768,7 @@ def split_key(
         # the chained split's order of loads (its first tile before the wait), also under the interpreter
         PRELOAD=bool(chained) and pdl(arch),
         num_warps=4,
-        num_stages=2,
-        **tiles(head_dim, q_heads, kv_heads, max_len, wide),
+        **tiles(head_dim, q_heads, kv_heads, max_len, split_min),
     )
 
 
@@ -862,8 +877,9 @@ def plan(
     kernel does not take (`supported`). rope: the engine's step, which leaves RoPE to the kernel.
     tokens: the T > 1 of the engine's T-token steps (DecodeEngine.forward_at), each a launch of the
     T-token kernel per chunk of token_chunks. chained: the one-token step's keys for each of these
-    (runtime.chained: a small bucket's step, or not). rows: the engine's batch; past WIDE_ROWS its
-    steps also take the wide splits (a smaller bucket, the others)."""
+    (runtime.chained: a small bucket's step, or not). rows: the engine's batch, whose buckets (powers of
+    two below it, and itself) take their rows' splits (split_len): past MID_ROWS[0] the mid ones, past
+    WIDE_ROWS the wide ones, each chained or not."""
     del grad
     if not supported(head_dim, q_heads, kv_heads):
         return set()
@@ -886,21 +902,22 @@ def plan(
     out = set(multi)
     if multi:  # the T-token kernel's parts are combined by the combine kernel
         out.add(combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len))
-    steps = [(c, False) for c in chained] + ([(False, True)] if wide(rows) else [])  # (chained, wide)
-    for c, w in steps:
-        out.add(
-            split_key(
-                arch,
-                head_dim=head_dim,
-                q_heads=q_heads,
-                kv_heads=kv_heads,
-                dtype=dtype,
-                max_len=max_len,
-                rope=rope,
-                chained=c,
-                wide=w,
+    buckets = {min(rows, 1 << i) for i in range(max(1, rows).bit_length() + 1)}  # DecodeEngine.bucket's
+    for b in sorted(buckets):
+        for c in chained:  # a wide bucket chains too where the model is narrow (decode_gemv.step_rows)
+            out.add(
+                split_key(
+                    arch,
+                    head_dim=head_dim,
+                    q_heads=q_heads,
+                    kv_heads=kv_heads,
+                    dtype=dtype,
+                    max_len=max_len,
+                    rope=rope,
+                    chained=c,
+                    split_min=min_split(b),
+                )
             )
-        )
     return out
 
 
