@@ -212,7 +212,8 @@ def test_the_steps_sampler_is_planned_prewarmed_and_specialized_as_keyed(tmp_pat
 
 def test_prefill_graphs_take_a_shape_seen_twice_and_keep_the_most_recent():
     """The bookkeeping of captured prefills: a shape is captured on its second sighting if it is small
-    enough and its capture never failed; the least recently used graph goes first."""
+    enough and its capture never failed; the least recently used graph goes first, and its shape is not
+    captured again (a cycle of more shapes than kept graphs would capture at every sighting)."""
     from kdistill.decode import _PrefillGraphs
 
     pg = _PrefillGraphs(max_tokens=64, keep=2)
@@ -225,10 +226,30 @@ def test_prefill_graphs_take_a_shape_seen_twice_and_keep_the_most_recent():
     assert pg.get((2, 8)) is graphs[(2, 8)] and pg.get((1, 8)) is None
     pg.add((4, 8), graphs[(4, 8)])  # (3, 8) was used least recently
     assert list(pg.graphs) == [(2, 8), (4, 8)]
+    assert not pg.wants((1, 8)) and not pg.wants((3, 8))  # dropped: eager from now on
     pg.failed((2, 16))
     assert not pg.wants((2, 16))
     pg.clear()
     assert not pg.graphs and not pg.wants((2, 16))  # forgotten: a first sighting again
+
+
+def test_a_cycle_of_more_prefill_shapes_than_kept_graphs_captures_each_at_most_once():
+    """The engine's use of the bookkeeping (get, else wants -> capture -> add) over runs that cycle
+    through three shapes with room for two graphs: each shape is captured once (on its second
+    sighting), and a shape that keeps its graph is replayed."""
+    from kdistill.decode import _PrefillGraphs
+
+    pg = _PrefillGraphs(max_tokens=64, keep=2)
+    captures, replays = [], []
+    for _ in range(5):
+        for shape in [(1, 8), (2, 8), (3, 8)]:
+            if pg.get(shape) is not None:
+                replays.append(shape)
+            elif pg.wants(shape):
+                captures.append(shape)
+                pg.add(shape, object())
+    assert sorted(captures) == [(1, 8), (2, 8), (3, 8)]
+    assert replays and all(s in pg.graphs for s in set(replays[-2:]))
 
 
 def test_the_cpu_engine_captures_no_prefill(tmp_path):

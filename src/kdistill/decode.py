@@ -481,7 +481,10 @@ class _PrefillGraphs:
     A shape is captured the second time it is seen, when it holds at most max_tokens tokens: a run's
     fixed-shape prefills (a benchmark's, an on-policy step's equal prompts) replay from their second
     call on, a shape seen once costs no capture. At most `keep` graphs are kept (the least recently used
-    is dropped) and at most 4 * keep shapes remembered. A shape whose capture failed is not tried again."""
+    is dropped) and at most 4 * keep shapes remembered. A shape whose capture failed, or whose graph was
+    dropped, is not captured again: a run cycling through more shapes than `keep` (a ragged file's
+    prefill groups) would otherwise pay a capture (two forwards and two synchronizations) at each
+    sighting of each shape and replay none."""
 
     def __init__(self, max_tokens: int = PREFILL_GRAPH_TOKENS, keep: int = PREFILL_GRAPHS) -> None:
         self.max_tokens, self.keep = int(max_tokens), int(keep)
@@ -509,7 +512,9 @@ class _PrefillGraphs:
     def add(self, shape: tuple[int, int], graph: _PrefillGraph) -> None:
         self.graphs[shape] = graph
         while len(self.graphs) > self.keep:
-            self.graphs.popitem(last=False)
+            dropped, _ = self.graphs.popitem(last=False)
+            self.seen[dropped] = False  # stays eager from now on (remembered while in `seen`)
+            self.seen.move_to_end(dropped)
 
     def failed(self, shape: tuple[int, int]) -> None:
         self.seen[shape] = False
