@@ -23,9 +23,9 @@ tiles are in the key. A step of more than WIDE_ROWS rows has programs enough wit
 short splits: its key takes splits of at least WIDE_SPLIT keys (split_len), fewer parts to combine; a
 step of 17 to 32 rows (MID_ROWS) at least MID_SPLIT (half the programs of a short cache's 64-key
 splits: the launches after the attention are placed sooner); a wide split over a short cache keeps
-three tiles in flight (num_stages). In a small bucket's decode step (runtime.chained) it launches with programmatic dependent launch
-(keys.pdl) and reads its first tile of cached keys and values before the wait for the previous kernel
-(key PRELOAD).
+three tiles in flight (num_stages). In a small bucket's decode step (runtime.chained) it launches with
+programmatic dependent launch (keys.pdl) and reads its first tile of cached keys and values before the
+wait for the previous kernel (key PRELOAD).
 
 RoPE (key ROPE): the decode engine hands q and the new key over unrotated, straight from the q/k/v
 GEMM's output (q's rows strided by that output's width); the split kernel rotates them at the row's
@@ -652,11 +652,6 @@ def split_len(max_len: int, rows: int = 1) -> int:
     return max(base, min_split(rows))
 
 
-def wide(rows: int) -> bool:
-    """Whether a one-token step of `rows` rows takes the wide splits."""
-    return rows > WIDE_ROWS
-
-
 ONE_TILE_HEAD = 64  # heads at most this wide read a split of 128 keys as one tile
 
 
@@ -755,10 +750,10 @@ def split_key(
     aligned: Sequence[bool] | None = None,
 ) -> KernelKey:
     """The split kernel over caches of max_len slots in `dtype` (the split's length follows max_len, at
-    least split_min: min_split of the step's rows, so the key stays a function of its arguments); rope: q and the new key arrive unrotated (the kernel applies RoPE);
-    chained: inside a small bucket's decode step (runtime.chained: programmatic dependent launch where
-    the arch has it). aligned: Q, K, V, POS, KN, VN, COS, SIN (without rope the
-    tables' flags are the outputs', always aligned)."""
+    least split_min: min_split of the step's rows, so the key stays a function of its arguments); rope:
+    q and the new key arrive unrotated (the kernel applies RoPE); chained: inside a small bucket's decode
+    step (runtime.chained: programmatic dependent launch where the arch has it). aligned: Q, K, V, POS,
+    KN, VN, COS, SIN (without rope the tables' flags are the outputs', always aligned)."""
     return make_key(
         SPLIT_K.op,
         arch,
