@@ -278,6 +278,13 @@ def main() -> None:
         "split holding the whole cache writes its output directly",
     )
     ap.add_argument(
+        "--attn-wide",
+        default=None,
+        help="SPLIT,BLOCK_N,STAGES: attention experiment, the tiles of a wide step's split (more than WIDE_ROWS "
+        "rows; the policy: WIDE_SPLIT keys or the cache's own split if longer, 64-key tiles, three stages over "
+        "caches of at most SHORT_CACHE slots, else two); '-' keeps a field's policy",
+    )
+    ap.add_argument(
         "--gemv-products",
         default=None,
         help="V[;V...]: block products' tiles on the matrix-vector kernel, each V 'policy' or "
@@ -324,6 +331,22 @@ def main() -> None:
             return t
 
         decode_attention.tiles = tiles
+    if a.attn_wide:
+        from kdistill.kernels import decode_attention
+
+        fields = [None if v == "-" else int(v) for v in a.attn_wide.split(",")]
+        fields += [None] * (3 - len(fields))
+        wide_policy = decode_attention.tiles
+
+        def wide_tiles(head_dim, q_heads, kv_heads, max_len=256, split_min=0):
+            t = wide_policy(head_dim, q_heads, kv_heads, max_len, split_min)
+            if split_min >= decode_attention.WIDE_SPLIT:  # a wide step
+                for name, v in zip(("SPLIT", "BLOCK_N", "num_stages"), fields, strict=True):
+                    if v is not None:
+                        t[name] = v
+            return t
+
+        decode_attention.tiles = wide_tiles
     if a.gemv_tiles:
         programs, pre_plain, pre_swiglu, *max_k = (int(v) for v in a.gemv_tiles.split(","))
         decode_gemv.PROGRAMS = programs
