@@ -129,6 +129,57 @@ def short(name: str) -> str:
     return name if len(name) <= 60 else name[:57] + "..."
 
 
+_ENGINE_STEP = DecodeEngine._decode_step
+
+
+def interleaved_step(groups: int):
+    """An experiment in place of DecodeEngine._decode_step: the bucket's rows in `groups` equal groups,
+    each group's blocks launched on a stream of its own (forked from and joined to the step's stream, so
+    one captured graph holds them all) so one group's latency-bound launches overlap another's, then the
+    lm_head and the sampler over every row as the engine's step does. Each group runs the kernels of a
+    bucket of batch / groups rows (chained as such a bucket is), which the plan of an engine of `batch`
+    rows already holds. Heads whose RoPE the attention kernel applies only (the presets')."""
+    import torch.nn.functional as F
+
+    from kdistill import dispatch
+    from kdistill.decode import forward_tokens
+
+    def step(self, st) -> None:
+        if groups == 1 or st.batch % groups or not self.rope_in_attention:
+            return _ENGINE_STEP(self, st)
+        n = st.batch // groups
+        pos = st.lens.clamp(max=st.max_len - 1)
+        main = torch.cuda.current_stream(self.device)
+        if getattr(self, "_group_streams", None) is None:
+            self._group_streams = [torch.cuda.Stream(self.device) for _ in range(groups - 1)]
+        streams = [main, *self._group_streams]
+        for side in streams[1:]:
+            side.wait_stream(main)  # pos and the sampled tokens of the previous step
+        parts = []
+        for g, stream in enumerate(streams):
+            r = slice(g * n, (g + 1) * n)
+
+            def attend(i, q, k, v, r=r):
+                o = dispatch.decode_attention(
+                    q[:, :, 0], st.k[i][r], st.v[i][r], pos[r], k[:, :, 0], v[:, :, 0], self.cos, self.sin
+                )
+                return o[:, :, None]
+
+            with (
+                torch.cuda.stream(stream),
+                dispatch.chained(n <= decode_gemv.step_rows(self.spec.hidden_size)),
+            ):
+                parts.append(
+                    forward_tokens(self.weights, st.tok[r][:, None], None, None, attend, step=True)[:, 0]
+                )
+        for side in streams[1:]:
+            main.wait_stream(side)
+        h = torch.cat(parts)
+        dispatch.decode_sample(F.linear(h, self.weights.lm_head), st.u, self.sampling, self._rows(st))
+
+    return step
+
+
 def profile_one(engine: DecodeEngine, prompts: list[list[int]], reps: int) -> dict:
     engine.generate(prompts)  # capture and warm
     st = engine.slots
@@ -278,6 +329,12 @@ def main() -> None:
         "split holding the whole cache writes its output directly",
     )
     ap.add_argument(
+        "--interleave",
+        default=None,
+        help="G[,G...]: experiment, each batch once per value: the step's rows in G groups whose blocks run on "
+        "G streams of one graph (1: the engine's step); reports whether the greedy tokens equal the engine's",
+    )
+    ap.add_argument(
         "--attn-wide",
         default=None,
         help="SPLIT,BLOCK_N,STAGES: attention experiment, the tiles of a wide step's split (more than WIDE_ROWS "
@@ -383,9 +440,15 @@ def main() -> None:
             variants = [(t, f) for t in variants for f in levels]
         if a.narrow is not None:  # each batch once per bucket-limits value
             variants = [("narrow", v) for v in a.narrow.split(",")]
+        groups = [1] if a.interleave is None else [int(v) for v in a.interleave.split(",")]
+        if a.interleave is not None:
+            variants = [("interleave", v) for v in groups]
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
+                if isinstance(tiles, tuple) and tiles[0] == "interleave":
+                    DecodeEngine._decode_step = interleaved_step(tiles[1])
+                    tiles = f"interleave {tiles[1]}"
                 if isinstance(tiles, tuple) and tiles[0] == "narrow":
                     limits, _, prods = tiles[1].partition("@")
                     given = [int(v) for v in limits.split(":")]
@@ -422,6 +485,14 @@ def main() -> None:
                 row["floor_ms"] = floor * 1e3
                 row["floor_fraction"] = floor * 1e3 / row["step_ms"]
                 row["jit_after_prewarm"] = seal.jit_after_prewarm()
+                if a.interleave is not None:  # its tokens against the engine's own step (both captured)
+                    got = eng.generate(prompts)
+                    DecodeEngine._decode_step = _ENGINE_STEP
+                    want = DecodeEngine(model, batch_size=b, max_len=max_len, sampling=s).generate(prompts)
+                    row["same_tokens_as_engine"] = got == want
+                    print(
+                        f"{preset} batch {b} ({tiles}): tokens equal the engine's: {got == want}", flush=True
+                    )
                 result["rows"].append(row)
                 print(
                     f"\n{preset} batch {b}{'' if tiles is None else f' ({tiles})'}"

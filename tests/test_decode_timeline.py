@@ -48,3 +48,42 @@ def test_timeline_places_each_launch_of_a_block_on_the_critical_path():
 def test_timeline_is_empty_without_blocks_to_average():
     step, _ = _step(0.0, blocks=2)
     assert decode_profile.timeline(step, steps=1) == {}
+
+
+def test_the_interleaved_step_experiment_gives_the_engines_tokens(tmp_path, monkeypatch):
+    """decode_profile --interleave: the step's rows in two groups, each group's blocks on a stream of its
+    own, then one lm_head and sampler over every row: on the reference path (streams stood in for, as a
+    CPU has none) the greedy tokens are the engine's own step's, row by row, and every group step ran."""
+    import contextlib
+
+    import torch
+    from tiny import make_tiny_model
+
+    from kdistill.decode import DecodeEngine, Sampling
+    from kdistill.models.hf_io import load_model
+
+    class _Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    g = torch.Generator().manual_seed(0)
+    lens = (3, 9, 5, 7, 4, 11, 2, 6)
+    prompts = [torch.randint(5, model.spec.vocab_size - 5, (n,), generator=g).tolist() for n in lens]
+    s = Sampling(max_new_tokens=6)
+    want = DecodeEngine(model, batch_size=8, max_len=40, sampling=s).generate(prompts)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    groups = []
+    step = decode_profile.interleaved_step(2)
+
+    def counted(self, st):
+        groups.append(st.batch)
+        return step(self, st)
+
+    monkeypatch.setattr(DecodeEngine, "_decode_step", counted)
+    eng = DecodeEngine(model, batch_size=8, max_len=40, sampling=s)
+    assert eng.rope_in_attention  # the experiment's step: RoPE inside the attention
+    assert eng.generate(prompts) == want
+    assert groups and set(groups) == {8} and len(eng._group_streams) == 1
