@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import torch
 import triton
@@ -289,9 +290,7 @@ def main() -> None:
             out["rows"].append({"way": way, "stages": stages, "us_per_block": us})
             print(f"stages {stages} {way:9s} {us:7.2f} us a block", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

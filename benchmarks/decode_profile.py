@@ -134,44 +134,29 @@ _ENGINE_STEP = DecodeEngine._decode_step
 
 def interleaved_step(groups: int):
     """An experiment in place of DecodeEngine._decode_step: the bucket's rows in `groups` equal groups,
-    each group's blocks launched on a stream of its own (forked from and joined to the step's stream, so
-    one captured graph holds them all) so one group's latency-bound launches overlap another's, then the
-    lm_head and the sampler over every row as the engine's step does. Each group runs the kernels of a
-    bucket of batch / groups rows (chained as such a bucket is), which the plan of an engine of `batch`
-    rows already holds. Heads whose RoPE the attention kernel applies only (the presets')."""
+    each group's blocks (DecodeEngine._step_hidden) launched on a stream of its own (forked from and
+    joined to the step's stream, so one captured graph holds them all) so one group's latency-bound
+    launches overlap another's, then the lm_head and the sampler over every row as the engine's step
+    does. Each group runs the kernels of a bucket of batch / groups rows (chained as such a bucket is),
+    which the plan of an engine of `batch` rows already holds."""
     import torch.nn.functional as F
 
     from kdistill import dispatch
-    from kdistill.decode import forward_tokens
 
     def step(self, st) -> None:
-        if groups == 1 or st.batch % groups or not self.rope_in_attention:
+        if groups == 1 or st.batch % groups:
             return _ENGINE_STEP(self, st)
         n = st.batch // groups
-        pos = st.lens.clamp(max=st.max_len - 1)
         main = torch.cuda.current_stream(self.device)
         if getattr(self, "_group_streams", None) is None:
             self._group_streams = [torch.cuda.Stream(self.device) for _ in range(groups - 1)]
         streams = [main, *self._group_streams]
         for side in streams[1:]:
-            side.wait_stream(main)  # pos and the sampled tokens of the previous step
+            side.wait_stream(main)  # the sampled tokens and lengths of the previous step
         parts = []
         for g, stream in enumerate(streams):
-            r = slice(g * n, (g + 1) * n)
-
-            def attend(i, q, k, v, r=r):
-                o = dispatch.decode_attention(
-                    q[:, :, 0], st.k[i][r], st.v[i][r], pos[r], k[:, :, 0], v[:, :, 0], self.cos, self.sin
-                )
-                return o[:, :, None]
-
-            with (
-                torch.cuda.stream(stream),
-                dispatch.chained(n <= decode_gemv.step_rows(self.spec.hidden_size)),
-            ):
-                parts.append(
-                    forward_tokens(self.weights, st.tok[r][:, None], None, None, attend, step=True)[:, 0]
-                )
+            with torch.cuda.stream(stream):
+                parts.append(self._step_hidden(st, g * n, (g + 1) * n))
         for side in streams[1:]:
             main.wait_stream(side)
         h = torch.cat(parts)
@@ -440,9 +425,8 @@ def main() -> None:
             variants = [(t, f) for t in variants for f in levels]
         if a.narrow is not None:  # each batch once per bucket-limits value
             variants = [("narrow", v) for v in a.narrow.split(",")]
-        groups = [1] if a.interleave is None else [int(v) for v in a.interleave.split(",")]
-        if a.interleave is not None:
-            variants = [("interleave", v) for v in groups]
+        if a.interleave is not None:  # each batch once per number of groups
+            variants = [("interleave", int(v)) for v in a.interleave.split(",")]
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:

@@ -23,6 +23,7 @@ import itertools
 import json
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import torch
 import triton
@@ -245,9 +246,7 @@ def main() -> None:
             took = f"{row['us']:7.2f} us  {row['tb_s']:5.2f} TB/s" if "us" in row else row.get("error", "ok")
             print(f"{name:14s} {prov:10s} {per_sm}/SM stages {stages} tile {tile:8s} {took}", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -614,26 +614,33 @@ class DecodeEngine:
     # -- the step -----------------------------------------------------------------------------
     def _decode_step(self, st: _Slots) -> None:
         """One token for every row, all on the device (captured as a graph on a GPU)."""
-        pos = st.lens.clamp(max=st.max_len - 1)  # (B,): a full row rewrites its last slot (it is done)
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q and k (B, H, 1, D) unrotated: the attention rotates them at position pos[b] (the row's
-            # slot) and writes k and v into that slot
-            tables = (self.cos, self.sin) if self.rope_in_attention else (None, None)
-            o = dispatch.decode_attention(q[:, :, 0], st.k[i], st.v[i], pos, k[:, :, 0], v[:, :, 0], *tables)
-            return o[:, :, None]  # (B, Hq, 1, D)
-
-        # a small bucket's products are matrix-vector kernels: the whole block chains (runtime.chained)
-        with dispatch.chained(st.batch <= decode_gemv.step_rows(self.spec.hidden_size)):
-            if self.rope_in_attention:
-                h = forward_tokens(self.weights, st.tok[:, None], None, None, attend, step=True)[
-                    :, 0
-                ]  # (B, H)
-            else:  # a head too narrow for the kernel's halves: the RoPE kernel first, at each row's position
-                cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D)
-                h = forward_tokens(self.weights, st.tok[:, None], cos, sin, attend, step=True)[:, 0]
+        h = self._step_hidden(st, 0, st.batch)  # (B, H)
         # the sampler and every row's bookkeeping: one kernel (kernels/decode_sample.py) or the reference
         dispatch.decode_sample(F.linear(h, self.weights.lm_head), st.u, self.sampling, self._rows(st))
+
+    def _step_hidden(self, st: _Slots, lo: int, hi: int) -> torch.Tensor:
+        """The decode step's blocks for the bucket's rows lo..hi-1 -> their final-normed hidden states
+        (hi - lo, H). A bucket's step takes them all; benchmarks/decode_profile.py --interleave runs
+        groups of rows on streams of their own."""
+        n = hi - lo
+        pos = st.lens[lo:hi].clamp(max=st.max_len - 1)  # (n,): a full row rewrites its last slot (it is done)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q and k (n, H, 1, D) unrotated: the attention rotates them at position pos[b] (the row's
+            # slot) and writes k and v into that slot
+            tables = (self.cos, self.sin) if self.rope_in_attention else (None, None)
+            kc, vc = st.k[i][lo:hi], st.v[i][lo:hi]  # the rows' caches (contiguous: rows lead)
+            o = dispatch.decode_attention(q[:, :, 0], kc, vc, pos, k[:, :, 0], v[:, :, 0], *tables)
+            return o[:, :, None]  # (n, Hq, 1, D)
+
+        tok = st.tok[lo:hi, None]
+        # a small bucket's products are matrix-vector kernels: the whole block chains (runtime.chained)
+        with dispatch.chained(n <= decode_gemv.step_rows(self.spec.hidden_size)):
+            if self.rope_in_attention:
+                return forward_tokens(self.weights, tok, None, None, attend, step=True)[:, 0]  # (n, H)
+            # a head too narrow for the kernel's halves: the RoPE kernel first, at each row's position
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (n, 1, D)
+            return forward_tokens(self.weights, tok, cos, sin, attend, step=True)[:, 0]
 
     def forward_at(self, st: _Slots, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """T new tokens per row through the static cache: ids (B, T) go to slots start[b] + j (at those

@@ -405,8 +405,9 @@ def tiles(
     PROGRAMS programs (more than fit at once and the last ones run alone after the others), where their
     partials go to the next kernel (combine False: the norm after o_proj and down sums them) or K is
     past MAX_PLAIN_K: a product the next kernel reads as it is (q/k/v, read by the attention) is not
-    split, since its last-arriving program's combine would sit on that kernel's path (measured inside the step on an H200: Qwen2.5-1.5B's q/k/v unsplit, the
-    block's attention ends ~1-2 us sooner); the first PRE_K inputs' weights loaded before the wait for
+    split, since its last-arriving program's combine would sit on that kernel's path (measured inside
+    the step on an H200: Qwen2.5-1.5B's q/k/v unsplit, the block's attention ends ~1-2 us sooner); the
+    first PRE_K inputs' weights loaded before the wait for
     the previous kernel, then BLOCK_K = 128 an iteration (benchmarks/decode_products.py, NOTES.md round
     twelve; round fifteen measured wider and longer tiles, and a split SwiGLU, inside the step: none
     faster). The SwiGLU epilogue stays in one program a column block: the kernel also takes it split
@@ -491,9 +492,10 @@ def split(n: int, k: int) -> int:
 def norm_folds(hidden: int, q_size: int, intermediate: int) -> tuple[bool, bool]:
     """Whether a model's decode step folds the norm after o_proj and the norm after the down into the
     products around them (in buckets of at most FOLD_ROWS rows, dispatch.folds): FOLD_NORM's level
-    where set, else each norm whose product before it is not split. A split product would combine its own partials before it adds (its last program, on the
-    critical path), which costs about what the norm's launch did: measured on an H200 (benchmarks/
-    NOTES.md), Qwen2.5-0.5B's unsplit o_proj folded -2 to -4% a step, the 1.5B's split o_proj +1 to +3%."""
+    where set, else each norm whose product before it is not split. A split product would combine its
+    own partials before it adds (its last program, on the critical path), which costs about what the
+    norm's launch did: measured on an H200 (benchmarks/NOTES.md), Qwen2.5-0.5B's unsplit o_proj folded
+    -2 to -4% a step, the 1.5B's split o_proj +1 to +3%."""
     if FOLD_NORM is not None:
         return FOLD_NORM >= 1, FOLD_NORM >= 2
     return split(hidden, q_size) == 1, split(hidden, intermediate) == 1
