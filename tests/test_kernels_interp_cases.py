@@ -447,6 +447,9 @@ def case_decode_attention(
     assert [k["SPLIT"] for k in rec.keys()] == [split]
     bound = decode_kernel.WIDE_SPLIT if wide else decode_kernel.MID_SPLIT if mid else 0
     assert split == max(decode_kernel.split_len(m), bound)
+    if wide:  # a wide step's split over a long cache reads a 64-wide head's keys 128 at a time
+        long = m > decode_kernel.SHORT_CACHE and d <= decode_kernel.ONE_TILE_HEAD
+        assert [k["BLOCK_N"] for k in rec.keys()] == [128 if long else 64]
     assert got.dtype == dtype and got.shape == (b, hq, d)
     _close("o", got, want, dtype)
     # the new key and value are in the cache, nothing else changed
@@ -944,6 +947,12 @@ CASES = {
     "decode_attention_fp32_rope_wide_chained": (
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, wide=True, chained=True),
+    ),
+    # a wide step over a long cache: splits of 256 keys in tiles of 128, rows ending on a split's last
+    # slot, inside one and at the cache's end
+    "decode_attention_fp32_rope_wide_long": (
+        case_decode_attention,
+        dict(dtype=torch.float32, hq=6, hkv=2, d=32, m=1100, rope=True, wide=True, positions=(0, 255, 700)),
     ),
     # a wide step over a cache one split holds: the output written directly (no parts, no count)
     "decode_attention_fp32_rope_wide_one_split": (

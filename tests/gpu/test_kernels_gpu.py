@@ -40,6 +40,11 @@ FULL = [
     ("decode_sample_fp32_sampled", dict(dtype=FP32, rows=6, vocab=128256, temperature=0.6)),
     ("embed_rmsnorm_fp32", dict(vocab=151936, hidden=896, ids=tuple(range(0, 151936, 9497)) + (151935,))),
     ("embed_rmsnorm_bf16_unchained", dict(vocab=151936, hidden=1536, ids=(5,) * 40 + (151935,))),
+    # a wide step over a long cache, a 64-wide head: splits of 256 keys read in tiles of 128
+    (
+        "decode_attention_fp32_rope_wide_long",
+        dict(dtype=BF16, hq=14, hkv=2, d=64, m=1152, positions=(0, 255, 700)),
+    ),
     ("bwd_failure_falls_back", {}),
     ("frozen_forward_skips_autograd", {}),
 ]
