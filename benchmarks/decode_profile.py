@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kdistill import decode as _decode
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.kernels import decode_gemv, seal
 from kdistill.kernels._triton import cdiv
@@ -41,6 +42,11 @@ except ImportError:  # pragma: no cover
     from benchmarks.kd_throughput import _version as version
 
 from kdistill.generate import prepare_kernels
+
+try:
+    import l2_prefetch
+except ImportError:  # pragma: no cover
+    from benchmarks import l2_prefetch
 
 
 def replay_ms(graph, reps: int) -> float:
@@ -129,6 +135,7 @@ def short(name: str) -> str:
     return name if len(name) <= 60 else name[:57] + "..."
 
 
+_FORWARD = _decode.forward_tokens  # the engine's forward, restored by --l2-prefetch off
 _ENGINE_STEP = DecodeEngine._decode_step
 
 
@@ -163,6 +170,34 @@ def interleaved_step(groups: int):
         dispatch.decode_sample(F.linear(h, self.weights.lm_head), st.u, self.sampling, self._rows(st))
 
     return step
+
+
+def l2_probe(model, preset: str, batches: list[int]) -> list[dict]:
+    """The mechanism alone (benchmarks/l2_prefetch.py): layer 0's gate/up and down products at each batch's
+    rows, cold, prefetched and warm."""
+    from kdistill import dispatch
+
+    l2_prefetch.BLOCK = 32
+    l2_prefetch.prefetch(torch.zeros(64, dtype=torch.uint8, device="cuda"))  # compiled before any capture
+    eng = DecodeEngine(model, batch_size=1, max_len=8, sampling=Sampling(max_new_tokens=1))
+    layer = eng.weights.layers[0]
+    spec = model.spec
+    out = []
+    for b in batches:
+        x = torch.randn((b, spec.hidden_size), device="cuda", dtype=torch.bfloat16)
+        a = torch.randn((b, spec.intermediate_size), device="cuda", dtype=torch.bfloat16)
+        for name, w, fn in (
+            ("gate_up", layer.gate_up, lambda x=x: dispatch.decode_linear(x, layer.gate_up, gate_up=True)),
+            ("down", layer.down, lambda a=a: dispatch.decode_linear(a, layer.down)),
+        ):
+            try:
+                r = {"model": preset, "batch": b, "product": name, **l2_prefetch.probe(fn, w)}
+            except Exception as e:  # an experiment: report and go on
+                r = {"model": preset, "batch": b, "product": name, "error": f"{type(e).__name__}: {e}"}
+            print(f"l2 probe: {r}", flush=True)
+            out.append(r)
+    del eng
+    return out
 
 
 def profile_one(engine: DecodeEngine, prompts: list[list[int]], reps: int) -> dict:
@@ -320,6 +355,14 @@ def main() -> None:
         "G streams of one graph (1: the engine's step); reports whether the greedy tokens equal the engine's",
     )
     ap.add_argument(
+        "--l2-prefetch",
+        default=None,
+        help="V[,V...] with V off, mlp or all[@BLOCK]: experiment (benchmarks/l2_prefetch.py), each batch once per value: at "
+        "each layer's attention a side stream of the captured step issues L2 prefetches over the layer's gate/up and "
+        "down (mlp), also its o_proj and the next layer's q/k/v (all), BLOCK requests a program; first the mechanism alone (a product cold, "
+        "prefetched, warm)",
+    )
+    ap.add_argument(
         "--attn-wide",
         default=None,
         help="SPLIT,BLOCK_N,STAGES: attention experiment, the tiles of a wide step's split (more than WIDE_ROWS "
@@ -427,13 +470,23 @@ def main() -> None:
             variants = [("narrow", v) for v in a.narrow.split(",")]
         if a.interleave is not None:  # each batch once per number of groups
             variants = [("interleave", int(v)) for v in a.interleave.split(",")]
+        if a.l2_prefetch is not None:  # each batch once per prefetch value, after the mechanism alone
+            variants = [("l2", v) for v in a.l2_prefetch.split(",")]
+            result.setdefault("l2_probe", []).extend(l2_probe(model, preset, batches))
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
-                if isinstance(tiles, tuple) and tiles[0] == "interleave":
+                if isinstance(tiles, tuple) and tiles[0] == "l2":
+                    which, _, block = tiles[1].partition("@")
+                    l2_prefetch.BLOCK = int(block or 32)
+                    _decode.forward_tokens = (
+                        _FORWARD if which == "off" else l2_prefetch.SidePrefetch(which).wrap(_FORWARD)
+                    )
+                    tiles = f"l2 {tiles[1]}"
+                elif isinstance(tiles, tuple) and tiles[0] == "interleave":
                     DecodeEngine._decode_step = interleaved_step(tiles[1])
                     tiles = f"interleave {tiles[1]}"
-                if isinstance(tiles, tuple) and tiles[0] == "narrow":
+                elif isinstance(tiles, tuple) and tiles[0] == "narrow":
                     limits, _, prods = tiles[1].partition("@")
                     given = [int(v) for v in limits.split(":")]
                     (
