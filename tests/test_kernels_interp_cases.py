@@ -407,7 +407,7 @@ def case_decode_attention(
 
     from kdistill import dispatch
     from kdistill.kernels import decode_attention as decode_kernel
-    from kdistill.kernels import runtime
+    from kdistill.kernels import decode_gemv, runtime
     from kdistill.ops.attention import decode_attention_reference
 
     g = torch.Generator().manual_seed(m)
@@ -434,15 +434,23 @@ def case_decode_attention(
     kr.masked_fill_(ahead, float("nan"))
     vr.masked_fill_(ahead, float("nan"))
     arch = {"arch": "sm_90"} if chained else {}
+    empty_parts = decode_kernel.empty_parts
+
+    def nan_parts(*args):  # the parts as NaN: a split past a row's end writes none, and none is read
+        return tuple(t.fill_(float("nan")) for t in empty_parts(*args))
+
     with (
         runtime.using(mode="triton", strict=True, **arch),
         runtime.chained(chained),
         runtime.recording() as rec,
         mock.patch.object(decode_kernel, "WIDE_ROWS", b - 1 if wide else decode_kernel.WIDE_ROWS),
         mock.patch.object(decode_kernel, "MID_ROWS", (b - 1, b) if mid else decode_kernel.MID_ROWS),
+        mock.patch.object(decode_kernel, "empty_parts", nan_parts),
     ):
         got = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
         split = decode_kernel.split_len(m, b)  # under the lowered bounds
+    # every (row, kv head)'s arrival count is back at zero: its used splits, no more, were counted
+    assert not decode_gemv.counters(q.device, b * hkv)[: b * hkv].any()
     assert [k["PDL"] for k in rec.keys()] == [chained]
     assert [k["SPLIT"] for k in rec.keys()] == [split]
     bound = decode_kernel.WIDE_SPLIT if wide else decode_kernel.MID_SPLIT if mid else 0

@@ -11,10 +11,12 @@ mask over M is built (the decode step of kdistill.decode stays the same graph as
 
 Split-K ("flash decoding"): program (b, kv head, s) takes the slots [s * SPLIT, (s + 1) * SPLIT) of
 its row, for all G query heads of that kv head at once (one tile of K and V serves G queries), and
-writes an fp32 partial output and its log-sum-exp; splits past p_b write an empty part. The last split
-of each (b, kv head) to arrive (an acquire-release count, set back to zero by it) combines the parts of
-its G heads: o = sum_s exp(lse_s - lse) o_s, with no kernel of its own. Where one split holds the
-whole cache (NSPLIT = 1, a wide step's short cache) it writes o directly: no parts, no count. The
+writes an fp32 partial output and its log-sum-exp; a split past p_b returns at once (the row's `used`
+splits, p_b // SPLIT + 1, are the ones that count). The last of a (b, kv head)'s used splits to arrive
+(an acquire-release count, set back to zero by it) combines the parts of its G heads: o = sum_s
+exp(lse_s - lse) o_s, with no kernel of its own. So a row's cost follows its filled length in the
+combine too: a short row in a long cache reads back few parts. Where one split holds the whole row
+(p_b < SPLIT: a row still short, or a wide step's short cache) it writes o directly: no parts, no count. The
 newest slot is never read back from the cache: the split holding it starts its online softmax from
 the new key's score and value, and its loop over cached tiles feeds the loads straight to the dots
 (which lets Triton's pipeline stage them). The number of splits is a runtime grid size
@@ -250,6 +252,9 @@ def decode_attn_split_kernel(
     # the row's newest slot (keys 0..last are attended): written before the step's chain of kernels
     last = tl.load(POS + b).to(tl.int32)
     start = s * SPLIT
+    if start > last:  # the row's slots end before this split: no part, no count
+        return
+    used = last // SPLIT + 1  # the splits that hold slots of the row: the count and the combine's parts
     g = tl.arange(0, BLOCK_G)
     gmask = g < G
     heads = h * G + g  # (BLOCK_G,) query heads of this kv head
@@ -258,7 +263,7 @@ def decode_attn_split_kernel(
         Q, K, V, KN, VN, COS, SIN, b, h, heads, gmask, kv, last, start,
         sqn, skn, svn, sm_scale, D, BLOCK_G, BLOCK_N, SPLIT, ROPE, PDL, PRELOAD,
     )  # fmt: skip
-    if NSPLIT == 1:  # one split holds the whole cache (a wide step's): the output directly, no parts
+    if used == 1:  # one split holds the row (a short row, or a wide step's cache): the output directly
         d = tl.arange(0, D)
         o = acc / l_i[:, None]  # the split holds the newest slot: l_i >= 1
         tl.store(
@@ -271,26 +276,26 @@ def decode_attn_split_kernel(
         # it) combines its G heads' parts: the combine kernel's sum, with no launch of its own.
         tl.debug_barrier()
         arrived = tl.atomic_add(CNT + b * HKV + h, 1, sem="acq_rel", scope="gpu")
-        if arrived == NSPLIT - 1:
+        if arrived == used - 1:
             tl.debug_barrier()
-            _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, D, BLOCK_G)
+            _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, used, D, BLOCK_G)
             tl.atomic_xchg(CNT + b * HKV + h, 0, sem="relaxed", scope="gpu")
 
 
 @jit
-def _combine_heads(OP, LSE, O, rows, gmask, NSPLIT, D: tl.constexpr, BLOCK_G: tl.constexpr):
+def _combine_heads(OP, LSE, O, rows, gmask, NSPLIT, used, D: tl.constexpr, BLOCK_G: tl.constexpr):
     """Rows `rows` (b * HQ + head, the G heads of one kv head at once) of the output: each row's
-    NSPLIT parts weighted by their log-sum-exps, read through L2 (other programs wrote them) LANES
-    splits at a time, each chunk's log-sum-exps and parts in one round trip, folded in with a running
-    maximum (a cache of up to LANES splits is one chunk)."""
+    first `used` parts (of NSPLIT a row) weighted by their log-sum-exps, read through L2 (other
+    programs wrote them) LANES splits at a time, each chunk's log-sum-exps and parts in one round trip,
+    folded in with a running maximum (a row of up to LANES splits is one chunk)."""
     LANES: tl.constexpr = 4
     d = tl.arange(0, D)
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_G,), tl.float32)
     o = tl.zeros((BLOCK_G, D), tl.float32)
-    for c0 in range(0, NSPLIT, LANES):
+    for c0 in range(0, used, LANES):
         ln = c0 + tl.arange(0, LANES)
-        cmask = gmask[:, None] & (ln < NSPLIT)[None, :]  # (BLOCK_G, LANES)
+        cmask = gmask[:, None] & (ln < used)[None, :]  # (BLOCK_G, LANES)
         at = rows[:, None] * NSPLIT + ln[None, :]
         lse = tl.load(LSE + at, mask=cmask, other=float("-inf"), cache_modifier=".cg")
         parts = tl.load(
