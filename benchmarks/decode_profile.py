@@ -355,6 +355,12 @@ def main() -> None:
         "G streams of one graph (1: the engine's step); reports whether the greedy tokens equal the engine's",
     )
     ap.add_argument(
+        "--attn-lanes",
+        default=None,
+        help="N[,N...]: attention experiment, each batch once per value: the parts the split kernel's combine "
+        "reads back per round trip (kernels/decode_attention.py's COMBINE_LANES, key LANES; the policy: 4)",
+    )
+    ap.add_argument(
         "--l2-prefetch",
         default=None,
         help="V[,V...] with V off, mlp or all[@BLOCK]: experiment (benchmarks/l2_prefetch.py), each batch once per value: at "
@@ -470,13 +476,23 @@ def main() -> None:
             variants = [("narrow", v) for v in a.narrow.split(",")]
         if a.interleave is not None:  # each batch once per number of groups
             variants = [("interleave", int(v)) for v in a.interleave.split(",")]
+        if a.attn_lanes is not None:  # each batch once per number of lanes
+            variants = [("lanes", int(v)) for v in a.attn_lanes.split(",")]
         if a.l2_prefetch is not None:  # each batch once per prefetch value, after the mechanism alone
             variants = [("l2", v) for v in a.l2_prefetch.split(",")]
             result.setdefault("l2_probe", []).extend(l2_probe(model, preset, batches))
         for b in batches:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
-                if isinstance(tiles, tuple) and tiles[0] == "l2":
+                if isinstance(tiles, tuple) and tiles[0] == "lanes":
+                    from kdistill.kernels import decode_attention
+
+                    decode_attention.COMBINE_LANES = tiles[1]
+                    decode_attention.split_key.cache_clear()
+                    tiles = f"lanes {tiles[1]}"
+                    info = prepare_kernels(model, max(batches), a.prompt, max_len)
+                    print(f"{preset} ({tiles}): {info.get('prewarm', info)}", flush=True)
+                elif isinstance(tiles, tuple) and tiles[0] == "l2":
                     which, _, block = tiles[1].partition("@")
                     l2_prefetch.BLOCK = int(block or 32)
                     _decode.forward_tokens = (

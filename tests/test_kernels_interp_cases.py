@@ -393,6 +393,7 @@ def case_decode_attention(
     wide=False,
     mid=False,
     positions=(0, 37, 256),
+    lanes=None,
 ):
     """One token per row over a static cache: rows whose newest slot is 0, inside the first split, on
     a split boundary and at the cache's end (empty splits must weigh nothing). rope: q and the new key
@@ -402,7 +403,7 @@ def case_decode_attention(
     wide: the key of a step of more than WIDE_ROWS rows (the threshold lowered to this case's rows),
     whose splits run several tiles of keys. mid: the key of a step of 17 to 64 rows (the bound lowered to
     this case's rows), whose splits take at least MID_SPLIT keys. positions: the first rows' newest slots (the last row's is
-    the cache's end)."""
+    the cache's end). lanes: the parts the combine reads back at a time (COMBINE_LANES, key LANES)."""
     from unittest import mock
 
     from kdistill import dispatch
@@ -446,9 +447,15 @@ def case_decode_attention(
         mock.patch.object(decode_kernel, "WIDE_ROWS", b - 1 if wide else decode_kernel.WIDE_ROWS),
         mock.patch.object(decode_kernel, "MID_ROWS", (b - 1, b) if mid else decode_kernel.MID_ROWS),
         mock.patch.object(decode_kernel, "empty_parts", nan_parts),
+        mock.patch.object(decode_kernel, "COMBINE_LANES", lanes or decode_kernel.COMBINE_LANES),
     ):
-        got = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
+        decode_kernel.split_key.cache_clear()  # the keys under this case's constants
+        try:
+            got = dispatch.decode_attention(q, k, v, pos, kn, vn, cos, sin)
+        finally:
+            decode_kernel.split_key.cache_clear()
         split = decode_kernel.split_len(m, b)  # under the lowered bounds
+    assert [k["LANES"] for k in rec.keys()] == [lanes or decode_kernel.COMBINE_LANES]
     # every (row, kv head)'s arrival count is back at zero: its used splits, no more, were counted
     assert not decode_gemv.counters(q.device, b * hkv)[: b * hkv].any()
     assert [k["PDL"] for k in rec.keys()] == [chained]
@@ -955,6 +962,11 @@ CASES = {
     "decode_attention_fp32_rope_wide_chained": (
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, wide=True, chained=True),
+    ),
+    # the combine reading eight parts a round trip: rows of 1, 3, 6 and 9 used splits (of 128 keys)
+    "decode_attention_fp32_rope_lanes8": (
+        case_decode_attention,
+        dict(dtype=torch.float32, hq=6, hkv=2, d=32, m=1100, rope=True, lanes=8, positions=(0, 300, 700)),
     ),
     # a wide step over a long cache: splits of 256 keys in tiles of 128, rows ending on a split's last
     # slot, inside one and at the cache's end

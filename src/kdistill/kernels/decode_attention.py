@@ -244,6 +244,7 @@ def decode_attn_split_kernel(
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -278,17 +279,18 @@ def decode_attn_split_kernel(
         arrived = tl.atomic_add(CNT + b * HKV + h, 1, sem="acq_rel", scope="gpu")
         if arrived == used - 1:
             tl.debug_barrier()
-            _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, used, D, BLOCK_G)
+            _combine_heads(OP, LSE, O, b * HQ + heads, gmask, NSPLIT, used, D, BLOCK_G, LANES)
             tl.atomic_xchg(CNT + b * HKV + h, 0, sem="relaxed", scope="gpu")
 
 
 @jit
-def _combine_heads(OP, LSE, O, rows, gmask, NSPLIT, used, D: tl.constexpr, BLOCK_G: tl.constexpr):
+def _combine_heads(
+    OP, LSE, O, rows, gmask, NSPLIT, used, D: tl.constexpr, BLOCK_G: tl.constexpr, LANES: tl.constexpr
+):
     """Rows `rows` (b * HQ + head, the G heads of one kv head at once) of the output: each row's
     first `used` parts (of NSPLIT a row) weighted by their log-sum-exps, read through L2 (other
     programs wrote them) LANES splits at a time, each chunk's log-sum-exps and parts in one round trip,
     folded in with a running maximum (a row of up to LANES splits is one chunk)."""
-    LANES: tl.constexpr = 4
     d = tl.arange(0, D)
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_G,), tl.float32)
@@ -526,6 +528,7 @@ def launch(
         ROPE=rope,
         PDL=pdl_constexpr(key),
         PRELOAD=bool(key["PRELOAD"]),
+        LANES=key["LANES"],
     )
     for t in (q, k_new, v_new):
         if t.stride(2) != 1 or t.stride(1) != d:
@@ -658,6 +661,7 @@ def split_len(max_len: int, rows: int = 1) -> int:
 
 
 ONE_TILE_HEAD = 64  # heads at most this wide read a split of 128 keys as one tile
+COMBINE_LANES = 4  # parts the last split of a row reads back per round trip (key LANES)
 
 
 def tiles(
@@ -667,7 +671,8 @@ def tiles(
     (128 where the head is at most ONE_TILE_HEAD wide and the split is 128 keys, or a wide step's over a
     cache longer than SHORT_CACHE: measured faster for a 64-wide head, slower for a 128-wide one, whose
     tile's registers double), `split_len(max_len)`
-    keys a split, at least split_min (min_split of the step's rows), and the loop's pipeline depth."""
+    keys a split, at least split_min (min_split of the step's rows), the loop's pipeline depth and the
+    parts its combine reads back at a time (COMBINE_LANES)."""
     split = max(split_len(max_len), split_min)
     wide_long = split_min >= WIDE_SPLIT and max_len > SHORT_CACHE
     return {
@@ -676,6 +681,7 @@ def tiles(
         # and 128 rows over 1,152 slots, 64-wide heads: a tie and 3.7% of the step faster)
         "BLOCK_N": 128 if (split == 128 or wide_long) and head_dim <= ONE_TILE_HEAD else 64,
         "SPLIT": split,
+        "LANES": COMBINE_LANES,
         # a wide step's split over a short cache: three tiles in flight (measured faster at 64 and 128
         # rows over 256 slots; over 1,152 slots two)
         "num_stages": 3 if split_min >= WIDE_SPLIT and max_len <= SHORT_CACHE else 2,

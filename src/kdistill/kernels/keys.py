@@ -157,6 +157,7 @@ def memoized(fn: Callable[..., KernelKey]) -> Callable[..., KernelKey]:
         out = cache[k] = fn(*args, **kwargs)
         return out
 
+    wrapper.cache_clear = cache.clear  # type: ignore[attr-defined]  # a policy constant changed (experiments, tests)
     return wrapper
 
 
