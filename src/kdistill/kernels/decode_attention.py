@@ -16,9 +16,9 @@ splits, p_b // SPLIT + 1, are the ones that count). The last of a (b, kv head)'s
 (an acquire-release count, set back to zero by it) combines the parts of its G heads: o = sum_s
 exp(lse_s - lse) o_s, with no kernel of its own. So a row's cost follows its filled length in the
 combine too: a short row in a long cache reads back few parts. Where one split holds the whole row
-(p_b < SPLIT: a row still short, or a wide step's short cache) it writes o directly: no parts, no count. The
-newest slot is never read back from the cache: the split holding it starts its online softmax from
-the new key's score and value, and its loop over cached tiles feeds the loads straight to the dots
+(p_b < SPLIT: a row still short, or a wide step's short cache) it writes o directly: no parts, no
+count. The newest slot is never read back from the cache: the split holding it starts its online
+softmax from the new key's score and value, and its loop over cached tiles feeds the loads straight to the dots
 (which lets Triton's pipeline stage them). The number of splits is a runtime grid size
 (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head counts and the
 tiles are in the key. A step of more than WIDE_ROWS rows has programs enough without
@@ -670,9 +670,9 @@ def tiles(
     """The G query heads of a kv head padded to >= 16 rows (the dot's smallest tile), 64 keys a tile
     (128 where the head is at most ONE_TILE_HEAD wide and the split is 128 keys, or a wide step's over a
     cache longer than SHORT_CACHE: measured faster for a 64-wide head, slower for a 128-wide one, whose
-    tile's registers double), `split_len(max_len)`
-    keys a split, at least split_min (min_split of the step's rows), the loop's pipeline depth and the
-    parts its combine reads back at a time (COMBINE_LANES)."""
+    tile's registers double), `split_len(max_len)` keys a split, at least split_min (min_split of the
+    step's rows), the loop's pipeline depth and the parts its combine reads back at a time
+    (COMBINE_LANES)."""
     split = max(split_len(max_len), split_min)
     wide_long = split_min >= WIDE_SPLIT and max_len > SHORT_CACHE
     return {
