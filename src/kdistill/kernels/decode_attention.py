@@ -46,7 +46,8 @@ c_b = min(start[b], M - 1) (slots no token of this step writes) are read once fo
 holding c_b then attends the step's own keys from registers (rotated at each token's slot with the key's
 ROPE), causal among them, and writes them into the cache. No program reads a slot >= c_b, so the writes
 race with no read and no barrier is needed. Parts are (B, T, Hq, S): the combine kernel runs over
-B * T rows. T is in the key (the tile's rows, the causal mask); a step of more
+B * T rows; a split past c_b returns at once with its log-sum-exp alone (-inf), whose output the
+combine does not read. T is in the key (the tile's rows, the causal mask); a step of more
 than MAX_ROWS rows runs as several launches in order (token_chunks). It is a kernel of its own rather
 than a T parameter of the one-token kernel, so the plain decode step's kernel and key stay as they are.
 
@@ -94,8 +95,8 @@ def _rope_halves(X, COS, SIN, trow, d2, HALF: tl.constexpr):
 
 @jit
 def _store_part(OP, LSE, part, gmask, m_i, l_i, acc, D: tl.constexpr):
-    """A split's fp32 partial output and its log-sum-exp. A split past the row's newest slot ran no
-    iteration: an empty part (lse -inf), weight 0 in the combination."""
+    """A split's fp32 partial output and its log-sum-exp (a row the split holds no slot of, l_i = 0:
+    lse -inf, weight 0 in the combination)."""
     d = tl.arange(0, D)
     filled = l_i > 0
     tl.store(
@@ -327,7 +328,9 @@ def decode_attn_combine_kernel(OP, LSE, O, NSPLIT, D: tl.constexpr, HQ: tl.const
     w = tl.exp(lse - top)
     w = w / tl.sum(w, axis=0)
     d = tl.arange(0, D)
-    parts = tl.load(OP + (row * NSPLIT + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    # an empty part (a split past the row's slots) wrote its log-sum-exp alone: its output is not read
+    filled = smask & (lse > float("-inf"))
+    parts = tl.load(OP + (row * NSPLIT + s)[:, None] * D + d[None, :], mask=filled[:, None], other=0.0)
     o = tl.sum(parts * w[:, None], axis=0)  # (D,)
     tl.store(O + row * D + d, o.to(O.dtype.element_ty))
 
@@ -432,6 +435,9 @@ def decode_attn_multi_split_kernel(
     heads = h * G + r % G
     pos_r = tl.minimum(first + jrow, M - 1)
     part = ((b * T + jrow) * HQ + heads) * NSPLIT + s  # rows of OP / LSE: (B, T, HQ, NSPLIT)
+    if lo > c:  # past the row's slots: an empty part, its log-sum-exp alone (the combine reads no output)
+        tl.store(LSE + part, tl.full((BLOCK_R,), float("-inf"), tl.float32), mask=rmask)
+        return
     kv = (b * HKV + h) * M
     d = tl.arange(0, D)
     d2 = tl.arange(0, HALF)
