@@ -27,7 +27,7 @@ import torch
 
 from kdistill import decode as _decode
 from kdistill.decode import DecodeEngine, Sampling
-from kdistill.kernels import decode_gemv, seal
+from kdistill.kernels import decode_attention, decode_gemv, seal
 from kdistill.kernels._triton import cdiv
 from kdistill.kernels.keys import make_key
 from kdistill.models.hf_io import load_model
@@ -403,13 +403,11 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.no_pdl:
-        from kdistill.kernels import decode_attention, rmsnorm
+        from kdistill.kernels import rmsnorm
 
         for mod in (decode_attention, decode_gemv, rmsnorm):
             mod.pdl = lambda arch: False
     if a.attn_split:
-        from kdistill.kernels import decode_attention
-
         split, *block_n = (int(v) for v in a.attn_split.split(","))
         policy = decode_attention.tiles
 
@@ -423,8 +421,6 @@ def main() -> None:
 
         decode_attention.tiles = tiles
     if a.attn_wide:
-        from kdistill.kernels import decode_attention
-
         fields = [None if v == "-" else int(v) for v in a.attn_wide.split(",")]
         fields += [None] * (3 - len(fields))
         wide_policy = decode_attention.tiles
@@ -485,8 +481,6 @@ def main() -> None:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
                 if isinstance(tiles, tuple) and tiles[0] == "lanes":
-                    from kdistill.kernels import decode_attention
-
                     decode_attention.COMBINE_LANES = tiles[1]
                     decode_attention.split_key.cache_clear()
                     tiles = f"lanes {tiles[1]}"

@@ -402,8 +402,9 @@ def case_decode_attention(
     programmatic dependent launch, whose split reads its first tile of cached keys before the wait.
     wide: the key of a step of more than WIDE_ROWS rows (the threshold lowered to this case's rows),
     whose splits run several tiles of keys. mid: the key of a step of 17 to 64 rows (the bound lowered to
-    this case's rows), whose splits take at least MID_SPLIT keys. positions: the first rows' newest slots (the last row's is
-    the cache's end). lanes: the parts the combine reads back at a time (COMBINE_LANES, key LANES)."""
+    this case's rows), whose splits take at least MID_SPLIT keys. positions: the first rows' newest
+    slots (the last row's is the cache's end). lanes: the parts the combine reads back at a time
+    (COMBINE_LANES, key LANES)."""
     from unittest import mock
 
     from kdistill import dispatch

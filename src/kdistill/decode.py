@@ -66,6 +66,7 @@ from kdistill import dispatch
 from kdistill.errors import UserError
 from kdistill.kernels import decode_attention as decode_attention_kernel
 from kdistill.kernels import decode_gemv
+from kdistill.kernels.keys import step_bucket
 from kdistill.memory import PREFILL_GRAPH_TOKENS  # prompts x padded length of a captured prefill
 from kdistill.models.decoder import Decoder, rope_tables
 from kdistill.models.fp8 import FP8Linear
@@ -794,7 +795,7 @@ class DecodeEngine:
     # -- the loop -----------------------------------------------------------------------------
     def bucket(self, n: int) -> int:
         """Rows decoded at once for n prompts: the smallest power of two >= n, at most batch_size."""
-        return min(self.batch_size, 1 << max(0, n - 1).bit_length())
+        return step_bucket(n, self.batch_size)
 
     def _slots_for(self, batch: int) -> _Slots:
         n = self.sampling.max_new_tokens

@@ -18,8 +18,8 @@ exp(lse_s - lse) o_s, with no kernel of its own. So a row's cost follows its fil
 combine too: a short row in a long cache reads back few parts. Where one split holds the whole row
 (p_b < SPLIT: a row still short, or a wide step's short cache) it writes o directly: no parts, no
 count. The newest slot is never read back from the cache: the split holding it starts its online
-softmax from the new key's score and value, and its loop over cached tiles feeds the loads straight to the dots
-(which lets Triton's pipeline stage them). The number of splits is a runtime grid size
+softmax from the new key's score and value, and its loop over cached tiles feeds the loads straight
+to the dots (which lets Triton's pipeline stage them). The number of splits is a runtime grid size
 (ceil(M / SPLIT)), so one binary serves every batch and cache length; D, the head counts and the
 tiles are in the key. A step of more than WIDE_ROWS rows has programs enough without
 short splits: its key takes splits of at least WIDE_SPLIT keys (split_len), fewer parts to combine; a
@@ -76,6 +76,7 @@ from kdistill.kernels.keys import (
     next_pow2,
     pdl,
     pdl_constexpr,
+    step_buckets,
 )
 from kdistill.kernels.spec import Kernel, KernelSpec, tensor
 
@@ -918,8 +919,7 @@ def plan(
     out = set(multi)
     if multi:  # the T-token kernel's parts are combined by the combine kernel
         out.add(combine_key(arch, head_dim=head_dim, q_heads=q_heads, dtype=dtype, max_len=max_len))
-    buckets = {min(rows, 1 << i) for i in range(max(1, rows).bit_length() + 1)}  # DecodeEngine.bucket's
-    for b in sorted(buckets):
+    for b in step_buckets(rows):
         for c in chained:  # a wide bucket chains too where the model is narrow (decode_gemv.step_rows)
             out.add(
                 split_key(

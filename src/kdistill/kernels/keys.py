@@ -157,7 +157,8 @@ def memoized(fn: Callable[..., KernelKey]) -> Callable[..., KernelKey]:
         out = cache[k] = fn(*args, **kwargs)
         return out
 
-    wrapper.cache_clear = cache.clear  # type: ignore[attr-defined]  # a policy constant changed (experiments, tests)
+    # a policy constant changed (experiments, tests): the keys computed under the old one go
+    wrapper.cache_clear = cache.clear  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -208,6 +209,17 @@ def pdl_constexpr(key: KernelKey) -> bool:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def step_bucket(n: int, batch: int) -> int:
+    """Rows a decode engine of `batch` rows runs at once for n prompts: the smallest power of two >= n,
+    at most batch (DecodeEngine.bucket; the plans hold every bucket an engine may run, `step_buckets`)."""
+    return min(int(batch), next_pow2(n))
+
+
+def step_buckets(batch: int) -> list[int]:
+    """Every bucket an engine of `batch` rows may run, smallest first."""
+    return sorted({step_bucket(n, batch) for n in range(1, max(1, int(batch)) + 1)})
 
 
 def constexpr_value(v: Param) -> Any:
