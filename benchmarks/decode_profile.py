@@ -358,7 +358,7 @@ def main() -> None:
         "--attn-lanes",
         default=None,
         help="N[,N...]: attention experiment, each batch once per value: the parts the split kernel's combine "
-        "reads back per round trip (kernels/decode_attention.py's COMBINE_LANES, key LANES; the policy: 4)",
+        "reads back per round trip (key LANES; the policy: kernels/decode_attention.py's combine_lanes)",
     )
     ap.add_argument(
         "--l2-prefetch",
@@ -481,7 +481,7 @@ def main() -> None:
             prompts = torch.randint(100, spec.vocab_size - 100, (b, a.prompt), generator=g).tolist()
             for tiles in variants:
                 if isinstance(tiles, tuple) and tiles[0] == "lanes":
-                    decode_attention.COMBINE_LANES = tiles[1]
+                    decode_attention.combine_lanes = lambda *_, n=tiles[1]: n
                     decode_attention.split_key.cache_clear()
                     tiles = f"lanes {tiles[1]}"
                     info = prepare_kernels(model, max(batches), a.prompt, max_len)

@@ -404,7 +404,7 @@ def case_decode_attention(
     whose splits run several tiles of keys. mid: the key of a step of 17 to 64 rows (the bound lowered to
     this case's rows), whose splits take at least MID_SPLIT keys. positions: the first rows' newest
     slots (the last row's is the cache's end). lanes: the parts the combine reads back at a time
-    (COMBINE_LANES, key LANES)."""
+    (key LANES; None: the policy, `combine_lanes`)."""
     from unittest import mock
 
     from kdistill import dispatch
@@ -448,7 +448,9 @@ def case_decode_attention(
         mock.patch.object(decode_kernel, "WIDE_ROWS", b - 1 if wide else decode_kernel.WIDE_ROWS),
         mock.patch.object(decode_kernel, "MID_ROWS", (b - 1, b) if mid else decode_kernel.MID_ROWS),
         mock.patch.object(decode_kernel, "empty_parts", nan_parts),
-        mock.patch.object(decode_kernel, "COMBINE_LANES", lanes or decode_kernel.COMBINE_LANES),
+        mock.patch.object(
+            decode_kernel, "combine_lanes", (lambda *_: lanes) if lanes else decode_kernel.combine_lanes
+        ),
     ):
         decode_kernel.split_key.cache_clear()  # the keys under this case's constants
         try:
@@ -456,7 +458,11 @@ def case_decode_attention(
         finally:
             decode_kernel.split_key.cache_clear()
         split = decode_kernel.split_len(m, b)  # under the lowered bounds
-    assert [k["LANES"] for k in rec.keys()] == [lanes or decode_kernel.COMBINE_LANES]
+        policy = decode_kernel.combine_lanes(d, m, decode_kernel.min_split(b))
+    assert [k["LANES"] for k in rec.keys()] == [lanes or policy]
+    if lanes is None:  # a short step over a long cache of narrow heads reads its parts 16 at a time
+        narrow_long = d <= decode_kernel.ONE_TILE_HEAD and m > decode_kernel.SHORT_CACHE and not wide
+        assert policy == (decode_kernel.LONG_LANES if narrow_long else decode_kernel.COMBINE_LANES)
     # every (row, kv head)'s arrival count is back at zero: its used splits, no more, were counted
     assert not decode_gemv.counters(q.device, b * hkv)[: b * hkv].any()
     assert [k["PDL"] for k in rec.keys()] == [chained]
@@ -976,6 +982,12 @@ CASES = {
     "decode_attention_fp32_rope_lanes8": (
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, m=1100, rope=True, lanes=8, positions=(0, 300, 700)),
+    ),
+    # the policy's lanes over a long cache of narrow heads (16 a round trip): rows of 1, 3, 6 and 9 used
+    # splits, all of a row's parts in one round trip
+    "decode_attention_fp32_rope_long_lanes": (
+        case_decode_attention,
+        dict(dtype=torch.float32, hq=6, hkv=2, d=32, m=1100, rope=True, positions=(0, 300, 700)),
     ),
     # a wide step over a long cache: splits of 256 keys in tiles of 128, rows ending on a split's last
     # slot, inside one and at the cache's end

@@ -45,6 +45,11 @@ FULL = [
         "decode_attention_fp32_rope_wide_long",
         dict(dtype=BF16, hq=14, hkv=2, d=64, m=1152, positions=(0, 255, 700)),
     ),
+    # a short step over a long cache, a 64-wide head: the combine reads a row's nine parts in one trip
+    (
+        "decode_attention_fp32_rope_long_lanes",
+        dict(dtype=BF16, b=7, hq=14, hkv=2, d=64, m=1152, positions=(0, 127, 128, 300, 700, 1000)),
+    ),
     ("bwd_failure_falls_back", {}),
     ("frozen_forward_skips_autograd", {}),
 ]
