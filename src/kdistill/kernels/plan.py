@@ -390,6 +390,7 @@ def generation_kernels(
         dtype=dt,
         rows=batch,
         eps=spec.rms_eps,
+        max_len=max_len,
     )
     out.add(
         library.sdpa_key(
