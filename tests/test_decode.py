@@ -474,21 +474,18 @@ def test_the_larger_row_tiles_are_planned_for_narrow_presets_with_their_own_swig
             assert bool(down) == (tile == 32), tile
 
 
-@pytest.mark.parametrize("fold,long", [(None, False), (2, False), (None, True)])
+@pytest.mark.parametrize("fold", [None, 2])
 def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_them(
-    tmp_path, monkeypatch, fold, long
+    tmp_path, monkeypatch, fold
 ):
     """o_proj and down split over K in a small bucket's step (runtime.chained): their fp32 partials go to
     the residual add + norm after them (a key without the product's own combine, a norm key summing
     that many parts), unless that norm is folded into the products around it (FOLD_NORM 2; the policy
-    leaves a split down's norm where it is, unless the engine's cache is longer than FOLD_LONG_CACHE
-    slots, lowered here to take the tiny engine's); a bucket past 64 rows runs cuBLAS's products, its norms
+    leaves a split product's norm where it is); a bucket past 64 rows runs cuBLAS's products, its norms
     sum no partials. Both are in the plan, and the engine's tokens are the reference forward's."""
     from kdistill.kernels import decode_gemv
 
     monkeypatch.setattr(decode_gemv, "FOLD_NORM", fold)
-    if long:
-        monkeypatch.setattr(decode_gemv, "FOLD_LONG_CACHE", 15)
     model = load_model(
         make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32, intermediate_size=1024)
     ).eval()
@@ -506,16 +503,11 @@ def test_a_small_buckets_split_products_hand_their_partials_to_the_norm_after_th
     downs = {k for k in triton if k.op == "decode_gemv" and k["K"] == 1024}
     # the last block's down: partials to the final norm; with the norm after the down folded (FOLD_NORM
     # 2) the others' own combine adds the residual for the next q/k/v
-    folded = decode_gemv.norm_folds(
-        model.spec.hidden_size, model.spec.q_size, model.spec.intermediate_size, 16
-    )
-    assert folded[1] == (fold == 2 or long)
-    assert decode_gemv.norm_folds(
-        model.spec.hidden_size, model.spec.q_size, model.spec.intermediate_size, 15
-    )[1] == (fold == 2)
+    folded = decode_gemv.norm_folds(model.spec.hidden_size, model.spec.q_size, model.spec.intermediate_size)
+    assert folded[1] == (fold == 2)
     assert {(k["COMBINE"], bool(k.get("ADD")), k["SPLIT"]) for k in downs} == {
         (False, False, splits),
-        *([(True, True, splits)] if fold == 2 or long else []),
+        *([(True, True, splits)] if fold == 2 else []),
     }
     assert got == generate_ids(model, rows, Sampling(max_new_tokens=3))
     with runtime.using(mode="reference", arch="sm_90"), runtime.recording() as rec:

@@ -256,9 +256,9 @@ class DecodeWeights:
     folds a block's norms (decode_gemv.norm_folds), each block's gate/up rows hold the post-attention
     norm's weight folded into their inputs (W diag(w): the engine's own concatenated copy, scaled again at
     every refresh), and its q/k/v rows its input norm's weight; a folded norm runs with `ones` in its
-    place. max_len: the engine's cache slots (a long cache folds more, norm_folds)."""
+    place."""
 
-    def __init__(self, model: Decoder, dtype: torch.dtype, device: torch.device, max_len: int = 0) -> None:
+    def __init__(self, model: Decoder, dtype: torch.dtype, device: torch.device) -> None:
         self.spec: ModelSpec = model.spec
         self.dtype, self.device = dtype, device
         # a model's own tensor in the engine's dtype is shared, not copied (a bf16 teacher), unless FSDP
@@ -275,9 +275,7 @@ class DecodeWeights:
             for b in body.layers
         ]
         s = self.spec
-        self.fold_post, self.fold_input = decode_gemv.norm_folds(
-            s.hidden_size, s.q_size, s.intermediate_size, max_len
-        )
+        self.fold_post, self.fold_input = decode_gemv.norm_folds(s.hidden_size, s.q_size, s.intermediate_size)
         self.ones = torch.ones(self.spec.hidden_size, dtype=dtype, device=device)
         self._fold()
 
@@ -586,7 +584,7 @@ class DecodeEngine:
         self.graphs = on_gpu and cuda_graphs != "off"
         self.dtype = dtype or (torch.bfloat16 if on_gpu else model.lm_head_weight.dtype)
         self.spec = model.spec
-        self.weights = DecodeWeights(model, self.dtype, self.device, int(max_len))
+        self.weights = DecodeWeights(model, self.dtype, self.device)
         self.batch_size, self.max_len = int(batch_size), int(max_len)
         self.sampling = sampling
         self.stops = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.int64, device=self.device)

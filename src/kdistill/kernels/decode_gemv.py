@@ -57,7 +57,6 @@ EPI_NONE, EPI_BIAS, EPI_SWIGLU = 0, 1, 2
 # (o_proj, gate/up), 2: also the norm after the down (down, the next block's q/k/v).
 FOLD_NORM: int | None = None
 FOLD_ROWS = 32  # buckets of at most this many rows fold (Qwen2.5-0.5B at 64 rows: +0.8% a step folded)
-FOLD_LONG_CACHE = 1024  # an engine of more cache slots folds the norm after a split down too (norm_folds)
 MAX_ROWS = 64  # the buckets this kernel serves (16, 32 or 64 rows a tile); larger ones stay on cuBLAS
 ROW_TILES = (16, 32, 64)  # BLOCK_M: the smallest tile that holds the bucket (16: the dot's smallest)
 # A bucket of 17 to 64 rows: the products with a side of at most NARROW (measured on an H200,
@@ -490,20 +489,16 @@ def split(n: int, k: int) -> int:
     return tiles(n=n, k=k, epilogue=EPI_NONE, combine=False)["SPLIT"]
 
 
-def norm_folds(hidden: int, q_size: int, intermediate: int, max_len: int = 0) -> tuple[bool, bool]:
+def norm_folds(hidden: int, q_size: int, intermediate: int) -> tuple[bool, bool]:
     """Whether a model's decode step folds the norm after o_proj and the norm after the down into the
-    products around them (in buckets of at most FOLD_ROWS rows, dispatch.folds), for an engine of
-    max_len cache slots: FOLD_NORM's level where set, else each norm whose product before it is not
-    split, and the norm after a split down too over a cache longer than FOLD_LONG_CACHE where o_proj's
-    is folded. A split product combines its own partials before it adds (its last program, on the
-    critical path), which costs about what the norm's launch did, except where the next q/k/v hides
-    behind a long cache's attention. Measured on an H200 (benchmarks/NOTES.md): Qwen2.5-0.5B's unsplit
-    o_proj folded -2 to -4% a step, the 1.5B's split o_proj +1 to +3%; the 0.5B's split down folded a
-    tie or a loss over 256 slots, -2.5 to -3% at 16 rows over 1,152."""
+    products around them (in buckets of at most FOLD_ROWS rows, dispatch.folds): FOLD_NORM's level
+    where set, else each norm whose product before it is not split. A split product would combine its
+    own partials before it adds (its last program, on the critical path), which costs about what the
+    norm's launch did: measured on an H200 (benchmarks/NOTES.md), Qwen2.5-0.5B's unsplit o_proj folded
+    -2 to -4% a step, the 1.5B's split o_proj +1 to +3%."""
     if FOLD_NORM is not None:
         return FOLD_NORM >= 1, FOLD_NORM >= 2
-    post = split(hidden, q_size) == 1
-    return post, split(hidden, intermediate) == 1 or (post and max_len > FOLD_LONG_CACHE)
+    return split(hidden, q_size) == 1, split(hidden, intermediate) == 1
 
 
 def serves(rows: int, k: int, epilogue: int, n: int) -> bool:
@@ -559,15 +554,14 @@ def plan(
     dtype: str,
     rows: int = 1,
     eps: float = 1e-6,
-    max_len: int = 0,
 ) -> set[KernelKey]:
     """Keys of the decode step's products this kernel serves: q/k/v (with its bias), o_proj, gate/up
     with its SwiGLU, down (one key per product and row tile: every bucket of at most 16 rows launches
     the same binary, and an engine of any batch size decodes a few prompts in such a bucket; an engine
     of more rows, `rows`, also has the larger buckets' tiles where serves says so). o_proj and down feed
     a residual add + RMSNorm: split, their partials go to it (combine False) in the step (runtime.chained);
-    for each norm folded (norm_folds, for an engine of max_len cache slots), the ADD key of the product
-    before it and the RSTD key (norm eps `eps`) of the product after it."""
+    for each norm folded (norm_folds), the ADD key of the product before it and the RSTD key (norm eps
+    `eps`) of the product after it."""
     del grad
     products = (
         (q_size + 2 * kv_size, hidden, EPI_BIAS if qkv_bias else EPI_NONE),
@@ -586,7 +580,7 @@ def plan(
             if serves(tile, k, epi, n) and split(n, k) > 1:
                 keys.add(gemv_key(arch, n=n, k=k, dtype=dtype, epilogue=epi, combine=False, rows=tile))
         qkv_n, qkv_epi = products[0][0], products[0][2]
-        post, pre = norm_folds(hidden, q_size, intermediate, max_len) if tile <= FOLD_ROWS else (False, False)
+        post, pre = norm_folds(hidden, q_size, intermediate) if tile <= FOLD_ROWS else (False, False)
         folded = ((q_size, intermediate, EPI_SWIGLU),) * post + (  # o_proj + add, gate/up
             (intermediate, qkv_n, qkv_epi),  # the down + the add, then the next block's q/k/v
         ) * pre

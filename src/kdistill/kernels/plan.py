@@ -390,7 +390,6 @@ def generation_kernels(
         dtype=dt,
         rows=batch,
         eps=spec.rms_eps,
-        max_len=max_len,
     )
     out.add(
         library.sdpa_key(
