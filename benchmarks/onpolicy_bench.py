@@ -527,10 +527,11 @@ def main() -> int:
                 print(f"kdistill x{world}: {json.dumps(out)}", file=sys.stderr, flush=True)
                 if args.json and world != worlds[-1]:  # what is measured so far, should the rest not end
                     write_json(Path(args.json), make_report(args, shape, worlds, results, partial=True))
-    report = make_report(args, shape, worlds, results)
-    print(json.dumps(report, indent=2))
-    if args.json:
-        write_json(Path(args.json), report)
+        # written before the assets are removed (a 7B teacher's checkpoint takes a while to delete)
+        report = make_report(args, shape, worlds, results)
+        print(json.dumps(report, indent=2))
+        if args.json:
+            write_json(Path(args.json), report)
     return 0
 
 
