@@ -401,7 +401,7 @@ def case_decode_attention(
     rotates both at the row's position. chained: the key of a small bucket's step on an arch with
     programmatic dependent launch, whose split reads its first tile of cached keys before the wait.
     wide: the key of a step of more than WIDE_ROWS rows (the threshold lowered to this case's rows),
-    whose splits run several tiles of keys. mid: the key of a step of 17 to 64 rows (the bound lowered to
+    whose splits run several tiles of keys. mid: the key of a step of 17 to 32 rows (the bound lowered to
     this case's rows), whose splits take at least MID_SPLIT keys. positions: the first rows' newest
     slots (the last row's is the cache's end). lanes: the parts the combine reads back at a time
     (key LANES; None: the policy, `combine_lanes`)."""
@@ -966,7 +966,7 @@ CASES = {
         case_decode_attention,
         dict(dtype=torch.float32, hq=6, hkv=2, d=32, rope=True, wide=True),
     ),
-    # a step of 17 to 64 rows: splits of 128 keys, one tile of 128 for a 64-wide head; chained
+    # a step of 17 to 32 rows: splits of 128 keys, one tile of 128 for a 64-wide head; chained
     "decode_attention_fp32_rope_mid_chained": (
         case_decode_attention,
         dict(

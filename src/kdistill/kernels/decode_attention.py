@@ -669,7 +669,7 @@ def split_len(max_len: int, rows: int = 1) -> int:
 
 ONE_TILE_HEAD = 64  # heads at most this wide read a split of 128 keys as one tile
 COMBINE_LANES = 4  # parts the last split of a row reads back per round trip (key LANES)
-LONG_LANES = 16  # ... where a head of at most ONE_TILE_HEAD reads a cache longer than SHORT_CACHE
+LONG_LANES = 16  # the same for narrow heads over a long cache in a short step (combine_lanes)
 
 
 def combine_lanes(head_dim: int, max_len: int, split_min: int = 0) -> int:
