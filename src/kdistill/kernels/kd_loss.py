@@ -16,12 +16,17 @@ Passes over the row's vocabulary (each reads V student and V teacher logits):
    sum: KL(p||q) = sum e^(b - m_b) (b - a) / z_b - lse_b + lse_a, and symmetrically for KL(q||p).
 2. Only for jsd, tvd, skew_kl and skew_reverse_kl: with the row's log-normalisers known, one pass
    for the value D and the row constant <q, g> of the gradient (module docstring of ops/kd_loss.py).
-   These need the *normalised* probabilities (log m = logaddexp(log beta + log p, log(1 - beta) +
-   log q); sign(q - p); p / r), which an online pass cannot rescale after the fact, so a second
-   reduction pass is unavoidable.
+   These need the *normalised* probabilities (log m = log(beta p + (1 - beta) q) of the p and q the
+   pass computes anyway: one log, not a log-sum-exp's two more exponentials; sign(q - p); p / r),
+   which an online pass cannot rescale after the fact, so a second reduction pass is unavoidable.
 3. The gradient pass (skipped when NEED_GRAD is false): writes
    grad_scale * [(1 - alpha)(softmax(s) - onehot(y)) + alpha T dD/da] per element, over the student
-   logits buffer (in place) or into a separate buffer of another dtype.
+   logits buffer (in place) or into a separate buffer of another dtype; at alpha = 1 (on-policy's
+   pure KD) the CE term and its exponential are skipped (a runtime branch: the key is unchanged).
+
+The kernel is bound by its arithmetic more than by its bytes at bf16 logits (about a dozen
+exponentials and logs a logit over the three passes for jsd before the mixture's single log, nine
+with it at alpha = 1), so each pass computes no transcendental it can take from another.
 
 A row whose label is ignore_index does no pass: it writes a zero gradient and zero losses.
 
@@ -49,6 +54,15 @@ from kdistill.ops.kd_loss import DIVERGENCE_IDS
 _FWD, _REV, _JSD, _TVD, _SKEW, _SKEW_REV = (
     DIVERGENCE_IDS[k] for k in ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
 )
+
+
+@jit
+def _log_mix(x, y, beta):
+    """log(beta x + (1 - beta) y) of two probabilities already computed (the mixture of JSD and the
+    skew divergences): one log where a log-sum-exp of their logs takes two more exponentials. Where
+    both underflow the mixture is floored at fp32's smallest normal: the terms it enters are then x
+    or y (zero or that small) times a bounded log."""
+    return tl.log(tl.maximum(beta * x + (1.0 - beta) * y, 1.1754943508222875e-38))
 
 
 @jit(
@@ -139,8 +153,6 @@ def _kd_loss_rows_kernel(
         c = tl.zeros([], tl.float32)  # the row constant of the gradient (<q, .> sums)
         lse_a = tl.zeros([], tl.float32)
         lse_b = tl.zeros([], tl.float32)
-        log_b = tl.log(beta)
-        log_1mb = tl.log(1.0 - beta)
         if HAS_KD:
             lse_a = m_a + tl.log(z_a)
             lse_b = m_b + tl.log(z_b)
@@ -161,10 +173,7 @@ def _kd_loss_rows_kernel(
                     q = tl.exp(logq)
                     p = tl.exp(logp)
                     if DIVERGENCE == 2:  # jsd: d2 = KL(p||m), c = KL(q||m)
-                        x = logp + log_b
-                        z = logq + log_1mb
-                        mx = tl.maximum(x, z)
-                        logm = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        logm = _log_mix(p, q, beta)
                         d2 += tl.sum(tl.where(mask, p * (logp - logm), 0.0), 0)
                         c += tl.sum(tl.where(mask, q * (logq - logm), 0.0), 0)
                     if DIVERGENCE == 3:  # tvd: d2 = sum |q - p|, c = <q, sign(q - p)>
@@ -172,17 +181,11 @@ def _kd_loss_rows_kernel(
                         d2 += tl.sum(tl.where(mask, tl.abs(q - p), 0.0), 0)
                         c += tl.sum(tl.where(mask, q * sgn, 0.0), 0)
                     if DIVERGENCE == 4:  # skew_kl: d2 = KL(p||r), c = <q, p/r>
-                        x = logp + log_b
-                        z = logq + log_1mb
-                        mx = tl.maximum(x, z)
-                        logr = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        logr = _log_mix(p, q, beta)
                         d2 += tl.sum(tl.where(mask, p * (logp - logr), 0.0), 0)
                         c += tl.sum(tl.where(mask, q * tl.exp(logp - logr), 0.0), 0)
                     if DIVERGENCE == 5:  # skew_reverse_kl: d2 = KL(q||r'), c = <q, q/r'>
-                        x = logq + log_b
-                        z = logp + log_1mb
-                        mx = tl.maximum(x, z)
-                        logr = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        logr = _log_mix(q, p, beta)
                         d2 += tl.sum(tl.where(mask, q * (logq - logr), 0.0), 0)
                         c += tl.sum(tl.where(mask, q * tl.exp(logq - logr), 0.0), 0)
                 if DIVERGENCE == 2:
@@ -203,7 +206,9 @@ def _kd_loss_rows_kernel(
                 idx = off + cols
                 mask = idx < V
                 s = tl.load(s_row + idx, mask=mask, other=0.0).to(tl.float32)
-                g = w_ce * (tl.exp(s - lse_s) - tl.where(idx == y, 1.0, 0.0))
+                g = tl.zeros([BLOCK_V], tl.float32)
+                if w_ce != 0.0:  # alpha = 1 (pure KD): the CE term's exponentials are skipped
+                    g = w_ce * (tl.exp(s - lse_s) - tl.where(idx == y, 1.0, 0.0))
                 if HAS_KD:
                     t = tl.load(t_row + idx, mask=mask, other=0.0).to(tl.float32)
                     logq = s * inv_t - lse_a
@@ -214,26 +219,17 @@ def _kd_loss_rows_kernel(
                     if DIVERGENCE == 1:
                         dd = q * (logq - logp - d)
                     if DIVERGENCE == 2:
-                        x = logp + log_b
-                        z = logq + log_1mb
-                        mx = tl.maximum(x, z)
-                        logm = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        logm = _log_mix(tl.exp(logp), q, beta)
                         dd = (1.0 - beta) * q * (logq - logm - c)
                     if DIVERGENCE == 3:
                         p = tl.exp(logp)
                         sgn = tl.where(q > p, 1.0, tl.where(q < p, -1.0, 0.0))
                         dd = 0.5 * q * (sgn - c)
                     if DIVERGENCE == 4:
-                        x = logp + log_b
-                        z = logq + log_1mb
-                        mx = tl.maximum(x, z)
-                        logr = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        logr = _log_mix(tl.exp(logp), q, beta)
                         dd = -(1.0 - beta) * q * (tl.exp(logp - logr) - c)
                     if DIVERGENCE == 5:
-                        x = logq + log_b
-                        z = logp + log_1mb
-                        mx = tl.maximum(x, z)
-                        logr = mx + tl.log(tl.exp(x - mx) + tl.exp(z - mx))
+                        logr = _log_mix(q, tl.exp(logp), beta)
                         dd = q * (logq - logr - d - beta * (tl.exp(logq - logr) - c))
                     g += w_kd * dd
                 tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=mask)
