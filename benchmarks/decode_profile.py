@@ -401,6 +401,15 @@ def main() -> None:
         "several: each batch size runs once per value (an A/B in one process; replaces --gemv-products and "
         "--fold-norm)",
     )
+    ap.add_argument(
+        "--row-tiles",
+        default=None,
+        help="V[,V...] with V MAX[:PRE_SWIGLU[:PRE_PLAIN]][@PRODUCTS]: kernels/decode_gemv.py's largest row tile "
+        "(64: the policy; 128: buckets of 65 to 128 rows of a narrow model's products on the matrix-vector kernel "
+        "in one tile, its step chained), the inputs loaded before the wait in tiles past 64 rows by the SwiGLU "
+        "(default 64) and the plain products (default 128: a 128-row tile of 1,024 takes 396 KB of shared memory) "
+        "and --gemv-products' tiles; several: each batch size runs once per value (an A/B in one process)",
+    )
     a = ap.parse_args()
     if a.no_pdl:
         from kdistill.kernels import rmsnorm
@@ -470,6 +479,8 @@ def main() -> None:
             variants = [(t, f) for t in variants for f in levels]
         if a.narrow is not None:  # each batch once per bucket-limits value
             variants = [("narrow", v) for v in a.narrow.split(",")]
+        if a.row_tiles is not None:  # each batch once per largest row tile
+            variants = [("rowtiles", v) for v in a.row_tiles.split(",")]
         if a.interleave is not None:  # each batch once per number of groups
             variants = [("interleave", int(v)) for v in a.interleave.split(",")]
         if a.attn_lanes is not None:  # each batch once per number of lanes
@@ -496,6 +507,19 @@ def main() -> None:
                 elif isinstance(tiles, tuple) and tiles[0] == "interleave":
                     DecodeEngine._decode_step = interleaved_step(tiles[1])
                     tiles = f"interleave {tiles[1]}"
+                elif isinstance(tiles, tuple) and tiles[0] == "rowtiles":
+                    limits, _, prods = tiles[1].partition("@")
+                    vals = [int(v) for v in limits.split(":")]
+                    top, pre_swiglu, pre_plain = vals + [64, 128][len(vals) - 1 :]
+                    decode_gemv.ROW_TILES = tuple(t for t in (16, 32, 64, 128, 256) if t <= top)
+                    decode_gemv.MAX_ROWS = top
+                    for t in decode_gemv.ROW_TILES[3:]:  # past 64 rows: both prefetch depths as given
+                        decode_gemv.PRE_K_TILE[t] = {0: pre_plain, 1: pre_plain, 2: pre_swiglu}
+                    product_tiles(prods or "policy", spec)
+                    _GEMV_KEY.cache_clear()
+                    tiles = f"row tiles {tiles[1]}"
+                    info = prepare_kernels(model, max(batches), a.prompt, max_len)
+                    print(f"{preset} ({tiles}): {info.get('prewarm', info)}", flush=True)
                 elif isinstance(tiles, tuple) and tiles[0] == "narrow":
                     limits, _, prods = tiles[1].partition("@")
                     given = [int(v) for v in limits.split(":")]
