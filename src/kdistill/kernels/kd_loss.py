@@ -26,7 +26,10 @@ Passes over the row's vocabulary (each reads V student and V teacher logits):
 
 The kernel is bound by its arithmetic more than by its bytes at bf16 logits (about a dozen
 exponentials and logs a logit over the three passes for jsd before the mixture's single log, nine
-with it at alpha = 1), so each pass computes no transcendental it can take from another.
+with it at alpha = 1), so a pass computes no transcendental it can derive from values it already
+holds. It is as sensitive to its registers: sums kept per lane (reduced once after a pass) and runtime
+branches taking temperature 1's a-statistics from the CE's both measured slower on every path
+(benchmarks/NOTES.md, round thirty).
 
 A row whose label is ignore_index does no pass: it writes a zero gradient and zero losses.
 
