@@ -173,7 +173,8 @@ def test_key_names_every_specialization():
     base = kd_loss_kernel_key(151936, "jsd", torch.bfloat16, "sm_90")
     assert (base.op, base.arch, dict(base.params)) == ("kd_loss", "sm_90", {
         "vocab_size": 151936, "BLOCK_V": 4096, "num_warps": 8, "DIVERGENCE": 2,
-        "HAS_KD": True, "NEED_GRAD": True, "logits_dtype": "bfloat16", "grad_dtype": "bfloat16",
+        "HAS_KD": True, "NEED_GRAD": True, "UNIT_T": False, "logits_dtype": "bfloat16",
+        "grad_dtype": "bfloat16",
     })  # fmt: skip
     variants = [
         kd_loss_kernel_key(151936, "tvd", torch.bfloat16, "sm_90"),
@@ -184,10 +185,19 @@ def test_key_names_every_specialization():
         kd_loss_kernel_key(151936, "jsd", torch.bfloat16, "sm_90", has_kd=False),
         kd_loss_kernel_key(151936, "jsd", torch.float32, "sm_90", grad_dtype=torch.bfloat16),
         kd_loss_kernel_key(151936, "jsd", torch.bfloat16, "sm_90", block_v=1024),
+        kd_loss_kernel_key(151936, "jsd", torch.bfloat16, "sm_90", unit_t=True),
     ]
     assert len({base, *variants}) == len(variants) + 1, "each parameter must change the key"
-    # Without KD the divergence is not compiled in: one variant for every divergence name.
-    assert len({kd_loss_kernel_key(1271, d, "float32", "sm_90", has_kd=False) for d in DIVERGENCES}) == 1
+    # Without KD neither the divergence nor the temperature is compiled in: one variant for all of them.
+    no_kd = {
+        kd_loss_kernel_key(1271, d, "float32", "sm_90", has_kd=False, unit_t=u)
+        for d in DIVERGENCES
+        for u in (0, 1)
+    }
+    assert len(no_kd) == 1
+    # Temperature 1's variant only where it measured faster (not reverse KL, say).
+    assert kd_loss_kernel_key(1271, "forward_kl", "float32", "sm_90", unit_t=True)["UNIT_T"] is True
+    assert kd_loss_kernel_key(1271, "reverse_kl", "float32", "sm_90", unit_t=True)["UNIT_T"] is False
     # The key's constexprs are exactly what the launcher passes.
     kp = kd.tiles(151936, "jsd", True, True)
     assert {k: base[k] for k in kp} == kp
@@ -256,16 +266,17 @@ def test_key_determines_triton_specialization():
         s = base[1 : 1 + rows * v].view(rows, v) if misalign else torch.zeros(rows, v, dtype=dt)
         t = torch.zeros(rows, v, dtype=dt)
         y = torch.zeros(rows + off, dtype=torch.int64)[off:]
-        for div in ("forward_kl", "skew_reverse_kl"):
-            kernel, _grid, args, kwargs, _ = kd.launch_args(s, t, y, alpha=alpha, temperature=2.0, divergence=div,
+        for div, temp in (("forward_kl", 2.0), ("skew_reverse_kl", 2.0), ("forward_kl", 1.0)):
+            kernel, _grid, args, kwargs, _ = kd.launch_args(s, t, y, alpha=alpha, temperature=temp, divergence=div,
                                                          need_grad=need_grad, grad_dtype=gd)  # fmt: skip
             got = triton_specialization(kernel, args, kwargs, "sm_90")
             key = kd_loss_kernel_key(
-                v, div, dt, "sm_90", has_kd=alpha > 0, need_grad=need_grad, grad_dtype=gd
+                v, div, dt, "sm_90", has_kd=alpha > 0, need_grad=need_grad, grad_dtype=gd, unit_t=temp == 1.0
             )
-            assert got == _spec_of_source(*build_source(key)), (rows, v, off, dt, div)
+            assert got == _spec_of_source(*build_source(key)), (rows, v, off, dt, div, temp)
             assert seen.setdefault(key, got) == got
-    assert len(seen) == 9  # 5 configurations x 2 divergences, less 1: no-KD keys ignore the divergence
+    # 5 configurations x 3 (divergence, temperature) pairs, less 2: no-KD keys ignore both
+    assert len(seen) == 13
 
 
 if __name__ == "__main__":

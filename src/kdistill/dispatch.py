@@ -854,6 +854,7 @@ def _kd_chunk(
         has_kd=alpha > 0,
         need_grad=need_grad,
         grad_dtype=grad_dtype if need_grad else None,
+        unit_t=float(temperature) == 1.0,
     )
     if rt.use_kernel(key, s_logits):
         try:

@@ -14,6 +14,8 @@ Passes over the row's vocabulary (each reads V student and V teacher logits):
 1. Online softmax statistics: running max and rescaled sum-exp of s (for CE, temperature 1), a = s/T
    and b = t/T. forward_kl and reverse_kl get their value in this pass too, as a rescaled weighted
    sum: KL(p||q) = sum e^(b - m_b) (b - a) / z_b - lse_b + lse_a, and symmetrically for KL(q||p).
+   At temperature 1 a is s: the UNIT_T variant (forward KL and JSD, UNIT_T_DIVERGENCES) takes a's
+   statistics from the CE's, and pass 3's softmax(s) is q.
 2. Only for jsd, tvd, skew_kl and skew_reverse_kl: with the row's log-normalisers known, one pass
    for the value D and the row constant <q, g> of the gradient (module docstring of ops/kd_loss.py).
    These need the *normalised* probabilities (log m = log(beta p + (1 - beta) q) of the p and q the
@@ -28,12 +30,13 @@ The kernel is bound by its arithmetic more than by its bytes at bf16 logits (abo
 exponentials and logs a logit over the three passes for jsd before the mixture's single log, nine
 with it at alpha = 1), so a pass computes no transcendental it can derive from values it already
 holds. It is as sensitive to its registers: sums kept per lane (reduced once after a pass) and runtime
-branches taking temperature 1's a-statistics from the CE's both measured slower on every path
+branches taking temperature 1's a-statistics from the CE's both measured slower on every path; as a
+constexpr of the key (UNIT_T) the same reuse is faster for forward KL and JSD and slower for reverse KL
 (benchmarks/NOTES.md, round thirty).
 
 A row whose label is ignore_index does no pass: it writes a zero gradient and zero losses.
 
-Specialization: BLOCK_V, DIVERGENCE (id), HAS_KD, NEED_GRAD are constexprs; V (the row stride too:
+Specialization: BLOCK_V, DIVERGENCE (id), HAS_KD, NEED_GRAD, UNIT_T are constexprs; V (the row stride too:
 buffers are contiguous) is a runtime int that Triton specializes on divisibility by 16, so the key
 holds the vocabulary size; the logits and gradient dtypes come from the pointers. ignore_index is
 `do_not_specialize`; the labels and per-row output pointers are `do_not_specialize_on_alignment`
@@ -92,6 +95,7 @@ def _kd_loss_rows_kernel(
     HAS_KD: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    UNIT_T: tl.constexpr = False,
 ):
     """One program per row: CE, the divergence and (NEED_GRAD) the logits gradient of one token.
 
@@ -130,15 +134,22 @@ def _kd_loss_rows_kernel(
             s0 = tl.load(s_row + idx, mask=mask, other=0.0).to(tl.float32)
             s = tl.where(mask, s0, neg_inf)  # padding lanes: -inf for max / sum-exp
             m_new = tl.maximum(m_s, tl.max(s, 0))
-            z_s = z_s * tl.exp(m_s - m_new) + tl.sum(tl.exp(s - m_new), 0)
+            es = tl.exp(s - m_new)
+            sum_s = tl.sum(es, 0)
+            z_s = z_s * tl.exp(m_s - m_new) + sum_s
             m_s = m_new
             if HAS_KD:
                 t0 = tl.load(t_row + idx, mask=mask, other=0.0).to(tl.float32)
-                a = s * inv_t
                 b = tl.where(mask, t0, neg_inf) * inv_t
-                ma_new = tl.maximum(m_a, tl.max(a, 0))
-                ea = tl.exp(a - ma_new)  # 0 on padding lanes
-                z_a = z_a * tl.exp(m_a - ma_new) + tl.sum(ea, 0)
+                if UNIT_T:  # a is s: the CE's statistics, bit for bit
+                    ma_new = m_new
+                    ea = es
+                    z_a = z_a * tl.exp(m_a - ma_new) + sum_s
+                else:
+                    a = s * inv_t
+                    ma_new = tl.maximum(m_a, tl.max(a, 0))
+                    ea = tl.exp(a - ma_new)  # 0 on padding lanes
+                    z_a = z_a * tl.exp(m_a - ma_new) + tl.sum(ea, 0)
                 mb_new = tl.maximum(m_b, tl.max(b, 0))
                 eb = tl.exp(b - mb_new)
                 z_b = z_b * tl.exp(m_b - mb_new) + tl.sum(eb, 0)
@@ -210,13 +221,17 @@ def _kd_loss_rows_kernel(
                 mask = idx < V
                 s = tl.load(s_row + idx, mask=mask, other=0.0).to(tl.float32)
                 g = tl.zeros([BLOCK_V], tl.float32)
-                if w_ce != 0.0:  # alpha = 1 (pure KD): the CE term's exponentials are skipped
-                    g = w_ce * (tl.exp(s - lse_s) - tl.where(idx == y, 1.0, 0.0))
+                if not UNIT_T:
+                    if w_ce != 0.0:  # alpha = 1 (pure KD): the CE term's exponentials are skipped
+                        g = w_ce * (tl.exp(s - lse_s) - tl.where(idx == y, 1.0, 0.0))
                 if HAS_KD:
                     t = tl.load(t_row + idx, mask=mask, other=0.0).to(tl.float32)
                     logq = s * inv_t - lse_a
                     logp = t * inv_t - lse_b
                     q = tl.exp(logq)
+                    if UNIT_T:  # softmax(s) is q (lse_a is lse_s)
+                        if w_ce != 0.0:
+                            g = w_ce * (q - tl.where(idx == y, 1.0, 0.0))
                     if DIVERGENCE == 0:
                         dd = q - tl.exp(logp)
                     if DIVERGENCE == 1:
@@ -315,15 +330,28 @@ def launch_args(
     rows = torch.empty((3, n_rows), dtype=torch.float32, device=s.device)  # loss, ce, kd per row
     args = (s, t, g, labels, rows[0], rows[1], rows[2],
             vocab, ignore_index, float(temperature), float(alpha), float(beta), float(grad_scale))  # fmt: skip
-    kwargs = tiles(vocab, divergence, has_kd, need_grad, block_v)
+    kwargs = tiles(vocab, divergence, has_kd, need_grad, block_v, unit_t=float(temperature) == 1.0)
     return _kd_loss_rows_kernel, (n_rows,), args, kwargs, (g, rows)
 
 
 # -- tile policy and key function -----------------------------------------------------------------
+# The divergences whose temperature-1 variant (UNIT_T) is compiled: measured on an H200 at one 1,024-row
+# chunk of 151,936 bf16 logits (benchmarks/NOTES.md, round thirty), forward KL 0.579 -> 0.49 ms and JSD
+# 1.036 -> 0.995; reverse KL 0.52 -> 0.67 (slower: it keeps the general variant); the others unmeasured.
+UNIT_T_DIVERGENCES = ("forward_kl", "jsd")
+
+
 def tiles(
-    vocab_size: int, divergence: str, has_kd: bool, need_grad: bool, block_v: int | None = None
+    vocab_size: int,
+    divergence: str,
+    has_kd: bool,
+    need_grad: bool,
+    block_v: int | None = None,
+    unit_t: bool = False,
 ) -> dict:
-    """The constexprs and launch options of one variant; the launcher and the key both use this."""
+    """The constexprs and launch options of one variant; the launcher and the key both use this.
+    unit_t: KD at temperature 1, where the student's tempered statistics are the CE's: UNIT_T for the
+    divergences in UNIT_T_DIVERGENCES (False without KD, where the temperature is never read)."""
     bv = block_v or min(4096, next_pow2(vocab_size))
     return {
         "BLOCK_V": bv,
@@ -332,6 +360,7 @@ def tiles(
         "DIVERGENCE": DIVERGENCE_IDS[divergence] if has_kd else 0,
         "HAS_KD": bool(has_kd),
         "NEED_GRAD": bool(need_grad),
+        "UNIT_T": bool(has_kd and unit_t and divergence in UNIT_T_DIVERGENCES),
     }
 
 
@@ -346,6 +375,7 @@ def key(
     need_grad: bool = True,
     grad_dtype: torch.dtype | str | None = None,
     block_v: int | None = None,
+    unit_t: bool = False,
 ) -> KernelKey:
     """Every parameter the compiled `_kd_loss_rows_kernel` depends on.
 
@@ -354,7 +384,8 @@ def key(
     logits_dtype: the student (and teacher) logits' dtype. has_kd: alpha > 0 with a teacher.
     need_grad: False under no_grad (eval). grad_dtype: dtype of the written gradient (None:
     logits_dtype, in place; the chunk loop passes the lm_head weight's dtype). Dtypes appear in the
-    key by their long names (float32, bfloat16).
+    key by their long names (float32, bfloat16). unit_t: KD at temperature 1 (kd.temperature == 1;
+    the held-out eval's KL is at temperature 1).
     """
     ld = long_name(logits_dtype)
     gd = (long_name(grad_dtype) if grad_dtype is not None else ld) if need_grad else None
@@ -364,7 +395,7 @@ def key(
         vocab_size=int(vocab_size),
         logits_dtype=ld,
         grad_dtype=gd,
-        **tiles(vocab_size, divergence, has_kd, need_grad, block_v),
+        **tiles(vocab_size, divergence, has_kd, need_grad, block_v, unit_t),
     )
 
 
@@ -379,7 +410,7 @@ def _warm(k: KernelKey, device: Any) -> tuple:
         t,
         torch.zeros(1, dtype=torch.int64, device=device),
         alpha=0.5 if k["HAS_KD"] else 0.0,
-        temperature=1.0,
+        temperature=1.0 if k["UNIT_T"] or not k["HAS_KD"] else 2.0,
         divergence=div,
         need_grad=k["NEED_GRAD"],
         grad_dtype=torch_dtype(k["grad_dtype"]) if k["grad_dtype"] else None,
@@ -396,8 +427,10 @@ def plan(
     logits_dtype: str,
     has_kd: bool,
     grad_dtype: str | None = None,
+    unit_t: bool = False,
 ) -> set[KernelKey]:
-    """The key of one chunked KD head call (every chunk launches the same variant)."""
+    """The key of one chunked KD head call (every chunk launches the same variant); unit_t: at
+    temperature 1."""
     return {
         key(
             arch,
@@ -407,6 +440,7 @@ def plan(
             has_kd=has_kd,
             need_grad=grad,
             grad_dtype=grad_dtype if grad else None,
+            unit_t=unit_t,
         )
     }
 

@@ -227,11 +227,21 @@ def kd_kernels(
         logits_dtype=logits_dtype,
         has_kd=kd.alpha > 0,
         grad_dtype=grad_dtype,
+        unit_t=float(kd.temperature) == 1.0,
     )
-    for v in {v_s, teacher.vocab_size}:  # held-out eval: KL and CE of the student, CE of the teacher
+    for v in {
+        v_s,
+        teacher.vocab_size,
+    }:  # held-out eval (temperature 1): KL and CE of the student, CE of the teacher
         for has_kd in (True, False):
             out |= head.plan(
-                arch, grad=False, vocab_size=v, divergence="forward_kl", logits_dtype="fp32", has_kd=has_kd
+                arch,
+                grad=False,
+                vocab_size=v,
+                divergence="forward_kl",
+                logits_dtype="fp32",
+                has_kd=has_kd,
+                unit_t=True,
             )
     return out
 
