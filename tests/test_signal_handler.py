@@ -56,7 +56,11 @@ with signals.graceful():
     while not signals.requested():
         time.sleep(0.01)
     print("saving", flush=True)
-    time.sleep(30)  # a slow checkpoint write; the second signal ends it
+    # a slow checkpoint write, in steps (as a write of many tensors is); the second signal ends it. One
+    # sleep of 30 s would be a race: a signal that lands between the print and the sleep's system call
+    # is only handled by Python after that call returns.
+    for _ in range(3000):
+        time.sleep(0.01)
 """,
     "deferred": """
 import sys, time
