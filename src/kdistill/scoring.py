@@ -36,7 +36,7 @@ from kdistill.config import RunConfig
 from kdistill.data import HeldoutBatches, LoadedFile, stream_tokens
 from kdistill.errors import UserError
 from kdistill.ops import kd_sparse
-from kdistill.ops.kd_loss import check_token_ids
+from kdistill.ops.kd_loss import HELDOUT_TEMPERATURE, check_token_ids
 from kdistill.teacher_cache import TeacherCache
 from kdistill.train import distributed as dist
 from kdistill.train.step import head_operands
@@ -196,7 +196,11 @@ def heldout_eval_cached(
     multi = dist.active()
     ignore = cfg.kd.ignore_index
     common: dict[str, Any] = dict(
-        alpha=0.5, temperature=1.0, divergence="forward_kl", ignore_index=ignore, chunk_size=cfg.kd.chunk_size
+        alpha=0.5,
+        temperature=HELDOUT_TEMPERATURE,
+        divergence="forward_kl",
+        ignore_index=ignore,
+        chunk_size=cfg.kd.chunk_size,
     )
     check_token_ids(batches, int(student.lm_head_weight.shape[0]), ignore)  # as training does
     for b, batch in enumerate(batches):

@@ -36,8 +36,8 @@ constexpr of the key (UNIT_T) the same reuse is faster for forward KL and JSD an
 
 A row whose label is ignore_index does no pass: it writes a zero gradient and zero losses.
 
-Specialization: BLOCK_V, DIVERGENCE (id), HAS_KD, NEED_GRAD, UNIT_T are constexprs; V (the row stride too:
-buffers are contiguous) is a runtime int that Triton specializes on divisibility by 16, so the key
+Specialization: BLOCK_V, DIVERGENCE (id), HAS_KD, NEED_GRAD, UNIT_T are constexprs; V (the row
+stride too: buffers are contiguous) is a runtime int that Triton specializes on divisibility by 16, so the key
 holds the vocabulary size; the logits and gradient dtypes come from the pointers. ignore_index is
 `do_not_specialize`; the labels and per-row output pointers are `do_not_specialize_on_alignment`
 (the loop passes slices of one labels tensor at any row offset); the logits and gradient buffers
@@ -95,7 +95,7 @@ def _kd_loss_rows_kernel(
     HAS_KD: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    UNIT_T: tl.constexpr = False,
+    UNIT_T: tl.constexpr,
 ):
     """One program per row: CE, the divergence and (NEED_GRAD) the logits gradient of one token.
 

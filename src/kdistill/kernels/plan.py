@@ -24,6 +24,7 @@ from kdistill.dtypes import torch_dtype
 from kdistill.errors import UserError
 from kdistill.kernels import decode_gemv, keys, library, registry
 from kdistill.models.spec import ModelSpec
+from kdistill.ops.kd_loss import HELDOUT_TEMPERATURE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +242,7 @@ def kd_kernels(
                 divergence="forward_kl",
                 logits_dtype="fp32",
                 has_kd=has_kd,
-                unit_t=True,
+                unit_t=HELDOUT_TEMPERATURE == 1.0,
             )
     return out
 

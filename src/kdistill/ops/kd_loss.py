@@ -105,6 +105,9 @@ from kdistill.errors import UserError
 
 # The divergence id the Triton kernel specializes on (a constexpr); order is part of the kernel key.
 DIVERGENCE_IDS = {name: i for i, name in enumerate(DIVERGENCES)}
+# The held-out eval's KL and CE (train/step.py heldout_eval, scoring.py evaluate) are at this temperature; the
+# kernel plan names the KD head's variant for it (kernels/plan.py kd_kernels).
+HELDOUT_TEMPERATURE = 1.0
 
 
 class KDLossResult(NamedTuple):

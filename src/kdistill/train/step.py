@@ -28,7 +28,7 @@ from kdistill.config import RunConfig
 from kdistill.data import Batcher, check_batch
 from kdistill.errors import UserError
 from kdistill.models.decoder import Decoder
-from kdistill.ops.kd_loss import check_token_ids, label_count
+from kdistill.ops.kd_loss import HELDOUT_TEMPERATURE, check_token_ids, label_count
 from kdistill.train import distributed as dist
 from kdistill.train import faults
 from kdistill.train.graph import StepGraph, signature
@@ -100,7 +100,7 @@ def heldout_eval(
             if teacher is not None:
                 t_h, t_w = head_operands(teacher(input_ids, *docs).flatten(0, 1), teacher.lm_head_weight)
         common: dict[str, Any] = dict(
-            temperature=1.0,
+            temperature=HELDOUT_TEMPERATURE,
             divergence="forward_kl",
             ignore_index=cfg.kd.ignore_index,
             chunk_size=cfg.kd.chunk_size,
