@@ -17,6 +17,10 @@ from kdistill.train.profiling import (
     GROUPS,
     device_kernels,
     exposed_collective_us,
+    host_at,
+    host_spans,
+    idle_gaps,
+    idle_table,
     kernel_group,
     merge_intervals,
     render_text,
@@ -124,6 +128,89 @@ def test_summarize_per_step_tables():
     assert report["top_cpu_ops"] == [{"name": "aten::mm", "self_ms_per_step": 0.4, "calls_per_step": 2}]
     text = render_text(report)
     assert "exposed collectives per step" in text and "rank 0 of 2" in text and NCCL[:40] in text
+
+
+def test_idle_gaps_between_device_work_only():
+    kernels = [(GEMM, 0, 100), (ADD, 50, 120), (ADD, 125, 200), (GEMM, 260, 300), (ADD, 300, 310)]
+    # 120-125 is shorter than the threshold; nothing before the first or after the last counts
+    assert idle_gaps(kernels, min_us=10) == [(200, 260)]
+    assert idle_gaps(kernels, min_us=5) == [(120, 125), (200, 260)]
+    assert idle_gaps([], min_us=1) == []
+
+
+def test_host_at_names_the_phase_and_the_ops_holding_each_gap():
+    spans = [
+        ("kdistill.step", 0, 1000),
+        ("kdistill.generate", 10, 400),
+        ("aten::item", 100, 300),
+        ("aten::_local_scalar_dense", 110, 290),
+        ("cudaMemcpyAsync", 120, 280),
+        ("kdistill.score", 400, 700),
+        ("aten::mm", 650, 660),
+    ]
+    gaps = [(150, 250), (500, 520), (900, 950), (1500, 1600), (640, 670)]
+    hosts = host_at(gaps, spans)
+    assert [(h.phase, h.outer, h.inner) for h in hosts] == [
+        ("generate", "aten::item", "cudaMemcpyAsync"),  # the innermost phase; the outer and inner op
+        ("score", "-", "-"),  # the host ran Python between ops
+        ("step", "-", "-"),  # in the step, outside its phases
+        ("-", "-", "-"),  # outside any range
+        ("score", "aten::mm", "aten::mm"),
+    ]
+    # each gap's start, into its phase and into the step (the outermost range)
+    assert [(h.into_phase_us, h.into_step_us) for h in hosts] == [
+        (140, 150),
+        (100, 500),
+        (900, 900),
+        (0, 0),
+        (240, 640),
+    ]
+
+
+def test_idle_table_sums_gaps_by_phase_and_host_op_per_step():
+    kernels = [(GEMM, 0, 100), (GEMM, 300, 400), (GEMM, 405, 500), (GEMM, 1100, 1200), (GEMM, 1400, 1500)]
+    spans = [
+        ("kdistill.generate", 0, 600),
+        ("cudaStreamSynchronize", 120, 280),
+        ("kdistill.generate", 1000, 1600),
+        ("cudaStreamSynchronize", 1220, 1380),
+    ]
+    table = idle_table(kernels, spans, n_steps=2, min_us=20)
+    assert table["gaps_per_step"] == 1.5  # 100-300, 500-1100, 1200-1400 (400-405 too short)
+    assert table["idle_ms_per_step"] == pytest.approx((200 + 600 + 200) / 2 / 1000)
+    assert table["by_phase_ms_per_step"] == {"-": 0.3, "generate": 0.2}
+    top = table["top"]
+    assert [(r["phase"], r["host_inner"], r["gaps_per_step"], r["longest_us"]) for r in top] == [
+        ("-", "-", 0.5, 600.0),
+        ("generate", "cudaStreamSynchronize", 1.0, 200.0),
+    ]
+    assert [(g["us"], g["phase"], g["into_phase_ms"]) for g in table["longest"]] == [
+        (600.0, "-", 0.0),
+        (200.0, "generate", 0.1),
+        (200.0, "generate", 0.2),
+    ]
+    report = summarize(kernels, [0.001, 0.001], [3, 4], host_spans=spans)
+    assert report["idle"] == idle_table(kernels, spans, n_steps=2)  # the default threshold: the same gaps
+    assert report["idle"]["gaps_per_step"] == 1.5
+    assert "device idle per step" in render_text(report)
+
+
+def test_host_spans_keep_the_host_side():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(name, device_type, start, end):
+        return SimpleNamespace(
+            name=name, device_type=device_type, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [
+        ev("aten::mm", DeviceType.CPU, 1, 5),
+        ev(GEMM, DeviceType.CUDA, 2, 4),
+        ev("kdistill.score", DeviceType.CPU, 0, 9),
+    ]
+    assert host_spans(events) == [("aten::mm", 1.0, 5.0), ("kdistill.score", 0.0, 9.0)]
 
 
 def test_device_kernels_keep_gpu_work_only():

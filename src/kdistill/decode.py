@@ -56,11 +56,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.profiler import record_function
 
 from kdistill import dispatch
 from kdistill.errors import UserError
@@ -149,12 +151,22 @@ def copy_whole(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     meshes = {id(src.device_mesh) for src, _ in sharded}  # type: ignore[attr-defined]
     if len(meshes) > 1:  # not FSDP2's layout: each tensor gathered alone
         sharded = []
+    groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for src, dst in pairs:
         if sharded and _row_shard(src):
             continue
         value = full_value(src)
-        if value.data_ptr() != dst.data_ptr():  # an engine tensor may be the model's own (same dtype)
-            dst.copy_(value)
+        if value.data_ptr() == dst.data_ptr():  # an engine tensor may be the model's own (same dtype)
+            continue
+        if value.shape != dst.shape:
+            raise ValueError(f"copy_whole: a source of shape {tuple(value.shape)} for {tuple(dst.shape)}")
+        dsts, values = groups.setdefault((value.dtype, dst.dtype, value.device, dst.device), ([], []))
+        dsts.append(dst)
+        values.append(value)
+    # one foreach copy a (dtypes, devices) group: a few launches where a copy_ a tensor took ~300 (a
+    # refresh's host time, in which the device idles, was ~5 ms a step on Qwen2.5-0.5B)
+    for dsts, values in groups.values():
+        torch._foreach_copy_(dsts, values)
     if not sharded:
         return
     cap = max(dst.numel() * dst.element_size() for _, dst in sharded)
@@ -283,11 +295,11 @@ class DecodeWeights:
         """Fold each block's post-attention norm weight into its gate/up rows (`fold_post`) and its input
         norm weight into its q/k/v rows (`fold_input`): the engine's copies (never shared: the
         concatenations made them)."""
-        for layer in self.layers:
-            if self.fold_post:
-                layer.gate_up.mul_(layer.ln2[None, :])
-            if self.fold_input:
-                layer.qkv.mul_(layer.ln1[None, :])
+        # foreach: one call a fold, not one launch a layer from Python (the refresh's host time)
+        if self.fold_post:
+            torch._foreach_mul_([x.gate_up for x in self.layers], [x.ln2[None, :] for x in self.layers])
+        if self.fold_input:
+            torch._foreach_mul_([x.qkv for x in self.layers], [x.ln1[None, :] for x in self.layers])
 
     def ln1(self, layer: _Layer) -> torch.Tensor:
         """The input norm's weight as the engine applies it (`ones` where folded into q/k/v)."""
@@ -711,10 +723,10 @@ class DecodeEngine:
         the slots (n,), the prompt lengths (n,)) on the device. On a GPU, through a captured graph of the
         shape when it has one (_PrefillGraphs)."""
         n, p = len(prompts), max(len(x) for x in prompts)
-        ids = torch.full((n, p), self.pad_id, dtype=torch.int64)
+        host = np.full((n, p), self.pad_id, dtype=np.int64)  # numpy: a torch.tensor per row is ~10x slower
         for i, row in enumerate(prompts):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        ids = ids.to(self.device, non_blocking=True)
+            host[i, : len(row)] = row
+        ids = torch.from_numpy(host).to(self.device, non_blocking=True)
         rows = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
         lens = torch.tensor([len(x) for x in prompts], dtype=torch.int64).to(self.device, non_blocking=True)
         if self.graphs:
@@ -778,6 +790,7 @@ class DecodeEngine:
         pg.add(shape, g)
         return g
 
+    @record_function("kdistill.prefill")  # a range of its own in a profile (runtime.profile_steps)
     def _prefill(self, st: _Slots, slots: list[int], prompts: list[list[int]], limits: list[int]) -> None:
         """Write the prompts into the caches of `slots` and sample each row's first token."""
         n = len(prompts)

@@ -19,6 +19,8 @@ The pure parts take kernels as (name, start_us, end_us) tuples, so they are test
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import logging
 import time
 import warnings
@@ -51,6 +53,12 @@ _COPY_WORDS = ("elementwise", "copy", "reduce", "fill", "cat")
 _DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP_KERNELS = 30
 TOP_CPU_OPS = 15
+IDLE_GAP_US = 10.0  # a stretch of at least this long with no device work counts as an idle gap
+TOP_IDLE = 15  # rows of the idle table: (phase, host op) pairs by idle time
+# The training loop's phases as record_function ranges (on-policy steps: generate, score, update); a gap
+# is charged to the phase range that holds its midpoint.
+PHASE_PREFIX = "kdistill."
+HostSpan = tuple[str, float, float]  # (name, start_us, end_us) of one host op or annotation
 
 
 def kernel_group(name: str) -> str:
@@ -119,12 +127,113 @@ def exposed_collective_us(kernels: Iterable[Kernel]) -> float:
     return sum(e - s for s, e in merged) - _overlap(merged, merge_intervals(comp))
 
 
+def idle_gaps(kernels: Iterable[Kernel], min_us: float = IDLE_GAP_US) -> list[tuple[float, float]]:
+    """The stretches of at least `min_us` between one device's work (kernels, memcpys, memsets) in which
+    none runs, as sorted [start, end) intervals; before the first and after the last are not counted."""
+    merged = merge_intervals((s, e) for _, s, e in kernels)
+    return [(a[1], b[0]) for a, b in zip(merged, merged[1:]) if b[0] - a[1] >= min_us]
+
+
+@dataclasses.dataclass(frozen=True)
+class GapHost:
+    """What the host was doing at an idle gap's midpoint: the innermost PHASE_PREFIX range that holds it
+    (its name without the prefix, "-" where none) and how far into that range and into the outermost
+    such range (the step) the gap began, in µs; the outermost and innermost other host spans that hold
+    it ("-" where none: the host ran Python between ops)."""
+
+    phase: str = "-"
+    outer: str = "-"
+    inner: str = "-"
+    into_phase_us: float = 0.0
+    into_step_us: float = 0.0
+
+
+def host_at(gaps: Sequence[tuple[float, float]], spans: Iterable[HostSpan]) -> list[GapHost]:
+    """For each gap, the host at its midpoint (GapHost). One sweep over the spans sorted by start."""
+    order = sorted(spans, key=lambda sp: sp[1])
+    mids = sorted(range(len(gaps)), key=lambda i: gaps[i][0] + gaps[i][1])
+    out = [GapHost()] * len(gaps)
+    live: list[tuple[float, int]] = []  # (end, index into order) of the spans started by now
+    j = 0
+    for i in mids:
+        t = (gaps[i][0] + gaps[i][1]) / 2
+        while j < len(order) and order[j][1] <= t:
+            heapq.heappush(live, (order[j][2], j))
+            j += 1
+        while live and live[0][0] < t:
+            heapq.heappop(live)
+        holding = sorted((order[k] for _, k in live), key=lambda sp: sp[2] - sp[1])  # innermost first
+        phases = [sp for sp in holding if sp[0].startswith(PHASE_PREFIX)]
+        ops = [sp for sp in holding if not sp[0].startswith(PHASE_PREFIX)]
+        if not phases and not ops:
+            continue
+        out[i] = GapHost(
+            phase=phases[0][0][len(PHASE_PREFIX) :] if phases else "-",
+            outer=ops[-1][0] if ops else "-",
+            inner=ops[0][0] if ops else "-",
+            into_phase_us=gaps[i][0] - phases[0][1] if phases else 0.0,
+            into_step_us=gaps[i][0] - phases[-1][1] if phases else 0.0,
+        )
+    return out
+
+
+def idle_table(
+    kernels: Sequence[Kernel], spans: Iterable[HostSpan], n_steps: int, min_us: float = IDLE_GAP_US
+) -> dict[str, Any]:
+    """Where the device waited for the host over the window, per step: the idle gaps' count and time,
+    their time by phase, and the TOP_IDLE (phase, outer op, inner op) rows by idle time."""
+    gaps = idle_gaps(kernels, min_us)
+    ms = 1e-3 / max(n_steps, 1)
+    by_phase: dict[str, float] = {}
+    rows: dict[tuple[str, str, str], list[float]] = {}
+    hosts = host_at(gaps, spans)
+    for (start, end), h in zip(gaps, hosts):
+        by_phase[h.phase] = by_phase.get(h.phase, 0.0) + (end - start)
+        r = rows.setdefault((h.phase, h.outer, h.inner), [0.0, 0, 0.0])
+        r[0] += end - start
+        r[1] += 1
+        r[2] = max(r[2], end - start)
+    top = sorted(rows.items(), key=lambda kv: -kv[1][0])[:TOP_IDLE]
+    longest = sorted(range(len(gaps)), key=lambda i: gaps[i][0] - gaps[i][1])[:TOP_IDLE]
+    return {
+        "min_gap_us": min_us,
+        "gaps_per_step": round(len(gaps) / max(n_steps, 1), 2),
+        "idle_ms_per_step": round(sum(e - s for s, e in gaps) * ms, 3),
+        "by_phase_ms_per_step": {
+            k: round(v * ms, 3) for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])
+        },
+        "top": [
+            {
+                "phase": phase,
+                "host_outer": outer,
+                "host_inner": inner,
+                "ms_per_step": round(t * ms, 3),
+                "gaps_per_step": round(c / max(n_steps, 1), 2),
+                "longest_us": round(longest, 1),
+            }
+            for (phase, outer, inner), (t, c, longest) in top
+        ],
+        "longest": [  # the window's longest gaps one by one, each placed in its phase and step
+            {
+                "us": round(gaps[i][1] - gaps[i][0], 1),
+                "phase": hosts[i].phase,
+                "host_outer": hosts[i].outer,
+                "host_inner": hosts[i].inner,
+                "into_phase_ms": round(hosts[i].into_phase_us / 1e3, 3),
+                "into_step_ms": round(hosts[i].into_step_us / 1e3, 3),
+            }
+            for i in longest
+        ],
+    }
+
+
 def summarize(
     kernels: Sequence[Kernel],
     step_seconds: Sequence[float],
     steps: Sequence[int],
     cpu_ops: Sequence[tuple[str, float, int]] = (),
     meta: dict[str, Any] | None = None,
+    host_spans: Iterable[HostSpan] = (),
 ) -> dict[str, Any]:
     """The profile report (rank{R}.json) from one device's kernels over the profiled steps.
 
@@ -134,6 +243,8 @@ def summarize(
         steps: the profiled steps' numbers (1-based, as in metrics.jsonl).
         cpu_ops: (name, self CPU µs, calls) over the window, for the top CPU ops table.
         meta: added first (rank, world, device, versions).
+        host_spans: (name, start_us, end_us) of the host's ops and annotations over the window, on the
+            kernels' clock: the idle table's (`idle_table`) host side.
 
     Per-step numbers are means over the window: totals divided by the number of steps.
     """
@@ -187,6 +298,7 @@ def summarize(
                 {"name": name, "self_ms_per_step": round(us * ms, 3), "calls_per_step": round(c / n, 2)}
                 for name, us, c in sorted(cpu_ops, key=lambda o: -o[1])[:TOP_CPU_OPS]
             ],
+            "idle": idle_table(kernels, host_spans, n),
         }
     )
     return report
@@ -233,7 +345,50 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append(f"{'ms/step':>10} {'calls/step':>14}  name")
     for o in report["top_cpu_ops"]:
         lines.append(f"{o['self_ms_per_step']:10.3f} {o['calls_per_step']:14.2f}  {_cut(o['name'], 160)}")
+    idle = report.get("idle")
+    if idle and idle["gaps_per_step"]:
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in idle["by_phase_ms_per_step"].items())
+        lines += [
+            "",
+            f"device idle per step: {idle['idle_ms_per_step']:.3f} ms in {idle['gaps_per_step']:.1f} gaps of "
+            f">= {idle['min_gap_us']:g} us (by phase, ms: {phases})",
+            f"{'ms/step':>10} {'gaps/step':>10} {'longest us':>11}  {'phase':<10} host op at the gap (outer > inner)",
+        ]
+        for r in idle["top"]:
+            where = (
+                r["host_outer"]
+                if r["host_outer"] == r["host_inner"]
+                else f"{r['host_outer']} > {r['host_inner']}"
+            )
+            lines.append(
+                f"{r['ms_per_step']:10.3f} {r['gaps_per_step']:10.2f} {r['longest_us']:11.1f}  {r['phase']:<10} "
+                f"{_cut(where, 150)}"
+            )
+        lines += [
+            "",
+            "longest gaps",
+            f"{'us':>10} {'into phase ms':>14} {'into step ms':>13}  {'phase':<10} host op",
+        ]
+        for g in idle.get("longest", []):
+            where = (
+                g["host_outer"]
+                if g["host_outer"] == g["host_inner"]
+                else f"{g['host_outer']} > {g['host_inner']}"
+            )
+            lines.append(
+                f"{g['us']:10.1f} {g['into_phase_ms']:14.3f} {g['into_step_ms']:13.3f}  {g['phase']:<10} {_cut(where, 120)}"
+            )
     return "\n".join(lines) + "\n"
+
+
+def host_spans(events: Iterable[Any]) -> list[HostSpan]:
+    """(name, start_us, end_us) of the host's ops, runtime calls and annotations among a profiler's
+    FunctionEvents: the idle table's host side."""
+    return [
+        (e.name, float(e.time_range.start), float(e.time_range.end))
+        for e in events
+        if e.device_type == DeviceType.CPU
+    ]
 
 
 def device_kernels(events: Iterable[Any], device_index: int | None = None) -> list[Kernel]:
@@ -338,9 +493,12 @@ class StepProfiler:
         prof.stop()
         try:
             kernels: list[Kernel] = []
+            spans: list[HostSpan] = []
             if self.cuda:
                 index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                kernels = device_kernels(prof.events(), index)
+                events = prof.events()
+                kernels = device_kernels(events, index)
+                spans = host_spans(events)
             meta = {
                 "rank": self.rank,
                 "world": self.world,
@@ -348,7 +506,7 @@ class StepProfiler:
                 + (f" ({torch.cuda.get_device_name(self.device)})" if self.cuda else ""),
                 "torch": torch.__version__,
             }
-            report = summarize(kernels, self.seconds, self.steps, _cpu_ops(prof), meta)
+            report = summarize(kernels, self.seconds, self.steps, _cpu_ops(prof), meta, spans)
         except Exception as e:  # a diagnostic: a profiler that cannot be read must not end the run
             log.warning("runtime.profile_steps: cannot summarise the profile (%s: %s)", type(e).__name__, e)
             return

@@ -26,10 +26,12 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+from torch.profiler import record_function
 
 from kdistill.decode import DecodeEngine, Sampling
 from kdistill.models.decoder import Decoder
 from kdistill.train import distributed as dist
+from kdistill.train.profiling import PHASE_PREFIX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +122,9 @@ def _engine_rollout(
         )
         engines[id(model)] = eng
     else:
-        eng.refresh(model)  # the weights of the last optimizer step
+        with record_function(PHASE_PREFIX + "generate.refresh"):
+            eng.refresh(model)  # the weights of the last optimizer step
     stops = set(stop_ids)
-    new = eng.generate(prompts)
+    with record_function(PHASE_PREFIX + "generate.decode"):
+        new = eng.generate(prompts)
     return Rollout(new, [bool(r) and r[-1] in stops for r in new])

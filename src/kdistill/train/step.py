@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from kdistill import dispatch
 from kdistill.config import RunConfig
@@ -34,6 +35,7 @@ from kdistill.train import faults
 from kdistill.train.graph import StepGraph, signature
 from kdistill.train.onpolicy import OnPolicy, generate_and_score, generated_accumulate, scored_update
 from kdistill.train.optim import lr_at
+from kdistill.train.profiling import PHASE_PREFIX
 from kdistill.train.targets import (
     MicroBatch,
     Targets,
@@ -254,6 +256,19 @@ def train_step(
     Under torchrun `stop_requested()` (this process got a signal) rides on the step's all-reduce, and
     `stop_any` says whether any process had: every process reads the same answer, so all stop after the
     same step without a collective of their own."""
+    with record_function(PHASE_PREFIX + "step"):  # the step's range in a profile (runtime.profile_steps)
+        return _train_step(ctx, batcher, step, counters, policy, stop_requested)
+
+
+def _train_step(
+    ctx: StepContext,
+    batcher: Batcher,
+    step: int,
+    counters: dict[str, Any],
+    policy: NonFinitePolicy,
+    stop_requested: Callable[[], bool],
+) -> StepResult:
+    """train_step's body."""
     cfg, opt = ctx.cfg, ctx.opt
     lr = lr_at(step, cfg.schedule.steps, cfg.optim)
     for g in opt.param_groups:
