@@ -372,3 +372,28 @@ def test_speculative_decoding_with_a_draft_the_target_agrees_with():
     assert seal.jit_after_prewarm() == 0
     assert accepted >= 0.9 and same >= 4
     assert all(g <= 0.01 for g in gaps)  # a near tie: 1% of the logits' range, bf16 keeps 8 bits
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen2.5-1.5b"])
+def test_a_refresh_from_fp32_masters_equals_a_fresh_engine(preset):
+    """On-policy's refresh after an optimizer step: every fp32 parameter copied into the bf16 engine's
+    stacked tensors (one foreach copy a dtype pair) and the norms folded again, bit for bit what an
+    engine built from the updated model holds."""
+    spec = dataclasses.replace(load_spec(preset), num_layers=3)
+    model = build_decoder(spec, "cuda", torch.float32, seed=0).eval()
+    prepare_kernels(model, 4, 64, 64)
+    eng = DecodeEngine(model, batch_size=4, max_len=64, dtype=torch.bfloat16, cuda_graphs="off")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():  # an update that changes every parameter
+            p.add_(torch.randn(p.shape, generator=g, device="cuda") * 0.01)
+    eng.refresh(model)
+    fresh = DecodeEngine(model, batch_size=4, max_len=64, dtype=torch.bfloat16, cuda_graphs="off")
+    a, b = eng.weights, fresh.weights
+    assert torch.equal(a.embed, b.embed) and torch.equal(a.norm, b.norm) and torch.equal(a.lm_head, b.lm_head)
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        for name, t in dataclasses.asdict(la).items():
+            if t is not None:
+                assert torch.equal(t, getattr(lb, name)), name
+    prompts = _ragged(spec.vocab_size, [5, 9, 3, 7])
+    assert eng.generate(prompts) == fresh.generate(prompts)
