@@ -617,12 +617,22 @@ def test_bad_sizes_are_one_line_errors(chat_dir, capsys, argv, message):
     assert rc == 2 and err.count("\n") == 1 and message in err, err
 
 
+def _equal_engines(a, b) -> bool:
+    """Whether two engines' weights are the same bit for bit."""
+    a, b = a.weights, b.weights
+    same = [torch.equal(x, y) for x, y in ((a.embed, b.embed), (a.lm_head, b.lm_head), (a.norm, b.norm))]
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        same += [torch.equal(t, getattr(lb, n)) for n, t in dataclasses.asdict(la).items() if t is not None]
+    return all(same)
+
+
 @pytest.mark.parametrize("tied,bias", [(True, True), (False, False)])
 def test_a_refresh_copies_every_parameter_in_one_foreach_call_a_dtype_pair(tied, bias):
     """The on-policy refresh after an update: the engine (bf16 here, its own copies of an fp32 model)
     equals an engine built from the updated model, and the copies go out as one foreach call a
     (source, destination) dtype pair, not one copy launch a parameter (the host's time, in which the
-    device waits, ~5 ms a step on Qwen2.5-0.5B)."""
+    device waits, ~5 ms a step on Qwen2.5-0.5B). The next refresh of the same parameters reuses the
+    copies without building the views again; a parameter given new storage makes it build them again."""
     from torch.profiler import ProfilerActivity, profile
 
     from kdistill.models.decoder import build_decoder
@@ -631,17 +641,27 @@ def test_a_refresh_copies_every_parameter_in_one_foreach_call_a_dtype_pair(tied,
     spec = make_spec(hidden=32, vocab=96, tied=tied, bias=bias)
     model = build_decoder(spec, seed=0).eval()
     eng = DecodeEngine(model, batch_size=2, max_len=32, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):  # an update that changes every parameter
-            p.add_(0.01 * (i + 1))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        eng.refresh(model)
-    ops = {e.key: e.count for e in prof.key_averages()}
-    assert ops.get("aten::_foreach_copy_") == 1  # every fp32 parameter into the bf16 engine at once
-    fresh = DecodeEngine(model, batch_size=2, max_len=32, dtype=torch.bfloat16)
-    a, b = eng.weights, fresh.weights
-    assert torch.equal(a.embed, b.embed) and torch.equal(a.lm_head, b.lm_head) and torch.equal(a.norm, b.norm)
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        for name, t in dataclasses.asdict(la).items():
-            if t is not None:
-                assert torch.equal(t, getattr(lb, name)), name
+
+    def update(scale: float) -> None:  # an optimizer step: every parameter changed in place
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.add_(scale * (i + 1))
+
+    def refresh() -> dict[str, int]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            eng.refresh(model)
+        return {e.key: e.count for e in prof.key_averages()}
+
+    update(0.01)
+    first = refresh()
+    assert first.get("aten::_foreach_copy_") == 1  # every fp32 parameter into the bf16 engine at once
+    assert _equal_engines(eng, DecodeEngine(model, batch_size=2, max_len=32, dtype=torch.bfloat16))
+    update(-0.02)
+    again = refresh()
+    assert again.get("aten::_foreach_copy_") == 1 and "aten::slice" not in again  # no view built again
+    assert _equal_engines(eng, DecodeEngine(model, batch_size=2, max_len=32, dtype=torch.bfloat16))
+    p = model.model.layers[0].mlp.down_proj.weight
+    p.data = p.data * 2  # new storage: the kept copies would read the old one
+    moved = refresh()
+    assert "aten::slice" in moved
+    assert _equal_engines(eng, DecodeEngine(model, batch_size=2, max_len=32, dtype=torch.bfloat16))

@@ -123,6 +123,13 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 _full = full_value  # the short name the layer code below uses
 
 
+def _addresses(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """The tensors' data addresses, or None when one is an FSDP2 shard (a DTensor: no storage of its own)."""
+    if any(hasattr(t, "full_tensor") for t in tensors):
+        return None
+    return tuple(t.data_ptr() for t in tensors)
+
+
 def _row_shard(t: torch.Tensor) -> bool:
     """Whether t is a DTensor sharded by rows over a one-dimensional mesh (FSDP2's parameters)."""
     placements = getattr(t, "placements", None)
@@ -134,6 +141,29 @@ def _row_counts(rows: int, world: int) -> list[int]:
     split, which FSDP2 uses: ceil(rows / world) each, the last ones shorter or empty)."""
     per = -(-rows // world)
     return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
+def plain_copies(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The copies of (source, destination) pairs of whole tensors as foreach groups (destinations,
+    sources), one per (source dtype, destination dtype, devices): a refresh issues one
+    `torch._foreach_copy_` per group, where a `copy_` a parameter took ~300 launches from Python (the
+    host's time, in which the device idles: ~5 ms a step on Qwen2.5-0.5B). A destination that is its
+    source's own storage (an engine tensor shared with the model) is left out."""
+    groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for src, dst in pairs:
+        value = full_value(src)
+        if value.data_ptr() == dst.data_ptr():
+            continue
+        if value.shape != dst.shape:
+            raise ValueError(
+                f"a source of shape {tuple(value.shape)} for a destination of {tuple(dst.shape)}"
+            )
+        dsts, values = groups.setdefault((value.dtype, dst.dtype, value.device, dst.device), ([], []))
+        dsts.append(dst)
+        values.append(value)
+    return list(groups.values())
 
 
 @torch.no_grad()
@@ -151,21 +181,8 @@ def copy_whole(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     meshes = {id(src.device_mesh) for src, _ in sharded}  # type: ignore[attr-defined]
     if len(meshes) > 1:  # not FSDP2's layout: each tensor gathered alone
         sharded = []
-    groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for src, dst in pairs:
-        if sharded and _row_shard(src):
-            continue
-        value = full_value(src)
-        if value.data_ptr() == dst.data_ptr():  # an engine tensor may be the model's own (same dtype)
-            continue
-        if value.shape != dst.shape:
-            raise ValueError(f"copy_whole: a source of shape {tuple(value.shape)} for {tuple(dst.shape)}")
-        dsts, values = groups.setdefault((value.dtype, dst.dtype, value.device, dst.device), ([], []))
-        dsts.append(dst)
-        values.append(value)
-    # one foreach copy a (dtypes, devices) group: a few launches where a copy_ a tensor took ~300 (a
-    # refresh's host time, in which the device idles, was ~5 ms a step on Qwen2.5-0.5B)
-    for dsts, values in groups.values():
+    plain = [(src, dst) for src, dst in pairs if not (sharded and _row_shard(src))]
+    for dsts, values in plain_copies(plain):
         torch._foreach_copy_(dsts, values)
     if not sharded:
         return
@@ -276,6 +293,12 @@ class DecodeWeights:
         # a model's own tensor in the engine's dtype is shared, not copied (a bf16 teacher), unless FSDP
         # manages it: a sharded model's gathered tensors are freed when FSDP reshards it
         self._share = not any(isinstance(m, FSDPModule) for m in model.modules())
+        # the last refresh's copies (plain parameters only): the parameters they were built from, their
+        # addresses then, and the foreach groups (plain_copies); None until then
+        self._copies: (
+            tuple[tuple[torch.Tensor, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None
+        )
+        self._copies = None
         conv = self._convert
         body = model.model
         self.embed = conv(_full(body.embed_tokens.weight))
@@ -320,9 +343,30 @@ class DecodeWeights:
         q/k/v or gate/up concatenation); an FSDP2-sharded model's shards are gathered a bucket at a time
         (`copy_whole`: a few all-gathers per refresh, not one per parameter). A LoRA or FP8 layer is
         merged or dequantised first (`dense_linear`), a parameter at a time."""
+        params = tuple(model.parameters())
+        kept = self._copies
+        if (
+            kept is not None
+            and len(kept[0]) == len(params)
+            and all(a is b for a, b in zip(kept[0], params))
+            and _addresses(params) == kept[1]  # a parameter whose .data was replaced has moved
+        ):
+            for dsts, srcs in kept[2]:
+                torch._foreach_copy_(dsts, srcs)
+            self._fold()
+            return
+        self._copies = None
         pairs = self._destinations(model)
         if pairs is not None:
-            copy_whole(pairs)
+            if any(hasattr(src, "full_tensor") for src, _ in pairs):  # FSDP2's shards: gathered each time
+                copy_whole(pairs)
+            else:
+                # the groups kept for the next refresh: an update changes the parameters in place, so the
+                # same tensors at the same addresses are copied again without rebuilding the views
+                groups = plain_copies(pairs)
+                for dsts, srcs in groups:
+                    torch._foreach_copy_(dsts, srcs)
+                self._copies = (params, _addresses(params), groups)
             self._fold()
             return
         body = model.model

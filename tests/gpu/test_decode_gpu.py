@@ -377,17 +377,19 @@ def test_speculative_decoding_with_a_draft_the_target_agrees_with():
 @pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen2.5-1.5b"])
 def test_a_refresh_from_fp32_masters_equals_a_fresh_engine(preset):
     """On-policy's refresh after an optimizer step: every fp32 parameter copied into the bf16 engine's
-    stacked tensors (one foreach copy a dtype pair) and the norms folded again, bit for bit what an
-    engine built from the updated model holds."""
+    stacked tensors (one foreach copy a dtype pair, kept for the next refresh) and the norms folded
+    again, bit for bit what an engine built from the updated model holds."""
     spec = dataclasses.replace(load_spec(preset), num_layers=3)
     model = build_decoder(spec, "cuda", torch.float32, seed=0).eval()
     prepare_kernels(model, 4, 64, 64)
     eng = DecodeEngine(model, batch_size=4, max_len=64, dtype=torch.bfloat16, cuda_graphs="off")
     g = torch.Generator(device="cuda").manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():  # an update that changes every parameter
-            p.add_(torch.randn(p.shape, generator=g, device="cuda") * 0.01)
-    eng.refresh(model)
+    for _ in range(2):  # the second refresh reuses the first one's foreach groups
+        with torch.no_grad():
+            for p in model.parameters():  # an update that changes every parameter
+                p.add_(torch.randn(p.shape, generator=g, device="cuda") * 0.01)
+        eng.refresh(model)
+    assert eng.weights._copies is not None
     fresh = DecodeEngine(model, batch_size=4, max_len=64, dtype=torch.bfloat16, cuda_graphs="off")
     a, b = eng.weights, fresh.weights
     assert torch.equal(a.embed, b.embed) and torch.equal(a.norm, b.norm) and torch.equal(a.lm_head, b.lm_head)
