@@ -192,7 +192,9 @@ def test_idle_table_sums_gaps_by_phase_and_host_op_per_step():
     report = summarize(kernels, [0.001, 0.001], [3, 4], host_spans=spans)
     assert report["idle"] == idle_table(kernels, spans, n_steps=2)  # the default threshold: the same gaps
     assert report["idle"]["gaps_per_step"] == 1.5
-    assert "device idle per step" in render_text(report)
+    text = render_text(report)
+    assert "device idle per step" in text and "longest gaps" in text
+    assert text.count("cudaStreamSynchronize") == 3  # one (phase, op) row, two of the longest gaps
 
 
 def test_host_spans_keep_the_host_side():

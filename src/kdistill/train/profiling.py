@@ -355,14 +355,9 @@ def render_text(report: dict[str, Any]) -> str:
             f"{'ms/step':>10} {'gaps/step':>10} {'longest us':>11}  {'phase':<10} host op at the gap (outer > inner)",
         ]
         for r in idle["top"]:
-            where = (
-                r["host_outer"]
-                if r["host_outer"] == r["host_inner"]
-                else f"{r['host_outer']} > {r['host_inner']}"
-            )
             lines.append(
                 f"{r['ms_per_step']:10.3f} {r['gaps_per_step']:10.2f} {r['longest_us']:11.1f}  {r['phase']:<10} "
-                f"{_cut(where, 150)}"
+                f"{_cut(_host_where(r), 150)}"
             )
         lines += [
             "",
@@ -370,15 +365,17 @@ def render_text(report: dict[str, Any]) -> str:
             f"{'us':>10} {'into phase ms':>14} {'into step ms':>13}  {'phase':<10} host op",
         ]
         for g in idle.get("longest", []):
-            where = (
-                g["host_outer"]
-                if g["host_outer"] == g["host_inner"]
-                else f"{g['host_outer']} > {g['host_inner']}"
-            )
             lines.append(
-                f"{g['us']:10.1f} {g['into_phase_ms']:14.3f} {g['into_step_ms']:13.3f}  {g['phase']:<10} {_cut(where, 120)}"
+                f"{g['us']:10.1f} {g['into_phase_ms']:14.3f} {g['into_step_ms']:13.3f}  {g['phase']:<10} "
+                f"{_cut(_host_where(g), 120)}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _host_where(row: dict[str, Any]) -> str:
+    """An idle row's host ops as printed: `outer > inner`, or the one name where they are the same."""
+    outer, inner = row["host_outer"], row["host_inner"]
+    return outer if outer == inner else f"{outer} > {inner}"
 
 
 def host_spans(events: Iterable[Any]) -> list[HostSpan]:
