@@ -117,17 +117,41 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value, detached: an FSDP2 shard (a DTensor) all-gathered from every process
     (a collective: every process gathers the same parameters in the same order), a plain tensor as is."""
     t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 _full = full_value  # the short name the layer code below uses
 
 
-def _addresses(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
-    """The tensors' data addresses, or None when one is an FSDP2 shard (a DTensor: no storage of its own)."""
-    if any(hasattr(t, "full_tensor") for t in tensors):
-        return None
-    return tuple(t.data_ptr() for t in tensors)
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor (an FSDP2 shard: no storage of its own; its value is gathered)."""
+    return hasattr(t, "full_tensor")
+
+
+Copies = list[tuple[list[torch.Tensor], list[torch.Tensor]]]  # foreach groups: (destinations, sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeptCopies:
+    """A refresh's copies kept for the next one: the parameters they were built from, their addresses
+    then (a parameter whose .data is replaced moves), and the foreach groups (plain_copies)."""
+
+    params: tuple[torch.Tensor, ...]
+    addresses: tuple[int, ...]
+    groups: Copies
+
+    def serve(self, params: tuple[torch.Tensor, ...]) -> bool:
+        """Whether these copies are `params`' own: the same tensors, one for one, at the same addresses."""
+        return (
+            len(self.params) == len(params)
+            and all(a is b for a, b in zip(self.params, params))
+            and tuple(p.data_ptr() for p in params) == self.addresses
+        )
+
+
+def _run_copies(groups: Copies) -> None:
+    for dsts, srcs in groups:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _row_shard(t: torch.Tensor) -> bool:
@@ -143,9 +167,7 @@ def _row_counts(rows: int, world: int) -> list[int]:
     return [max(0, min(per, rows - r * per)) for r in range(world)]
 
 
-def plain_copies(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+def plain_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Copies:
     """The copies of (source, destination) pairs of whole tensors as foreach groups (destinations,
     sources), one per (source dtype, destination dtype, devices): a refresh issues one
     `torch._foreach_copy_` per group, where a `copy_` a parameter took ~300 launches from Python (the
@@ -181,9 +203,7 @@ def copy_whole(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     meshes = {id(src.device_mesh) for src, _ in sharded}  # type: ignore[attr-defined]
     if len(meshes) > 1:  # not FSDP2's layout: each tensor gathered alone
         sharded = []
-    plain = [(src, dst) for src, dst in pairs if not (sharded and _row_shard(src))]
-    for dsts, values in plain_copies(plain):
-        torch._foreach_copy_(dsts, values)
+    _run_copies(plain_copies([(src, dst) for src, dst in pairs if not (sharded and _row_shard(src))]))
     if not sharded:
         return
     cap = max(dst.numel() * dst.element_size() for _, dst in sharded)
@@ -293,12 +313,7 @@ class DecodeWeights:
         # a model's own tensor in the engine's dtype is shared, not copied (a bf16 teacher), unless FSDP
         # manages it: a sharded model's gathered tensors are freed when FSDP reshards it
         self._share = not any(isinstance(m, FSDPModule) for m in model.modules())
-        # the last refresh's copies (plain parameters only): the parameters they were built from, their
-        # addresses then, and the foreach groups (plain_copies); None until then
-        self._copies: (
-            tuple[tuple[torch.Tensor, ...], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None
-        )
-        self._copies = None
+        self._copies: _KeptCopies | None = None  # the last refresh's, of plain parameters only
         conv = self._convert
         body = model.model
         self.embed = conv(_full(body.embed_tokens.weight))
@@ -344,29 +359,22 @@ class DecodeWeights:
         (`copy_whole`: a few all-gathers per refresh, not one per parameter). A LoRA or FP8 layer is
         merged or dequantised first (`dense_linear`), a parameter at a time."""
         params = tuple(model.parameters())
-        kept = self._copies
-        if (
-            kept is not None
-            and len(kept[0]) == len(params)
-            and all(a is b for a, b in zip(kept[0], params))
-            and _addresses(params) == kept[1]  # a parameter whose .data was replaced has moved
-        ):
-            for dsts, srcs in kept[2]:
-                torch._foreach_copy_(dsts, srcs)
+        if self._copies is not None and self._copies.serve(params):
+            _run_copies(self._copies.groups)
             self._fold()
             return
         self._copies = None
         pairs = self._destinations(model)
         if pairs is not None:
-            if any(hasattr(src, "full_tensor") for src, _ in pairs):  # FSDP2's shards: gathered each time
+            if any(_is_dtensor(src) for src, _ in pairs):  # FSDP2's shards: gathered each time
                 copy_whole(pairs)
             else:
-                # the groups kept for the next refresh: an update changes the parameters in place, so the
-                # same tensors at the same addresses are copied again without rebuilding the views
+                # kept for the next refresh: an update changes the parameters in place, so the same
+                # tensors at the same addresses are copied again without building the views again
                 groups = plain_copies(pairs)
-                for dsts, srcs in groups:
-                    torch._foreach_copy_(dsts, srcs)
-                self._copies = (params, _addresses(params), groups)
+                _run_copies(groups)
+                if not any(_is_dtensor(p) for p in params):
+                    self._copies = _KeptCopies(params, tuple(p.data_ptr() for p in params), groups)
             self._fold()
             return
         body = model.model

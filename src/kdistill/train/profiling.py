@@ -209,9 +209,9 @@ def idle_table(
                 "host_inner": inner,
                 "ms_per_step": round(t * ms, 3),
                 "gaps_per_step": round(c / max(n_steps, 1), 2),
-                "longest_us": round(longest, 1),
+                "longest_us": round(worst, 1),
             }
-            for (phase, outer, inner), (t, c, longest) in top
+            for (phase, outer, inner), (t, c, worst) in top
         ],
         "longest": [  # the window's longest gaps one by one, each placed in its phase and step
             {
