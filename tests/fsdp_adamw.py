@@ -4,8 +4,8 @@ test module).
 
     torchrun --nproc_per_node=2 --standalone tests/fsdp_adamw.py OUT.json
 
-Two copies of a sharded tiny student, the same gradients, three steps (the second skipped through
-`found_inf`); rank 0 writes whether parameters, moments and step counts are identical after each step.
+Two copies of a sharded tiny student, the same gradients, four steps (the second skipped through
+`found_inf`, the fourth's gradients divided through `grad_scale`, the step's clip); rank 0 writes whether parameters, moments and step counts are identical after each step.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ def check() -> dict:
     ours = ShardedAdamW(_groups(models[0]), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
     ref = torch.optim.AdamW(_groups(models[1]), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
     same = []
-    for step in range(3):
+    for step in range(4):
         ids = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(step))
         for model, opt in zip(models, (ours, ref), strict=True):
             opt.zero_grad(set_to_none=True)
             model(ids).float().square().mean().backward()
             opt.found_inf = torch.full((), 1.0 if step == 1 else 0.0)
+            opt.grad_scale = torch.full((), 2.5) if step == 3 else None
             opt.step()
         ok = all(
             torch.equal(a.full_tensor(), b.full_tensor())

@@ -46,7 +46,8 @@ class ShardedAdamW(torch.optim.AdamW):
     parameter, gradient and moment of a model costs milliseconds of host time per step. The state is
     AdamW's own (DTensor moments, a device step count per parameter), so state_dict, sharded
     checkpoints and resume are unchanged; `found_inf` (set by the training step) skips the update in the
-    kernel and leaves the step counts as they were, as AdamW's fused path does. Only what kdistill uses:
+    kernel and leaves the step counts as they were, as AdamW's fused path does, and `grad_scale` divides the
+    gradients as the kernel reads them (the step's clip). Only what kdistill uses:
     fused, no amsgrad, no maximize, no closure."""
 
     @torch.no_grad()
@@ -54,6 +55,7 @@ class ShardedAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("ShardedAdamW.step takes no closure")
         found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)  # the training step's clip (train.step.clip_divisor)
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or not group["fused"]:
                 raise ValueError("ShardedAdamW runs the fused update only (no amsgrad, no maximize)")
@@ -89,7 +91,7 @@ class ShardedAdamW(torch.optim.AdamW):
                     weight_decay=group["weight_decay"],
                     eps=group["eps"],
                     maximize=False,
-                    grad_scale=None,
+                    grad_scale=grad_scale,
                     found_inf=found_inf,
                 )
                 if found_inf is not None:

@@ -338,9 +338,16 @@ def _update(ctx: StepContext, means: torch.Tensor) -> list[torch.Tensor]:
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     if ctx.grad_average is not None:
         ctx.grad_average(ctx.student)
-    norm = clip_gradients(ctx.student, clip)
+    fused = bool(opt.defaults.get("fused"))
+    if fused:
+        # the fused kernel divides each gradient by `grad_scale` as it reads it: clipping without a
+        # pass of its own over the gradients (1 when the norm is within the clip)
+        norm = gradient_norm(ctx.student)
+        opt.grad_scale = clip_divisor(norm, clip)  # type: ignore[attr-defined]
+    else:
+        norm = clip_gradients(ctx.student, clip)
     ok = loss_ok & torch.isfinite(norm)
-    if opt.defaults.get("fused"):
+    if fused:
         opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
         if ctx.lr_device is not None:
             lrs = [g["lr"] for g in opt.param_groups]
@@ -515,28 +522,51 @@ def _generated_graphed(
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ over the model's gradients, as a device scalar, without waiting for the GPU.
-    Sharded gradients (FSDP2's DTensors) are clipped through their local shards: one all-reduce of the
+    Sharded gradients (FSDP2's DTensors) are clipped through their local shards (`gradient_norm`)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if params and not hasattr(params[0].grad, "to_local"):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = gradient_norm(model)
+    local = _local_grads(model)
+    if local and math.isfinite(max_norm):
+        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(local[0].dtype))
+    return norm
+
+
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """What the fused AdamW divides the gradients by (its `grad_scale`) to clip them to max_norm:
+    max(1, (norm + 1e-6) / max_norm), float32 on the norm's device; None with no clip (max_norm inf)."""
+    if not math.isfinite(max_norm):
+        return None
+    return ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
+
+
+def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's gradients as plain tensors (FSDP2's DTensors as their local shards, empty ones left out)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sharded = [g for g in grads if hasattr(g, "to_local")]
+    if sharded and len(sharded) != len(grads):
+        raise RuntimeError("gradients partly sharded: the student's parameters are all FSDP2 units or none")
+    if sharded:
+        return [g for g in (s.to_local() for s in sharded) if g.numel()]
+    return grads  # type: ignore[return-value]
+
+
+def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The L2 norm of the model's gradients, a float32 device scalar, without waiting for the GPU (0 with no
+    gradient). Sharded gradients (FSDP2's DTensors) through their local shards: one all-reduce of the
     squared norm instead of DTensor's dispatch for every tensor."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.zeros((), device=next(model.parameters()).device)
-    sharded = [p for p in params if hasattr(p.grad, "to_local")]
-    if not sharded:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if len(sharded) != len(params):
-        raise RuntimeError("gradients partly sharded: the student's parameters are all FSDP2 units or none")
-    local = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
-    local = [g for g in local if g.numel()]  # a process can hold an empty shard of a small tensor
+    local = _local_grads(model)
+    if not hasattr(params[0].grad, "to_local"):
+        return torch.nn.utils.get_total_norm(local).float()
     square = torch.zeros((), dtype=torch.float32, device=local[0].device if local else params[0].device)
     if local:
         square = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
     dist.all_reduce_tensor(square)
-    norm = square.sqrt()
-    if math.isfinite(max_norm):
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        if local:
-            torch._foreach_mul_(local, coef.to(local[0].dtype))
-    return norm
+    return square.sqrt()
 
 
 def _accumulate(
