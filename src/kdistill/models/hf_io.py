@@ -33,7 +33,7 @@ from kdistill.dtypes import SAFETENSORS, long_name, torch_dtype
 from kdistill.errors import UserError
 from kdistill.fileio import fault_point, write_json_durable
 from kdistill.jsonio import short_repr
-from kdistill.models.decoder import KD_ONLY_PREFIX, Decoder
+from kdistill.models.decoder import KD_ONLY_PREFIX, Decoder, join_projections
 from kdistill.models.spec import read_config_json, spec_from_hf_config
 from kdistill.outputs import staged_output
 from kdistill.rundir import has_marker
@@ -455,6 +455,7 @@ def load_model(
     del maps
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not leftover, f"left on the meta device: {leftover}"
+    join_projections(model)  # the fused projections read [q; k; v] and [gate; up] without a copy
     return model
 
 
