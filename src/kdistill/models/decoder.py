@@ -27,6 +27,11 @@ its MLP output unadded, so the next block (or the final norm) fuses that add int
                a = attn(h);  x, residual = add_rmsnorm(a, residual);  delta = mlp(x)
     final:     out = add_rmsnorm(delta, residual, model.norm)
 
+The q/k/v and gate/up projections are one GEMM each. A built or loaded model keeps each group's weights
+(and the q/k/v biases) adjacent in one storage (`join_projections`: the parameters are views of it), so the
+GEMM reads them as one matrix (`joined`) instead of concatenating them at every forward; weights that were
+given storage of their own (adapters, FP8 layers, FSDP2's shards, a dtype change) are concatenated as before.
+
 Activation checkpointing (`model.checkpoint_blocks(True)`): each block keeps only its inputs for
 backward and is recomputed there (torch.utils.checkpoint, non-reentrant), through the same dispatch
 calls, so the kernels it launches are the same keys as without it. Without it, the MLP recomputes its

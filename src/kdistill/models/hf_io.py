@@ -452,6 +452,7 @@ def load_model(
                 t = t.clone()  # own the memory rather than keep the file mapped
             state[name] = t.contiguous()
     model.load_state_dict(state, strict=True, assign=True)
+    state.clear()  # the model holds the tensors now: joining below frees each group's old ones as it goes
     del maps
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not leftover, f"left on the meta device: {leftover}"
