@@ -40,6 +40,8 @@ SwiGLU output in backward (`dispatch.swiglu_down`) unless `model.keep_swiglu(Tru
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,6 +90,13 @@ def _adjacent(ts: list[torch.Tensor]) -> bool:
     return ptr != 0
 
 
+def _as_one(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Adjacent tensors (`_adjacent`) as the one tensor they make up: a view of their storage."""
+    first = ts[0]
+    shape = (sum(t.shape[0] for t in ts), *first.shape[1:])
+    return first.as_strided(shape, first.stride() if first.dim() > 1 else (1,), first.storage_offset())
+
+
 class _Rows(torch.autograd.Function):
     """Tensors that are adjacent blocks of rows of one storage, as one tensor (a view, no copy); its
     gradient goes back to each as its block of rows (as torch.cat's would)."""
@@ -95,9 +104,7 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *ts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.rows = [t.shape[0] for t in ts]
-        first = ts[0]
-        shape = (sum(ctx.rows), *first.shape[1:])
-        return first.as_strided(shape, first.stride() if first.dim() > 1 else (1,), first.storage_offset())
+        return _as_one(ts)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -110,9 +117,7 @@ def joined(ts: list[torch.Tensor]) -> torch.Tensor:
     if len(ts) > 1 and _adjacent(ts):
         if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
             return _Rows.apply(*ts)
-        first = ts[0]
-        shape = (sum(t.shape[0] for t in ts), *first.shape[1:])
-        return first.as_strided(shape, first.stride() if first.dim() > 1 else (1,), first.storage_offset())
+        return _as_one(ts)
     return torch.cat(ts)
 
 

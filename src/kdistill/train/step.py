@@ -524,10 +524,12 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ over the model's gradients, as a device scalar, without waiting for the GPU.
     Sharded gradients (FSDP2's DTensors) are clipped through their local shards (`gradient_norm`)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if params and not hasattr(params[0].grad, "to_local"):
+    if not params:
+        return gradient_norm(model)  # 0
+    if not hasattr(params[0].grad, "to_local"):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = gradient_norm(model)
-    local = _local_grads(model)
+    local = _local_grads([p.grad for p in params])  # type: ignore[misc]
+    norm = _sharded_norm(local, params[0].device)
     if local and math.isfinite(max_norm):
         torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(local[0].dtype))
     return norm
@@ -541,17 +543,6 @@ def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     return ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
 
 
-def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's gradients as plain tensors (FSDP2's DTensors as their local shards, empty ones left out)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sharded = [g for g in grads if hasattr(g, "to_local")]
-    if sharded and len(sharded) != len(grads):
-        raise RuntimeError("gradients partly sharded: the student's parameters are all FSDP2 units or none")
-    if sharded:
-        return [g for g in (s.to_local() for s in sharded) if g.numel()]
-    return grads  # type: ignore[return-value]
-
-
 def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
     """The L2 norm of the model's gradients, a float32 device scalar, without waiting for the GPU (0 with no
     gradient). Sharded gradients (FSDP2's DTensors) through their local shards: one all-reduce of the
@@ -559,10 +550,22 @@ def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.zeros((), device=next(model.parameters()).device)
-    local = _local_grads(model)
-    if not hasattr(params[0].grad, "to_local"):
-        return torch.nn.utils.get_total_norm(local).float()
-    square = torch.zeros((), dtype=torch.float32, device=local[0].device if local else params[0].device)
+    grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+    if not hasattr(grads[0], "to_local"):
+        return torch.nn.utils.get_total_norm(grads).float()
+    return _sharded_norm(_local_grads(grads), params[0].device)
+
+
+def _local_grads(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """FSDP2's sharded gradients (DTensors) as their local shards, empty ones left out."""
+    if not all(hasattr(g, "to_local") for g in grads):
+        raise RuntimeError("gradients partly sharded: the student's parameters are all FSDP2 units or none")
+    return [g for g in (s.to_local() for s in grads) if g.numel()]  # type: ignore[attr-defined]
+
+
+def _sharded_norm(local: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The norm over every process's local shards: their squared norms summed, one all-reduce."""
+    square = torch.zeros((), dtype=torch.float32, device=local[0].device if local else device)
     if local:
         square = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
     dist.all_reduce_tensor(square)
