@@ -150,9 +150,9 @@ def interleaved_step(groups: int):
 
     from kdistill import dispatch
 
-    def step(self, st) -> None:
+    def step(self, st, u=None) -> None:
         if groups == 1 or st.batch % groups:
-            return _ENGINE_STEP(self, st)
+            return _ENGINE_STEP(self, st, u)
         n = st.batch // groups
         main = torch.cuda.current_stream(self.device)
         if getattr(self, "_group_streams", None) is None:
@@ -167,7 +167,8 @@ def interleaved_step(groups: int):
         for side in streams[1:]:
             main.wait_stream(side)
         h = torch.cat(parts)
-        dispatch.decode_sample(F.linear(h, self.weights.lm_head), st.u, self.sampling, self._rows(st))
+        u = st.u if u is None else u
+        dispatch.decode_sample(F.linear(h, self.weights.lm_head), u, self.sampling, self._rows(st))
 
     return step
 

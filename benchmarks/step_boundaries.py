@@ -10,7 +10,9 @@ on one card in one process:
 - `engine`: the engine's own step, the uniforms' launch then the replay, back to back (what generation runs);
 - `k_graph`: K steps captured in one graph, replayed back to back, divided by K: no edge between the K steps
   (the K steps read one draw of uniforms: a timing, not a sampler);
-- `k_engine`: the same K-step graph after one draw of (K, rows) uniforms.
+- `k_engine`: the same K-step graph after one draw of (K, rows) uniforms;
+- `round`: the engine's own round of K steps (DecodeEngine._run: one draw, then its round graph), where
+  the engine captures one (its sync_every is K).
 
 Per shape: µs a step each way, the edges between graphs (graph - k_graph) and the uniforms' launch (engine -
 graph). Shapes are MODEL:ROWS:SLOTS (the engine's batch and cache slots, a 128-token prompt, the rest new
@@ -57,13 +59,17 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
 
 def summarise(us: dict[str, float]) -> dict[str, float]:
     """The edges from the four ways' µs a step: between graphs (graph - k_graph), the uniforms' launch with
-    its edges (engine - graph), and all of the engine's edges (engine - k_engine)."""
-    return {
+    its edges (engine - graph), all of the engine's edges (engine - k_engine) and, with the engine's round
+    measured, what the round saves a step (engine - round)."""
+    out = {
         "between_graphs_us": us["graph"] - us["k_graph"],
         "uniforms_launch_us": us["engine"] - us["graph"],
         "engine_edges_us": us["engine"] - us["k_engine"],
         "edges_share_of_step": (us["engine"] - us["k_engine"]) / us["engine"],
     }
+    if "round" in us:  # what the engine's round saves against its single steps
+        out["round_saves_us"] = us["engine"] - us["round"]
+    return out
 
 
 def _burst_us(run, calls: int, per_call: int) -> float:
@@ -106,6 +112,8 @@ def measure(eng: DecodeEngine, k: int, steps: int) -> dict[str, float]:
             "k_graph": _burst_us(k_graph.replay, steps // k, k),
             "k_engine": _burst_us(k_engine, steps // k, k),
         }
+        if st.round_graph is not None and st.uk.shape[0] == k:
+            us["round"] = _burst_us(lambda: eng._run(st, k), steps // k, k)
     k_graph.reset()
     return us
 

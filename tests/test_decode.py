@@ -211,6 +211,55 @@ def test_the_steps_sampler_is_planned_prewarmed_and_specialized_as_keyed(tmp_pat
     assert contract.check(triton, plan, warm.specializations) == []
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_a_rounds_steps_read_their_rows_of_one_draw_keyed_as_a_single_step(tmp_path, batch):
+    """A full round of steps (sync_every of them) draws every step's uniforms in one launch, a row per
+    step, and step i samples from row i; each row starts 16-byte aligned, so the sampler launched from
+    any row is the single step's key, planned and prewarmed (a round of one-row steps included, where
+    the rows are padded)."""
+    from kdistill import dispatch
+
+    model = load_model(make_tiny_model(tmp_path, family="qwen2", hidden_size=64, head_dim=32)).eval()
+    rows = ragged(model.spec.vocab_size)[:batch]
+    s = Sampling(max_new_tokens=10, temperature=0.8, seed=9)
+    seen: list[torch.Tensor] = []
+    real = dispatch.decode_sample
+
+    def spy(logits, u, sampling, r):
+        seen.append(u.clone())
+        real(logits, u, sampling, r)
+
+    eng = DecodeEngine(model, batch_size=batch, max_len=40, sampling=s, sync_every=4)
+    try:
+        dispatch.decode_sample = spy
+        with runtime.using(mode="reference", arch="sm_90"), runtime.recording(deep=True) as rec:
+            out = eng.generate(rows)
+    finally:
+        dispatch.decode_sample = real
+    assert all(len(r) == 10 for r in out) and len(seen) == eng.steps == 9  # rounds of 4, 4, then 1
+    st = eng.slots
+    assert st.uk.shape == (4, -(-batch // 4) * 4)
+    assert all(st.uk[i].data_ptr() % 16 == 0 for i in range(4))
+    # the same generator, drawn as the engine draws: the prefill's first tokens, two rounds, one step
+    g = torch.Generator().manual_seed(9)
+    torch.rand(batch, generator=g)
+    want = []
+    for _ in range(2):
+        draw = torch.empty_like(st.uk).uniform_(generator=g)
+        want += [draw[i, :batch] for i in range(4)]
+    want.append(torch.empty(batch).uniform_(generator=g))
+    assert all(torch.equal(a, b) for a, b in zip(seen, want))
+    # the tokens follow from the draws: an engine stepping one at a time draws differently
+    one = DecodeEngine(model, batch_size=batch, max_len=40, sampling=s, sync_every=1).generate(rows)
+    again = DecodeEngine(model, batch_size=batch, max_len=40, sampling=s, sync_every=4).generate(rows)
+    assert again == out and [r[:1] for r in one] == [r[:1] for r in out]
+    plan = plan_mod.generation_kernels(model.spec, "sm_90", "fp32", batch=batch, prompt_len=11, max_len=40)
+    triton = [launch for launch in rec.launches if not launch.key.is_library]
+    assert len({launch.key for launch in triton if launch.key.op == "decode_sample"}) == 1
+    warm = seal.prewarm(plan, "cpu", dry=True)
+    assert contract.check(triton, plan, warm.specializations) == []
+
+
 def test_prefill_graphs_take_a_shape_seen_twice_and_keep_the_most_recent():
     """The bookkeeping of captured prefills: a shape is captured on its second sighting if it is small
     enough and its capture never failed; the least recently used graph goes first, and its shape is not

@@ -22,6 +22,8 @@ from kdistill.train.profiling import (
     idle_gaps,
     idle_table,
     kernel_group,
+    kernel_launches,
+    launcher_of,
     merge_intervals,
     render_text,
     summarize,
@@ -213,6 +215,79 @@ def test_host_spans_keep_the_host_side():
         ev("kdistill.score", DeviceType.CPU, 0, 9),
     ]
     assert host_spans(events) == [("aten::mm", 1.0, 5.0), ("kdistill.score", 0.0, 9.0)]
+
+
+def _host_chain(*names, shapes=None, kernels=(), device_type=None):
+    """Hand-made host events, outermost first, each the cpu_parent of the next; the last (innermost)
+    carries `kernels` ((name, device, duration_us) each) and the given input shapes."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    parent = None
+    for i, name in enumerate(names):
+        last = i == len(names) - 1
+        parent = SimpleNamespace(
+            name=name,
+            device_type=device_type or DeviceType.CPU,
+            cpu_parent=parent,
+            input_shapes=[],
+            kernels=[SimpleNamespace(name=k, device=d, duration=us) for k, d, us in kernels] if last else [],
+        )
+    return parent
+
+
+def test_a_kernels_launcher_is_its_phase_and_the_ops_above_the_runtime_call():
+    copy = "void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>"
+    call = _host_chain(
+        "kdistill.step",
+        "autograd::engine::evaluate_function: MmBackward0",
+        "aten::mm",
+        "aten::copy_",
+        "cudaLaunchKernel",
+    )
+    call.cpu_parent.input_shapes = [[4096, 1536], [1536, 4096], []]
+    assert launcher_of(call) == (
+        "step",
+        "autograd::engine::evaluate_function: MmBackward0",
+        "aten::copy_",
+        "[[4096, 1536], [1536, 4096], []]",
+    )
+    # a graph's replay: the runtime call is the inner op where no op holds it; no phase: "-"
+    assert launcher_of(_host_chain("cudaGraphLaunch")) == ("-", "cudaGraphLaunch", "cudaGraphLaunch", "")
+    assert launcher_of(_host_chain("kdistill.generate", "kdistill.generate.decode", "cudaGraphLaunch"))[
+        0
+    ] == ("generate.decode")
+    events = [
+        _host_chain(
+            "kdistill.score", "aten::contiguous", "aten::copy_", "cudaLaunchKernel", kernels=[(copy, 0, 30.0)]
+        ),
+        _host_chain(
+            "kdistill.score", "aten::contiguous", "aten::copy_", "cudaLaunchKernel", kernels=[(copy, 0, 34.0)]
+        ),
+        _host_chain("kdistill.step", "aten::to", "aten::copy_", "cudaLaunchKernel", kernels=[(copy, 0, 5.0)]),
+        _host_chain(
+            "kdistill.step", "aten::to", "aten::copy_", "cudaLaunchKernel", kernels=[(copy, 1, 99.0)]
+        ),
+        _host_chain("kdistill.step", "aten::mm", "cudaLaunchKernel"),  # no kernel of its own
+    ]
+    got = kernel_launches(events, device_index=0)
+    assert got == {
+        copy: {
+            ("score", "aten::contiguous", "aten::copy_", ""): [64.0, 2],
+            ("step", "aten::to", "aten::copy_", ""): [5.0, 1],
+        }
+    }
+    # the report: under each top kernel its launchers by device time, per step (two steps here)
+    report = summarize([(copy, 0, 30), (copy, 40, 74), (copy, 80, 85)], [0.1, 0.1], [3, 4], launches=got)
+    top = report["top_kernels"][0]
+    assert [r["phase"] for r in top["launched_by"]] == ["score", "step"]
+    assert top["launched_by"][0]["ms_per_step"] == pytest.approx(0.032)
+    assert top["launched_by"][0]["launches_per_step"] == 1.0 and "shapes" not in top["launched_by"][0]
+    text = render_text(report)
+    assert "<- score: aten::contiguous > aten::copy_" in text and "<- step: aten::to > aten::copy_" in text
+    # without launches (a CPU run) the rows carry none
+    assert "launched_by" not in summarize([(copy, 0, 30)], [0.1], [3])["top_kernels"][0]
 
 
 def test_device_kernels_keep_gpu_work_only():

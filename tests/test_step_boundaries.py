@@ -29,3 +29,5 @@ def test_the_edges_are_differences_of_the_ways():
     assert out["uniforms_launch_us"] == pytest.approx(6.0)
     assert out["engine_edges_us"] == pytest.approx(10.0)
     assert out["edges_share_of_step"] == pytest.approx(10.0 / 716.0)
+    assert "round_saves_us" not in out
+    assert sb.summarise({**us, "round": 707.5})["round_saves_us"] == pytest.approx(8.5)

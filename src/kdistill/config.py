@@ -17,7 +17,7 @@ A run config is YAML with these sections (every field has a default except the m
     runtime:  {device, dtype, precision: auto|fp8, kernels, strict_kernels, arch, kernel_pack, on_nonfinite,
                max_nonfinite, auto_fit, gpu_memory_gib, teacher_placement, student_placement,
                activation_checkpointing,
-               student_reshard, student_unit_blocks, grad_reduce, profile_steps,
+               student_reshard, student_unit_blocks, grad_reduce, profile_steps, profile_shapes,
                cuda_graphs}
               (runtime.precision=fp8: the student's block linears train through row-wise scaled FP8
               GEMMs over fp32 master weights; compute capability 8.9 or newer, emulated on the CPU)
@@ -386,6 +386,9 @@ class RuntimeConfig:
     # Profile this many training steps right after the warm-up steps (torch.profiler; every process
     # writes profile/rank{R}.txt and .json into the run directory); 0: off.
     profile_steps: int = 0
+    # The profile records each op's input shapes: the top kernels' launchers name the shapes they ran on
+    # (the host runs slower while it records, so the idle table reads larger gaps).
+    profile_shapes: bool = False
     # The training step captured as one CUDA graph and replayed (kdistill.train.graph): the host no
     # longer queues every kernel of every step. auto: on a CUDA device in one process (under torchrun: the
     # generated steps of a run whose student and teacher are whole on every process) with live teachers

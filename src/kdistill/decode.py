@@ -21,7 +21,9 @@ slots 0..p only (kernels/decode_attention.py, or its reference on a CPU), then t
 token is appended to the row's output unless the row is done, and the row becomes done on a stop
 token, at its token budget, or when the cache is full. On a GPU the step is captured once per bucket
 as a CUDA graph after prewarm (capture compiles nothing: the Triton binaries are already loaded by two
-eager warm-up steps) and replayed; the host reads the done flags every `sync_every` steps.
+eager warm-up steps) and replayed; the host reads the done flags every `sync_every` steps. Such a round
+of steps is itself one graph (the steps captured in order, no launch between them), after one launch that
+draws every step's uniforms; a shorter round (a row's budget ends sooner) replays the one-step graph.
 
 On a CPU. The same engine, the same layout and the same step, run eagerly: every op goes through the
 dispatcher, which runs its PyTorch reference (and, when asked, records the key a GPU would launch: the
@@ -595,7 +597,9 @@ class _Slots:
     """Static buffers of one (batch B, max length M): the KV cache and every row's state. The decode
     step reads and writes only these, so it can be captured as a graph and replayed."""
 
-    def __init__(self, spec: ModelSpec, batch: int, max_len: int, max_new: int, dtype, device) -> None:
+    def __init__(
+        self, spec: ModelSpec, batch: int, max_len: int, max_new: int, dtype, device, rounds: int = 1
+    ) -> None:
         shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
         self.batch, self.max_len = batch, max_len
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
@@ -607,8 +611,13 @@ class _Slots:
         self.limit = torch.ones(batch, **i64)  # each row's budget of new tokens
         self.done = torch.ones(batch, dtype=torch.bool, device=device)
         self.out = torch.zeros((batch, max_new + 1), **i64)  # the last column takes done rows' writes
-        self.u = torch.zeros(batch, dtype=torch.float32, device=device)
-        self.graph: Any = None
+        # The sampler's uniforms: one row per step of a round (`rounds` steps), each row's start 16-byte
+        # aligned (a multiple of 4 floats) so every row is the same kernel key as row 0. A single step
+        # reads row 0 (`u`); a full round draws them all at once (DecodeEngine._round).
+        self.uk = torch.zeros((max(1, rounds), -(-batch // 4) * 4), dtype=torch.float32, device=device)
+        self.u = self.uk[0, :batch]
+        self.graph: Any = None  # one step
+        self.round_graph: Any = None  # a round of `rounds` steps (uk's rows in order), where rounds > 1
         self.prefill_graphs = _PrefillGraphs()  # captured prefills write into these caches: kept with them
 
 
@@ -677,11 +686,13 @@ class DecodeEngine:
         self.generator.set_state(state)
 
     # -- the step -----------------------------------------------------------------------------
-    def _decode_step(self, st: _Slots) -> None:
-        """One token for every row, all on the device (captured as a graph on a GPU)."""
+    def _decode_step(self, st: _Slots, u: torch.Tensor | None = None) -> None:
+        """One token for every row, all on the device (captured as a graph on a GPU); u: the rows'
+        uniforms (default st.u; a round's step i reads st.uk[i])."""
         h = self._step_hidden(st, 0, st.batch)  # (B, H)
         # the sampler and every row's bookkeeping: one kernel (kernels/decode_sample.py) or the reference
-        dispatch.decode_sample(F.linear(h, self.weights.lm_head), st.u, self.sampling, self._rows(st))
+        u = st.u if u is None else u
+        dispatch.decode_sample(F.linear(h, self.weights.lm_head), u, self.sampling, self._rows(st))
 
     def _step_hidden(self, st: _Slots, lo: int, hi: int) -> torch.Tensor:
         """The decode step's blocks for the bucket's rows lo..hi-1 -> their final-normed hidden states
@@ -747,6 +758,27 @@ class DecodeEngine:
             self._decode_step(st)
         self.steps += 1
 
+    def _round_steps(self, st: _Slots) -> list[torch.Tensor]:
+        """The uniforms of a round's steps, in order: st.uk's rows."""
+        return [st.uk[i, : st.batch] for i in range(st.uk.shape[0])]
+
+    def _run(self, st: _Slots, n: int) -> None:
+        """n decode steps. A full round (n == sync_every > 1) draws every step's uniforms in one launch
+        and runs the steps as one graph (st.round_graph), or eagerly reading the same rows in order: the
+        graph and the eager path give the same tokens. A shorter round runs single steps."""
+        if n != st.uk.shape[0] or n == 1:
+            for _ in range(n):
+                self._step(st)
+            return
+        if not self.sampling.greedy:
+            st.uk.uniform_(generator=self.generator)  # outside the graph: one launch per round
+        if st.round_graph is not None:
+            st.round_graph.replay()
+        else:
+            for u in self._round_steps(st):
+                self._decode_step(st, u)
+        self.steps += n
+
     def _capture(self, st: _Slots) -> None:
         """Capture the decode step of this bucket (all rows done: warm-up and capture change nothing a
         prefill does not reset). Two eager warm-up steps on a side stream load every kernel first."""
@@ -765,6 +797,16 @@ class DecodeEngine:
             self._decode_step(st)
         torch.cuda.synchronize(self.device)
         st.graph = graph
+        if st.uk.shape[0] > 1:
+            # a round of steps in one graph: no launch between its steps (their uniforms are drawn once
+            # before it). Its scratch shares the step's pool: the two graphs never run at once and
+            # neither leaves a live tensor there.
+            rnd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(rnd, pool=graph.pool(), capture_error_mode="thread_local"):
+                for u in self._round_steps(st):
+                    self._decode_step(st, u)
+            torch.cuda.synchronize(self.device)
+            st.round_graph = rnd
 
     # -- prefill ------------------------------------------------------------------------------
     def write_prompts(
@@ -867,7 +909,7 @@ class DecodeEngine:
         st = self.slots
         if st is None or st.batch != batch or st.out.shape[1] != n + 1:
             self.slots = None  # free the old cache before the new one
-            st = _Slots(self.spec, batch, self.max_len, n, self.dtype, self.device)
+            st = _Slots(self.spec, batch, self.max_len, n, self.dtype, self.device, self.sync_every)
             if self.graphs:
                 self._capture(st)
             self.slots = st
@@ -908,6 +950,7 @@ class DecodeEngine:
             out=st.out,
             step=lambda: self._step(st),
             sync_every=self.sync_every,
+            steps=lambda n: self._run(st, n),
             on_finish=on_finish,
             on_tokens=on_tokens,
         )
@@ -947,6 +990,7 @@ def run_slots(
     on_finish: Callable[[int, list[int]], None] | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
     on_done: Callable[[int, torch.Tensor], None] | None = None,
+    steps: Callable[[int], None] | None = None,
 ) -> list[list[int]]:
     """The host's loop over a static cache of `slots` rows (DecodeEngine.generate, speculative decoding):
     prompts wait in order and are prefilled into free slots in groups of at most prefill_tokens padded
@@ -959,7 +1003,9 @@ def run_slots(
     ids); on_done(i, flags[:, slot]) for any bookkeeping of the other rows) and the slot takes the next
     waiting prompts; on_tokens(i, ids so far) streams. A round runs at most the steps that the running
     rows' budgets (limits) leave, counted from the last flags read and the rounds queued since (each step
-    adds at least one token to a running row): rows that all run to their budget cost no step beyond it."""
+    adds at least one token to a running row): rows that all run to their budget cost no step beyond it.
+    steps(n), when given, runs a round's n steps in place of n calls of step() (DecodeEngine: a full round
+    as one graph)."""
     waiting = deque(range(len(prompts)))
     owner: list[int | None] = [None] * slots
     results: list[list[int] | None] = [None] * len(prompts)
@@ -986,8 +1032,11 @@ def run_slots(
         return min(sync_every, max((left[s] for s, o in enumerate(owner) if o is not None), default=0))
 
     def round_(n: int) -> _Snapshot:
-        for _ in range(n):
-            step()
+        if steps is not None:
+            steps(n)
+        else:
+            for _ in range(n):
+                step()
         for s, o in enumerate(owner):
             if o is not None:
                 left[s] = max(0, left[s] - n)

@@ -261,7 +261,8 @@ def _ragged(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_graph_step_equals_eager_step_for_every_row(temperature, preset, batch):
     """The captured step's tokens are the eager step's, greedy and sampled (the sampler kernel draws from
-    the same uniforms), with refilled slots and ragged stops; nothing compiles after the prewarm."""
+    the same uniforms), with refilled slots and ragged stops, full rounds replayed as one graph of their
+    steps and shorter ones step by step; nothing compiles after the prewarm."""
     model = _model(preset)
     prepare_kernels(model, batch, 64, 400)
     lens = [17, 130, 64, 300, 5, 77, 250, 33, 9, 190]
@@ -276,6 +277,7 @@ def test_graph_step_equals_eager_step_for_every_row(temperature, preset, batch):
     eager = DecodeEngine(model, batch_size=batch, max_len=400, sampling=s, stop_ids=stop, cuda_graphs="off")
     a, b = graph.generate(prompts), eager.generate(prompts)
     assert a == b
+    assert graph.slots.round_graph is not None and eager.slots.round_graph is None  # rounds of 8 steps
     assert len({len(r) for r in a}) > 1  # ragged completions: some rows stopped early
     if temperature:
         assert len({t for r in a for t in r}) > 100  # sampled: not one repeated token

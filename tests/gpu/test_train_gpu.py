@@ -46,3 +46,22 @@ def test_nonfinite_step_is_skipped_on_the_device_and_changes_nothing(tmp_path, c
     for k in o2:
         assert torch.equal(o2[k], o3[k]), k
     assert any(not torch.equal(w3[k], w4[k]) for k in w3)  # the next step trains again
+
+
+def test_a_profiled_runs_top_kernels_name_the_host_ops_that_launched_them(tmp_path, capsys):
+    """runtime.profile_steps with profile_shapes on a GPU: every top kernel lists its launchers, the
+    training step's phase among them, with the inner op's input shapes."""
+    cfg = base_config(tmp_path / "run", steps=4, batch_size=4)
+    cfg["runtime"] = {"device": "cuda", "profile_steps": 1, "profile_shapes": True, "cuda_graphs": "off"}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, _, err = run_cli(capsys, "run", str(path), "--quiet")
+    assert rc == 0, err
+    report = json.loads((tmp_path / "run" / "profile" / "rank0.json").read_text())
+    tops = report["top_kernels"]
+    assert tops and all(k["launched_by"] for k in tops)
+    chains = [r for k in tops for r in k["launched_by"]]
+    assert any(r["phase"] == "step" for r in chains)
+    assert any(r.get("shapes") for r in chains)  # recorded shapes name what the ops ran on
+    for k in tops:  # a kernel's launchers hold at most its own time
+        assert sum(r["ms_per_step"] for r in k["launched_by"]) <= k["ms_per_step"] + 1e-3

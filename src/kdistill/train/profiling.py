@@ -55,6 +55,7 @@ TOP_KERNELS = 30
 TOP_CPU_OPS = 15
 IDLE_GAP_US = 10.0  # a stretch of at least this long with no device work counts as an idle gap
 TOP_IDLE = 15  # rows of the idle table: (phase, host op) pairs by idle time
+TOP_LAUNCHERS = 3  # host chains listed under each top kernel (the ones that launched most of its time)
 # The training loop's phases as record_function ranges (on-policy steps: generate, score, update); a gap
 # is charged to the phase range that holds its midpoint.
 PHASE_PREFIX = "kdistill."
@@ -177,6 +178,58 @@ def host_at(gaps: Sequence[tuple[float, float]], spans: Iterable[HostSpan]) -> l
     return out
 
 
+Launcher = tuple[str, str, str, str]  # (phase, outer op, inner op, the inner op's input shapes or "")
+# Launches per kernel name: host chain -> [device µs, launches]
+Launches = dict[str, dict[Launcher, list[float]]]
+
+
+def _is_runtime(name: str) -> bool:
+    """A CUDA runtime or driver call (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, ...)."""
+    return name.startswith(("cuda", "cu"))
+
+
+def launcher_of(event: Any) -> Launcher:
+    """The host chain of an event that launched device work (a runtime call, through its cpu_parent
+    links): the innermost PHASE_PREFIX range (without the prefix; "-" where none), the outermost op and
+    the innermost op that is not a runtime call (the call itself where there is none), and that op's
+    input shapes where the profiler recorded them."""
+    chain = []
+    e = event
+    while e is not None:
+        chain.append(e)
+        e = getattr(e, "cpu_parent", None)
+    phases = [c.name for c in chain if c.name.startswith(PHASE_PREFIX)]
+    ops = [c for c in chain if not c.name.startswith(PHASE_PREFIX)]
+    named = [c for c in ops if not _is_runtime(c.name)] or ops[:1]
+    inner = named[0] if named else None
+    shapes = getattr(inner, "input_shapes", None) or []
+    return (
+        phases[0][len(PHASE_PREFIX) :] if phases else "-",
+        named[-1].name if named else "-",
+        inner.name if inner is not None else "-",
+        str([list(x) if isinstance(x, (list, tuple)) else x for x in shapes]) if any(shapes) else "",
+    )
+
+
+def kernel_launches(events: Iterable[Any], device_index: int | None = None) -> Launches:
+    """For every kernel name, the host chains (launcher_of) that launched it with their device time and
+    launch counts, from the host events that carry their kernels (a profiler's FunctionEvents: a runtime
+    call's `kernels`, each (name, device, duration_us)), on `device_index` when given."""
+    out: Launches = {}
+    for e in events:
+        if getattr(e, "device_type", None) != DeviceType.CPU or not getattr(e, "kernels", None):
+            continue
+        where: Launcher | None = None
+        for k in e.kernels:
+            if device_index is not None and k.device != device_index:
+                continue
+            where = where or launcher_of(e)
+            r = out.setdefault(k.name, {}).setdefault(where, [0.0, 0])
+            r[0] += float(k.duration)
+            r[1] += 1
+    return out
+
+
 def idle_table(
     kernels: Sequence[Kernel], spans: Iterable[HostSpan], n_steps: int, min_us: float = IDLE_GAP_US
 ) -> dict[str, Any]:
@@ -234,6 +287,7 @@ def summarize(
     cpu_ops: Sequence[tuple[str, float, int]] = (),
     meta: dict[str, Any] | None = None,
     host_spans: Iterable[HostSpan] = (),
+    launches: Launches | None = None,
 ) -> dict[str, Any]:
     """The profile report (rank{R}.json) from one device's kernels over the profiled steps.
 
@@ -245,6 +299,8 @@ def summarize(
         meta: added first (rank, world, device, versions).
         host_spans: (name, start_us, end_us) of the host's ops and annotations over the window, on the
             kernels' clock: the idle table's (`idle_table`) host side.
+        launches: which host chains launched each kernel (kernel_launches): the top kernels list the
+            TOP_LAUNCHERS chains with most of their time.
 
     Per-step numbers are means over the window: totals divided by the number of steps.
     """
@@ -291,6 +347,7 @@ def summarize(
                     "ms_per_step": round(t * ms, 3),
                     "launches_per_step": round(c / n, 2),
                     "mean_us": round(t / c, 2) if c else 0.0,
+                    **({"launched_by": _launched_by(launches.get(name, {}), ms, n)} if launches else {}),
                 }
                 for name, (t, c) in top
             ],
@@ -302,6 +359,22 @@ def summarize(
         }
     )
     return report
+
+
+def _launched_by(chains: dict[Launcher, list[float]], ms: float, n: int) -> list[dict[str, Any]]:
+    """A top kernel's TOP_LAUNCHERS host chains by device time, per step."""
+    rows = sorted(chains.items(), key=lambda kv: -kv[1][0])[:TOP_LAUNCHERS]
+    return [
+        {
+            "phase": phase,
+            "host_outer": outer,
+            "host_inner": inner,
+            **({"shapes": shapes} if shapes else {}),
+            "ms_per_step": round(t * ms, 3),
+            "launches_per_step": round(c / n, 2),
+        }
+        for (phase, outer, inner, shapes), (t, c) in rows
+    ]
 
 
 def _cut(name: str, width: int) -> str:
@@ -334,11 +407,18 @@ def render_text(report: dict[str, Any]) -> str:
         )
     lines += ["", f"top {TOP_KERNELS} kernels by device time"]
     lines.append(f"{'ms/step':>10} {'launches/step':>14} {'mean us':>10}  {'group':<17} name")
+    lines.append(f"{'':>10} {'launches/step':>14} {'ms/step':>10}  <- phase: the host ops that launched it")
     for k in report["top_kernels"]:
         lines.append(
             f"{k['ms_per_step']:10.3f} {k['launches_per_step']:14.2f} {k['mean_us']:10.2f}  "
             f"{k['group']:<17} {_cut(k['name'], 160)}"
         )
+        for r in k.get("launched_by", []):
+            shapes = f" {r['shapes']}" if r.get("shapes") else ""
+            lines.append(
+                f"{'':>10} {r['launches_per_step']:14.2f} {r['ms_per_step']:10.3f}  "
+                f"<- {r['phase']}: {_cut(_host_where(r) + shapes, 150)}"
+            )
     if not report["top_kernels"]:
         lines.append("  (none: no GPU in this run)")
     lines += ["", f"top {TOP_CPU_OPS} CPU ops by self time"]
@@ -431,8 +511,10 @@ class StepProfiler:
         rank: int = 0,
         world: int = 1,
         announce: Callable[[str], None] | None = None,
+        shapes: bool = False,
     ) -> None:
         self.window = window
+        self.shapes = shapes  # record ops' input shapes (the launchers name them; the host runs slower)
         self.device = device
         self.out_dir = out_dir
         self.rank, self.world = rank, world
@@ -452,7 +534,7 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        self.prof = profile(activities=activities)
+        self.prof = profile(activities=activities, record_shapes=self.shapes)
         # Some torch versions warn at start that a cycle reports only its own events: there is one cycle.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*clears events")
@@ -491,11 +573,13 @@ class StepProfiler:
         try:
             kernels: list[Kernel] = []
             spans: list[HostSpan] = []
+            launches: Launches = {}
             if self.cuda:
                 index = self.device.index if self.device.index is not None else torch.cuda.current_device()
                 events = prof.events()
                 kernels = device_kernels(events, index)
                 spans = host_spans(events)
+                launches = kernel_launches(events, index)
             meta = {
                 "rank": self.rank,
                 "world": self.world,
@@ -503,7 +587,7 @@ class StepProfiler:
                 + (f" ({torch.cuda.get_device_name(self.device)})" if self.cuda else ""),
                 "torch": torch.__version__,
             }
-            report = summarize(kernels, self.seconds, self.steps, _cpu_ops(prof), meta, spans)
+            report = summarize(kernels, self.seconds, self.steps, _cpu_ops(prof), meta, spans, launches)
         except Exception as e:  # a diagnostic: a profiler that cannot be read must not end the run
             log.warning("runtime.profile_steps: cannot summarise the profile (%s: %s)", type(e).__name__, e)
             return

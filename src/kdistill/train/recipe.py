@@ -396,7 +396,15 @@ def make_profiler(run: Run, bar: Any) -> StepProfiler | None:
         return None
     announce = None if run.quiet else lambda line: bar.write(line, file=sys.stderr)
     info = dist.info()
-    return StepProfiler(window, run.device, run.run_dir / "profile", info.rank, info.world, announce)
+    return StepProfiler(
+        window,
+        run.device,
+        run.run_dir / "profile",
+        info.rank,
+        info.world,
+        announce,
+        run.cfg.runtime.profile_shapes,
+    )
 
 
 def log_step(run: Run, step: int, out: StepResult, seconds: float) -> dict[str, Any]:
