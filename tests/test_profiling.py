@@ -284,8 +284,16 @@ def test_a_kernels_launcher_is_its_phase_and_the_ops_above_the_runtime_call():
     assert [r["phase"] for r in top["launched_by"]] == ["score", "step"]
     assert top["launched_by"][0]["ms_per_step"] == pytest.approx(0.032)
     assert top["launched_by"][0]["launches_per_step"] == 1.0 and "shapes" not in top["launched_by"][0]
+    assert top["unlinked_ms_per_step"] == 0.0
     text = render_text(report)
     assert "<- score: aten::contiguous > aten::copy_" in text and "<- step: aten::to > aten::copy_" in text
+    assert "no host call linked" not in text
+    # device time with no launch linked to it (a graph's replay): counted apart, and the text says so
+    more = summarize(
+        [(copy, 0, 30), (copy, 40, 74), (copy, 80, 85), (copy, 90, 100)], [0.1, 0.1], [3, 4], launches=got
+    )
+    assert more["top_kernels"][0]["unlinked_ms_per_step"] == pytest.approx(0.005)
+    assert "no host call linked" in render_text(more)
     # without launches (a CPU run) the rows carry none
     assert "launched_by" not in summarize([(copy, 0, 30)], [0.1], [3])["top_kernels"][0]
 

@@ -347,7 +347,7 @@ def summarize(
                     "ms_per_step": round(t * ms, 3),
                     "launches_per_step": round(c / n, 2),
                     "mean_us": round(t / c, 2) if c else 0.0,
-                    **({"launched_by": _launched_by(launches.get(name, {}), ms, n)} if launches else {}),
+                    **(_launched_by(launches.get(name, {}), t, ms, n) if launches else {}),
                 }
                 for name, (t, c) in top
             ],
@@ -361,20 +361,25 @@ def summarize(
     return report
 
 
-def _launched_by(chains: dict[Launcher, list[float]], ms: float, n: int) -> list[dict[str, Any]]:
-    """A top kernel's TOP_LAUNCHERS host chains by device time, per step."""
+def _launched_by(chains: dict[Launcher, list[float]], total_us: float, ms: float, n: int) -> dict[str, Any]:
+    """A top kernel's TOP_LAUNCHERS host chains by device time, per step, and its time linked to no host
+    call (`unlinked_ms_per_step`: the profiler links a CUDA graph's replayed kernels to none)."""
     rows = sorted(chains.items(), key=lambda kv: -kv[1][0])[:TOP_LAUNCHERS]
-    return [
-        {
-            "phase": phase,
-            "host_outer": outer,
-            "host_inner": inner,
-            **({"shapes": shapes} if shapes else {}),
-            "ms_per_step": round(t * ms, 3),
-            "launches_per_step": round(c / n, 2),
-        }
-        for (phase, outer, inner, shapes), (t, c) in rows
-    ]
+    linked = sum(t for t, _ in chains.values())
+    return {
+        "launched_by": [
+            {
+                "phase": phase,
+                "host_outer": outer,
+                "host_inner": inner,
+                **({"shapes": shapes} if shapes else {}),
+                "ms_per_step": round(t * ms, 3),
+                "launches_per_step": round(c / n, 2),
+            }
+            for (phase, outer, inner, shapes), (t, c) in rows
+        ],
+        "unlinked_ms_per_step": round(max(total_us - linked, 0.0) * ms, 3),
+    }
 
 
 def _cut(name: str, width: int) -> str:
@@ -418,6 +423,11 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(
                 f"{'':>10} {r['launches_per_step']:14.2f} {r['ms_per_step']:10.3f}  "
                 f"<- {r['phase']}: {_cut(_host_where(r) + shapes, 150)}"
+            )
+        if k.get("unlinked_ms_per_step", 0) >= 0.001:
+            lines.append(
+                f"{'':>10} {'':>14} {k['unlinked_ms_per_step']:10.3f}  <- no host call linked "
+                "(replayed from a CUDA graph: profile with runtime.cuda_graphs=off to name it)"
             )
     if not report["top_kernels"]:
         lines.append("  (none: no GPU in this run)")
