@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 import kdistill
+from kdistill.config import parse_override
 from kdistill.models.presets import PRESETS
 from kdistill.train.distributed import TEARDOWN_LATE
 
@@ -240,10 +240,12 @@ def kdistill_config(assets: Path, work: Path, device: str, shape: Shape, world: 
         "output": {"dir": str(work / f"run-{world}"), "keep_checkpoints": 1},
         "runtime": {"device": device, "profile_steps": shape.profile},
     }  # fmt: skip
-    for item in shape.overrides:  # values as YAML reads them
-        key, _, value = item.partition("=")
-        section, _, field = key.partition(".")
-        cfg.setdefault(section, {})[field] = yaml.safe_load(value)
+    for item in shape.overrides:  # values as kdistill's command line reads them (`off` stays a word)
+        path, value = parse_override(item)
+        node = cfg
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
     return cfg
 
 

@@ -86,6 +86,21 @@ def test_a_named_row_sets_the_pair_prompts_and_new_tokens_and_explicit_flags_win
     assert (shape.teacher, shape.batch, shape.new) == ("qwen2.5-1.5b", 8, 128)
 
 
+def test_set_overrides_read_values_as_the_command_line_does(tmp_path):
+    """--set values reach the run's config as `kdistill run`'s own overrides read them: `off` stays the
+    word (not YAML 1.1's false), true a bool, 2 a number."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import onpolicy_bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    argv = ["--tiny", "--set", "runtime.cuda_graphs=off", "--set", "runtime.profile_shapes=true"]
+    _, shape, _ = onpolicy_bench.parse_args([*argv, "--set", "kd.temperature=2"])
+    cfg = onpolicy_bench.kdistill_config(tmp_path, tmp_path, "cpu", shape, 1)
+    assert cfg["runtime"]["cuda_graphs"] == "off" and cfg["runtime"]["profile_shapes"] is True
+    assert cfg["kd"]["temperature"] == 2
+
+
 def test_the_runs_import_the_tree_the_benchmark_was_started_with(tmp_path):
     """A benchmark started with another tree first on PYTHONPATH (a before/after comparison) hands that
     tree to its `kdistill run` processes, not the repository's src."""
