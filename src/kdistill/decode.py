@@ -613,7 +613,7 @@ class _Slots:
         self.out = torch.zeros((batch, max_new + 1), **i64)  # the last column takes done rows' writes
         # The sampler's uniforms: one row per step of a round (`rounds` steps), each row's start 16-byte
         # aligned (a multiple of 4 floats) so every row is the same kernel key as row 0. A single step
-        # reads row 0 (`u`); a full round draws them all at once (DecodeEngine._round).
+        # reads row 0 (`u`); a full round draws them all at once (DecodeEngine._run).
         self.uk = torch.zeros((max(1, rounds), -(-batch // 4) * 4), dtype=torch.float32, device=device)
         self.u = self.uk[0, :batch]
         self.graph: Any = None  # one step
