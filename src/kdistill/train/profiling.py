@@ -184,8 +184,9 @@ Launches = dict[str, dict[Launcher, list[float]]]
 
 
 def _is_runtime(name: str) -> bool:
-    """A CUDA runtime or driver call (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, ...)."""
-    return name.startswith(("cuda", "cu"))
+    """A CUDA runtime or driver call (cudaLaunchKernel, cudaGraphLaunch, cuLaunchKernelEx, ...): `cuda`
+    then a capital, or `cu` then a capital."""
+    return name[4:5].isupper() if name.startswith("cuda") else name.startswith("cu") and name[2:3].isupper()
 
 
 def launcher_of(event: Any) -> Launcher:
